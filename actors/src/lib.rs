@@ -1,0 +1,1 @@
+//! clawrl-actors: the actor system and QUIC cluster runtime.

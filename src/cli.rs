@@ -1,0 +1,15 @@
+//! Subcommands of the `clawrl` binary, one module per area.
+
+pub mod cluster;
+pub mod model;
+pub mod train;
+
+/// Logs go to stderr through `tracing`; `RUST_LOG` filters them (default `info`).
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}

@@ -1,0 +1,32 @@
+//! The `clawrl` command line. Each area owns its subcommands in `src/cli/<area>.rs`; this file
+//! only parses and dispatches.
+
+use clap::{Parser, Subcommand};
+
+mod cli;
+
+#[derive(Parser)]
+#[command(name = "clawrl", version, about = "Online RL for LLM agents")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    #[command(flatten)]
+    Cluster(cli::cluster::Commands),
+    #[command(flatten)]
+    Model(cli::model::Commands),
+    #[command(flatten)]
+    Train(cli::train::Commands),
+}
+
+fn main() -> anyhow::Result<()> {
+    cli::init_tracing();
+    match Cli::parse().command {
+        Command::Cluster(c) => cli::cluster::run(c),
+        Command::Model(c) => cli::model::run(c),
+        Command::Train(c) => cli::train::run(c),
+    }
+}
