@@ -1,0 +1,263 @@
+//! The buffer a blob is received into while it may already be relayed onward. One
+//! [`BlobWriter`] fills the blob's single allocation chunk by chunk, in order; after each chunk
+//! is verified it is committed, and any number of [`BlobReader`]s (the relay's forwarders) may
+//! then read it while later chunks are still arriving. No chunk is copied per forwarder, so a
+//! slow child costs no memory beyond the blob itself. When every chunk is in, the writer turns
+//! the allocation into a [`Bytes`] without copying.
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tokio::sync::watch;
+
+use super::manifest::Manifest;
+
+/// The shared allocation. Bytes `[0, ready)` are immutable; only the unique writer touches
+/// bytes at or after `ready`.
+struct Shared {
+    data: Box<[UnsafeCell<u8>]>,
+    /// Number of leading bytes that are committed (verified) and will never change again.
+    ready: AtomicUsize,
+}
+
+// SAFETY: access to `data` is split by `ready`: readers only form shared slices below `ready`
+// (loaded with Acquire), and the single writer only forms a mutable slice at or above it,
+// publishing with Release after the write. The two ranges never overlap.
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    fn ptr(&self) -> *mut u8 {
+        UnsafeCell::raw_get(self.data.as_ptr())
+    }
+
+    /// The committed prefix `[0, ready)`.
+    fn committed(&self) -> &[u8] {
+        let ready = self.ready.load(Ordering::Acquire);
+        // SAFETY: `[0, ready)` is committed: the writer never writes there again.
+        unsafe { std::slice::from_raw_parts(self.ptr(), ready) }
+    }
+}
+
+/// Where the transfer stands, as seen by readers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Progress {
+    /// This many leading chunks are committed.
+    Chunks(usize),
+    /// The transfer failed; no more chunks will come.
+    Failed,
+}
+
+/// The one writer of a blob being received.
+pub(crate) struct BlobWriter {
+    shared: Arc<Shared>,
+    manifest: Arc<Manifest>,
+    next: usize,
+    progress: watch::Sender<Progress>,
+}
+
+/// A reader of a blob being received (cheap to clone).
+#[derive(Clone)]
+pub(crate) struct BlobReader {
+    shared: Arc<Shared>,
+    manifest: Arc<Manifest>,
+    progress: watch::Receiver<Progress>,
+}
+
+/// The blob's transfer failed before the chunk a reader waited for.
+#[derive(Debug, thiserror::Error)]
+#[error("the incoming copy of this blob failed before chunk {0} arrived")]
+pub(crate) struct SourceFailed(pub usize);
+
+/// Allocates a zeroed buffer for the manifest's blob and returns its writer and a reader.
+pub(crate) fn incoming(manifest: Arc<Manifest>) -> (BlobWriter, BlobReader) {
+    let len = manifest.total_len as usize;
+    let data: Box<[UnsafeCell<u8>]> = {
+        let v: Vec<u8> = vec![0u8; len];
+        let b: Box<[u8]> = v.into_boxed_slice();
+        // SAFETY: `UnsafeCell<u8>` has the same layout as `u8`.
+        unsafe { Box::from_raw(Box::into_raw(b) as *mut [UnsafeCell<u8>]) }
+    };
+    let shared = Arc::new(Shared {
+        data,
+        ready: AtomicUsize::new(0),
+    });
+    let (tx, rx) = watch::channel(Progress::Chunks(0));
+    (
+        BlobWriter {
+            shared: shared.clone(),
+            manifest: manifest.clone(),
+            next: 0,
+            progress: tx,
+        },
+        BlobReader {
+            shared,
+            manifest,
+            progress: rx,
+        },
+    )
+}
+
+impl BlobWriter {
+    /// Index of the chunk the writer fills next (`== chunk_count()` when all are in).
+    pub(crate) fn next_index(&self) -> usize {
+        self.next
+    }
+
+    /// The uncommitted region of the next chunk, to read the wire into. `None` when complete.
+    pub(crate) fn next_region(&mut self) -> Option<&mut [u8]> {
+        if self.next >= self.manifest.chunk_count() {
+            return None;
+        }
+        let range = self.manifest.chunk_range(self.next);
+        debug_assert_eq!(range.start, self.shared.ready.load(Ordering::Relaxed));
+        // SAFETY: `range` starts at `ready` and lies within the allocation; no reader forms a
+        // slice beyond `ready`, and `&mut self` makes this the only mutable slice.
+        Some(unsafe {
+            std::slice::from_raw_parts_mut(self.shared.ptr().add(range.start), range.len())
+        })
+    }
+
+    /// Verifies the next chunk's bytes against the manifest and commits it. On a hash mismatch
+    /// nothing is committed and `false` is returned.
+    pub(crate) fn verify_and_commit(&mut self) -> bool {
+        let index = self.next;
+        if index >= self.manifest.chunk_count() {
+            return false;
+        }
+        let range = self.manifest.chunk_range(index);
+        // SAFETY: the range starts at `ready`; only this writer (borrowed `&mut`) touches it,
+        // and it is not writing now.
+        let region =
+            unsafe { std::slice::from_raw_parts(self.shared.ptr().add(range.start), range.len()) };
+        if !self.manifest.chunk_matches(index, region) {
+            return false;
+        }
+        let end = range.end;
+        self.shared.ready.store(end, Ordering::Release);
+        self.next += 1;
+        self.progress.send_replace(Progress::Chunks(self.next));
+        true
+    }
+
+    /// Turns the completed buffer into `Bytes` (no copy). `Err(self)` if chunks are missing.
+    pub(crate) fn finish(self) -> Result<Bytes, BlobWriter> {
+        if self.next < self.manifest.chunk_count() {
+            return Err(self);
+        }
+        Ok(Bytes::from_owner(Complete(self.shared.clone())))
+    }
+}
+
+impl Drop for BlobWriter {
+    fn drop(&mut self) {
+        if self.next < self.manifest.chunk_count() {
+            self.progress.send_replace(Progress::Failed);
+        }
+    }
+}
+
+/// Owner handed to `Bytes::from_owner` once every byte is committed.
+struct Complete(Arc<Shared>);
+
+impl AsRef<[u8]> for Complete {
+    fn as_ref(&self) -> &[u8] {
+        // Every byte is committed here, so this is the whole blob.
+        self.0.committed()
+    }
+}
+
+impl BlobReader {
+    /// Waits until chunk `index` is committed and returns its bytes (shared, not copied).
+    pub(crate) async fn chunk(&mut self, index: usize) -> Result<Bytes, SourceFailed> {
+        let state = self
+            .progress
+            .wait_for(|p| match p {
+                Progress::Chunks(n) => *n > index,
+                Progress::Failed => true,
+            })
+            .await
+            .map(|p| *p);
+        match state {
+            Ok(Progress::Chunks(_)) => {
+                let range = self.manifest.chunk_range(index);
+                Ok(Bytes::from_owner(Committed(self.shared.clone(), range)))
+            }
+            // Failed, or the writer vanished without finishing.
+            _ => Err(SourceFailed(index)),
+        }
+    }
+}
+
+/// Owner of a `Bytes` view of a committed range (which never changes again).
+struct Committed(Arc<Shared>, std::ops::Range<usize>);
+
+impl AsRef<[u8]> for Committed {
+    fn as_ref(&self) -> &[u8] {
+        &self.0.committed()[self.1.clone()]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blob(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i % 253) as u8).collect()
+    }
+
+    #[tokio::test]
+    async fn readers_see_chunks_as_they_commit_and_finish_is_bit_exact() {
+        let data = blob(10_000);
+        let m = Arc::new(Manifest::build(&data, 4096).unwrap());
+        let (mut w, r) = incoming(m.clone());
+        let reader = tokio::spawn(async move {
+            let mut r = r;
+            let mut out = Vec::new();
+            for i in 0..3 {
+                out.extend_from_slice(&r.chunk(i).await.unwrap());
+            }
+            out
+        });
+        loop {
+            let range = m.chunk_range(w.next_index());
+            let Some(region) = w.next_region() else {
+                break;
+            };
+            region.copy_from_slice(&data[range]);
+            assert!(w.verify_and_commit());
+            tokio::task::yield_now().await;
+        }
+        let bytes = w.finish().ok().unwrap();
+        assert_eq!(&bytes[..], &data[..]);
+        assert_eq!(reader.await.unwrap(), data);
+    }
+
+    #[tokio::test]
+    async fn a_bad_chunk_is_not_committed_and_readers_learn_of_the_failure() {
+        let data = blob(9000);
+        let m = Arc::new(Manifest::build(&data, 4096).unwrap());
+        let (mut w, mut r) = incoming(m.clone());
+        w.next_region()
+            .unwrap()
+            .copy_from_slice(&data[m.chunk_range(0)]);
+        assert!(w.verify_and_commit());
+        let region = w.next_region().unwrap();
+        region.copy_from_slice(&data[m.chunk_range(1)]);
+        region[17] ^= 1;
+        assert!(!w.verify_and_commit());
+        assert_eq!(w.next_index(), 1);
+        assert_eq!(&r.chunk(0).await.unwrap()[..], &data[..4096]);
+        drop(w);
+        assert!(r.chunk(1).await.is_err());
+    }
+
+    #[test]
+    fn finish_refuses_an_incomplete_blob() {
+        let data = blob(9000);
+        let m = Arc::new(Manifest::build(&data, 4096).unwrap());
+        let (w, _r) = incoming(m);
+        assert!(w.finish().is_err());
+    }
+}

@@ -1,0 +1,241 @@
+//! The bounded blob store of one node. It holds complete, verified blobs up to a byte capacity,
+//! counting also the bytes reserved by transfers in flight (whose size the manifest gives up
+//! front). Making room evicts the least recently used complete blobs; when eviction cannot make
+//! room the reservation is refused. Blobs can also be removed explicitly. Evicting a blob only
+//! drops the store's reference: a holder of its `Bytes` keeps it alive.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::manifest::{BlobId, Manifest};
+
+/// Why the store cannot take a blob.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum StoreError {
+    /// The blob alone is larger than the whole store.
+    #[error("blob of {size} bytes is larger than the store's capacity of {capacity} bytes")]
+    TooLarge {
+        /// Blob size.
+        size: u64,
+        /// Store capacity.
+        capacity: u64,
+    },
+    /// Transfers in flight hold too much of the store to make room.
+    #[error("store full: {size} bytes needed, {free} free after evicting every stored blob ({in_flight} bytes reserved by transfers in flight)")]
+    Full {
+        /// Blob size.
+        size: u64,
+        /// Bytes free after evicting everything evictable.
+        free: u64,
+        /// Bytes reserved by transfers in flight.
+        in_flight: u64,
+    },
+}
+
+struct Entry {
+    manifest: Arc<Manifest>,
+    bytes: Bytes,
+    last_use: u64,
+}
+
+/// A byte-bounded LRU store of complete blobs plus reservations for blobs in flight.
+pub(crate) struct Store {
+    capacity: u64,
+    stored: u64,
+    reserved: u64,
+    clock: u64,
+    blobs: HashMap<BlobId, Entry>,
+}
+
+impl Store {
+    /// An empty store holding at most `capacity` bytes.
+    pub(crate) fn new(capacity: u64) -> Store {
+        Store {
+            capacity,
+            stored: 0,
+            reserved: 0,
+            clock: 0,
+            blobs: HashMap::new(),
+        }
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// Reserves `size` bytes for a blob in flight, evicting least recently used blobs as
+    /// needed. Returns the evicted ids.
+    pub(crate) fn reserve(&mut self, size: u64) -> Result<Vec<BlobId>, StoreError> {
+        if size > self.capacity {
+            return Err(StoreError::TooLarge {
+                size,
+                capacity: self.capacity,
+            });
+        }
+        if self.capacity - self.reserved < size {
+            return Err(StoreError::Full {
+                size,
+                free: self.capacity - self.reserved,
+                in_flight: self.reserved,
+            });
+        }
+        let mut evicted = Vec::new();
+        while self.stored + self.reserved + size > self.capacity {
+            let oldest = self
+                .blobs
+                .iter()
+                .min_by_key(|(_, e)| e.last_use)
+                .map(|(id, _)| *id)
+                .expect("stored bytes imply a stored blob");
+            self.remove(&oldest);
+            evicted.push(oldest);
+        }
+        self.reserved += size;
+        Ok(evicted)
+    }
+
+    /// Gives back a reservation of `size` bytes (transfer failed or blob already stored).
+    pub(crate) fn release(&mut self, size: u64) {
+        debug_assert!(self.reserved >= size);
+        self.reserved = self.reserved.saturating_sub(size);
+    }
+
+    /// Turns a reservation of `bytes.len()` bytes into a stored blob. If the blob is already
+    /// stored, the reservation is just released.
+    pub(crate) fn commit(&mut self, manifest: Arc<Manifest>, bytes: Bytes) {
+        let size = bytes.len() as u64;
+        self.release(size);
+        let id = manifest.id();
+        let now = self.tick();
+        if let Some(e) = self.blobs.get_mut(&id) {
+            e.last_use = now;
+            return;
+        }
+        self.stored += size;
+        self.blobs.insert(
+            id,
+            Entry {
+                manifest,
+                bytes,
+                last_use: now,
+            },
+        );
+    }
+
+    /// The blob's manifest and bytes, marking it recently used.
+    pub(crate) fn get(&mut self, id: &BlobId) -> Option<(Arc<Manifest>, Bytes)> {
+        let now = self.tick();
+        let e = self.blobs.get_mut(id)?;
+        e.last_use = now;
+        Some((e.manifest.clone(), e.bytes.clone()))
+    }
+
+    /// True when the blob is stored.
+    pub(crate) fn contains(&self, id: &BlobId) -> bool {
+        self.blobs.contains_key(id)
+    }
+
+    /// Drops the blob from the store; false if it was not there.
+    pub(crate) fn remove(&mut self, id: &BlobId) -> bool {
+        match self.blobs.remove(id) {
+            Some(e) => {
+                self.stored -= e.bytes.len() as u64;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Bytes held by stored blobs.
+    pub(crate) fn stored_bytes(&self) -> u64 {
+        self.stored
+    }
+
+    /// Bytes reserved by transfers in flight.
+    pub(crate) fn reserved_bytes(&self) -> u64 {
+        self.reserved
+    }
+
+    /// Number of stored blobs.
+    pub(crate) fn len(&self) -> usize {
+        self.blobs.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blob(n: usize, seed: u8) -> (Arc<Manifest>, Bytes) {
+        let data: Vec<u8> = (0..n).map(|i| seed.wrapping_add(i as u8)).collect();
+        (
+            Arc::new(Manifest::build(&data, 4096).unwrap()),
+            Bytes::from(data),
+        )
+    }
+
+    fn put(s: &mut Store, b: &(Arc<Manifest>, Bytes)) -> Vec<BlobId> {
+        let ev = s.reserve(b.1.len() as u64).unwrap();
+        s.commit(b.0.clone(), b.1.clone());
+        ev
+    }
+
+    #[test]
+    fn evicts_least_recently_used_to_make_room() {
+        let mut s = Store::new(3000);
+        let (a, b, c) = (blob(1000, 1), blob(1000, 2), blob(1000, 3));
+        put(&mut s, &a);
+        put(&mut s, &b);
+        put(&mut s, &c);
+        assert_eq!(s.stored_bytes(), 3000);
+        assert!(s.get(&a.0.id()).is_some()); // a is now more recent than b
+        let d = blob(1500, 4);
+        let evicted = put(&mut s, &d);
+        assert_eq!(evicted, vec![b.0.id(), c.0.id()]);
+        assert!(s.contains(&a.0.id()) && s.contains(&d.0.id()));
+        assert_eq!(s.stored_bytes(), 2500);
+        assert_eq!(s.len(), 2);
+    }
+
+    #[test]
+    fn reservations_in_flight_are_never_evicted() {
+        let mut s = Store::new(3000);
+        s.reserve(2000).unwrap();
+        assert_eq!(
+            s.reserve(1500),
+            Err(StoreError::Full {
+                size: 1500,
+                free: 1000,
+                in_flight: 2000
+            })
+        );
+        s.release(2000);
+        assert_eq!(s.reserved_bytes(), 0);
+        s.reserve(1500).unwrap();
+    }
+
+    #[test]
+    fn too_large_and_remove() {
+        let mut s = Store::new(100);
+        assert!(matches!(s.reserve(101), Err(StoreError::TooLarge { .. })));
+        let mut s = Store::new(10_000);
+        let a = blob(1000, 1);
+        put(&mut s, &a);
+        assert!(s.remove(&a.0.id()));
+        assert!(!s.remove(&a.0.id()));
+        assert_eq!(s.stored_bytes(), 0);
+    }
+
+    #[test]
+    fn committing_a_stored_blob_twice_counts_it_once() {
+        let mut s = Store::new(10_000);
+        let a = blob(1000, 1);
+        put(&mut s, &a);
+        put(&mut s, &a);
+        assert_eq!(s.stored_bytes(), 1000);
+        assert_eq!(s.reserved_bytes(), 0);
+    }
+}
