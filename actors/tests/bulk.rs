@@ -1,0 +1,311 @@
+//! Bulk plane over real QUIC endpoints on loopback with mutual TLS: relayed broadcast arrives
+//! bit-exact and the source sends about one copy; corrupt chunks, unknown blobs, garbage and
+//! truncated streams are errors that name what is wrong, and the node keeps serving.
+
+#[path = "bulk_net/loopback.rs"]
+mod loopback;
+
+use bytes::Bytes;
+use clawrl_actors::bulk::wire::{self, FetchReply, PushAck, PushDone, Request, BULK_TAG};
+use clawrl_actors::bulk::{BlobId, BroadcastError, BulkConfig, Manifest, TransferError};
+use loopback::{node, random_bytes, Book, Node, TestCa};
+
+const MIB: usize = 1 << 20;
+
+fn config() -> BulkConfig {
+    let mut c = BulkConfig::new("unset");
+    c.capacity = 512 << 20;
+    c
+}
+
+fn cluster(names: &[&str]) -> (TestCa, Book, Vec<Node>) {
+    let ca = TestCa::new();
+    let book = Book::default();
+    let nodes = names
+        .iter()
+        .map(|n| node(&ca, &book, n, config()))
+        .collect();
+    (ca, book, nodes)
+}
+
+/// Opens a raw bulk stream from a fresh endpoint (certified by `ca`) to `to`.
+async fn raw_stream(ca: &TestCa, to: &Node) -> (quinn::SendStream, quinn::RecvStream) {
+    let ep = loopback::endpoint(ca, "raw");
+    let conn = ep.connect(to.addr, &to.name).unwrap().await.unwrap();
+    let (mut send, recv) = conn.open_bi().await.unwrap();
+    send.write_all(&[BULK_TAG]).await.unwrap();
+    (send, recv)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broadcast_of_64_mib_to_three_is_bit_exact_and_relayed() {
+    let (_ca, _book, nodes) = cluster(&["a", "b", "c", "d"]);
+    let data = Bytes::from(random_bytes(64 * MIB, 1));
+    let id = nodes[0].plane.publish(data.clone()).unwrap();
+    let targets: Vec<String> = ["b", "c", "d"].map(String::from).to_vec();
+
+    let report = nodes[0].plane.broadcast(id, &targets).await.unwrap();
+    let mut delivered = report.delivered.clone();
+    delivered.sort();
+    assert_eq!(delivered, targets);
+    assert!(report.retried.is_empty());
+
+    for n in &nodes[1..] {
+        let got = n
+            .plane
+            .get(&id)
+            .unwrap_or_else(|| panic!("{} lacks the blob", n.name));
+        assert!(got == data, "{} holds different bytes", n.name);
+        let s = n.plane.stats();
+        assert_eq!(s.bytes_received, data.len() as u64, "{}", n.name);
+        assert_eq!(s.chunks_verified, 64, "{}", n.name);
+        assert_eq!(s.reserved_bytes, 0, "{}", n.name);
+    }
+    // The source sent one copy, not three: the chain a → b → c → d relayed the rest.
+    let sent: Vec<u64> = nodes.iter().map(|n| n.plane.stats().bytes_sent).collect();
+    assert_eq!(
+        sent,
+        vec![data.len() as u64, data.len() as u64, data.len() as u64, 0]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tree_fanout_delivers_and_bounds_each_senders_copies() {
+    let ca = TestCa::new();
+    let book = Book::default();
+    let mut cfg = config();
+    cfg.fanout = 2;
+    let nodes: Vec<Node> = ["a", "b", "c", "d", "e"]
+        .iter()
+        .map(|n| node(&ca, &book, n, cfg.clone()))
+        .collect();
+    let data = Bytes::from(random_bytes(3 * MIB + 123, 2));
+    let id = nodes[0].plane.publish(data.clone()).unwrap();
+    let targets: Vec<String> = ["b", "c", "d", "e"].map(String::from).to_vec();
+    nodes[0].plane.broadcast(id, &targets).await.unwrap();
+    for n in &nodes[1..] {
+        assert!(n.plane.get(&id).unwrap() == data, "{}", n.name);
+    }
+    // a → {b → c, d → e}: a sends two copies, b and d one each.
+    let sent: Vec<u64> = nodes.iter().map(|n| n.plane.stats().bytes_sent).collect();
+    let len = data.len() as u64;
+    assert_eq!(sent, vec![2 * len, len, 0, len, 0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_pushed_chunk_is_detected_and_named() {
+    let (ca, _book, nodes) = cluster(&["b"]);
+    let b = &nodes[0];
+    let data = random_bytes(5 * MIB, 3);
+    let manifest = Manifest::build(&data, MIB as u32).unwrap();
+    let id = manifest.id();
+
+    let (mut send, mut recv) = raw_stream(&ca, b).await;
+    let push = Request::Push {
+        manifest,
+        forward: vec![],
+    };
+    wire::write_frame(&mut send, &push).await.unwrap();
+    let ack: PushAck = wire::read_frame(&mut recv, "ack").await.unwrap();
+    assert_eq!(ack, PushAck::Send);
+    let mut bad = data.clone();
+    bad[2 * MIB + 77] ^= 0x40;
+    // The receiver stops reading at the bad chunk, so the rest of the write may fail.
+    let _ = send.write_all(&bad).await;
+    let _ = send.finish();
+    let done: PushDone = wire::read_frame(&mut recv, "done").await.unwrap();
+
+    assert!(done.delivered.is_empty());
+    assert_eq!(done.failed.len(), 1);
+    let (who, reason) = &done.failed[0];
+    assert_eq!(who, "b");
+    assert!(reason.contains(&id.to_string()), "{reason}");
+    assert!(reason.contains("chunk 2 "), "{reason}");
+    assert!(b.plane.get(&id).is_none());
+    let s = b.plane.stats();
+    assert_eq!(
+        (s.corrupt_chunks, s.chunks_verified, s.reserved_bytes),
+        (1, 2, 0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_fetched_chunk_is_detected_and_named() {
+    let (ca, book, nodes) = cluster(&["b"]);
+    let data = random_bytes(3 * MIB, 4);
+    let manifest = Manifest::build(&data, MIB as u32).unwrap();
+    let id = manifest.id();
+
+    // A peer that answers fetches with the right manifest but a flipped byte in chunk 1.
+    let liar = loopback::endpoint(&ca, "liar");
+    book.lock()
+        .unwrap()
+        .insert("liar".into(), liar.local_addr().unwrap());
+    let served = tokio::spawn(async move {
+        let conn = liar.accept().await.unwrap().await.unwrap();
+        let (mut send, mut recv) = conn.accept_bi().await.unwrap();
+        let mut tag = [0u8; 1];
+        recv.read_exact(&mut tag).await.unwrap();
+        let req: Request = wire::read_frame(&mut recv, "request").await.unwrap();
+        assert_eq!(req, Request::Fetch { id });
+        wire::write_frame(&mut send, &FetchReply::Found(manifest))
+            .await
+            .unwrap();
+        let mut bad = data;
+        bad[MIB + 5] ^= 1;
+        let _ = send.write_all(&bad).await;
+        let _ = send.finish();
+        conn.closed().await;
+    });
+
+    let err = nodes[0].plane.fetch(id, "liar").await.unwrap_err();
+    assert!(
+        matches!(&err, TransferError::CorruptChunk { blob, chunk: 1, peer } if *blob == id && peer == "liar"),
+        "{err}"
+    );
+    assert!(nodes[0].plane.get(&id).is_none());
+    assert_eq!(nodes[0].plane.stats().reserved_bytes, 0);
+    drop(nodes);
+    served.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fetch_of_an_unknown_blob_errors_clearly_and_a_known_one_verifies() {
+    let (_ca, _book, nodes) = cluster(&["a", "b"]);
+    let unknown = BlobId([7; 32]);
+    let err = nodes[1].plane.fetch(unknown, "a").await.unwrap_err();
+    assert!(
+        matches!(&err, TransferError::NotFound { blob, peer } if *blob == unknown && peer == "a")
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&unknown.to_string()) && msg.contains("does not hold"),
+        "{msg}"
+    );
+
+    let data = Bytes::from(random_bytes(2 * MIB + 9, 5));
+    let id = nodes[0].plane.publish(data.clone()).unwrap();
+    let got = nodes[1].plane.fetch(id, "a").await.unwrap();
+    assert!(got == data);
+    assert!(nodes[1].plane.get(&id).unwrap() == data);
+
+    let err = nodes[1].plane.fetch(unknown, "nobody").await.unwrap_err();
+    assert!(matches!(err, TransferError::Connect { .. }), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_and_truncated_streams_fail_without_hurting_the_node() {
+    let (ca, _book, nodes) = cluster(&["a", "b"]);
+    let a = &nodes[0];
+    let data = Bytes::from(random_bytes(4 * MIB, 6));
+    let id = a.plane.publish(data.clone()).unwrap();
+
+    // An unknown request variant.
+    let (mut send, _recv) = raw_stream(&ca, a).await;
+    send.write_all(&[3, 0, 0, 0, 42, 1, 2]).await.unwrap();
+    send.finish().unwrap();
+    // An absurd frame length.
+    let (mut send, _recv2) = raw_stream(&ca, a).await;
+    send.write_all(&u32::MAX.to_le_bytes()).await.unwrap();
+    send.finish().unwrap();
+    // A push whose data stops halfway.
+    let other = random_bytes(3 * MIB, 7);
+    let manifest = Manifest::build(&other, MIB as u32).unwrap();
+    let other_id = manifest.id();
+    let (mut send, mut recv) = raw_stream(&ca, a).await;
+    wire::write_frame(
+        &mut send,
+        &Request::Push {
+            manifest,
+            forward: vec![],
+        },
+    )
+    .await
+    .unwrap();
+    let _: PushAck = wire::read_frame(&mut recv, "ack").await.unwrap();
+    send.write_all(&other[..MIB + MIB / 2]).await.unwrap();
+    send.finish().unwrap();
+    let done: PushDone = wire::read_frame(&mut recv, "done").await.unwrap();
+    assert_eq!(done.failed.len(), 1, "{done:?}");
+    // A push announcing a blob larger than the node accepts is refused up front.
+    let huge = Manifest {
+        total_len: 1 << 40,
+        chunk_size: 1 << 20,
+        chunks: vec![[0; 32]; 1 << 18],
+    };
+    let (mut send, mut recv) = raw_stream(&ca, a).await;
+    wire::write_frame(
+        &mut send,
+        &Request::Push {
+            manifest: huge,
+            forward: vec![],
+        },
+    )
+    .await
+    .unwrap();
+    let ack: PushAck = wire::read_frame(&mut recv, "ack").await.unwrap();
+    assert!(
+        matches!(&ack, PushAck::Refused(r) if r.contains("exceeds")),
+        "{ack:?}"
+    );
+
+    // The node still serves, and every bad stream left an error naming its fault.
+    let got = nodes[1].plane.fetch(id, "a").await.unwrap();
+    assert!(got == data);
+    assert!(a.plane.get(&other_id).is_none());
+    assert_eq!(a.plane.stats().reserved_bytes, 0);
+    // Streams are served concurrently: wait (bounded) until all three errors are recorded.
+    let wanted = [
+        "does not decode as bulk request",
+        "exceeds the limit",
+        "finished early",
+    ];
+    let mut errors = Vec::new();
+    for _ in 0..200 {
+        errors = a.serve_errors.lock().unwrap().clone();
+        if wanted.iter().all(|w| errors.iter().any(|e| e.contains(w))) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let has = |s: &str| errors.iter().any(|e| e.contains(s));
+    assert!(has("does not decode as bulk request"), "{errors:?}");
+    assert!(has("exceeds the limit"), "{errors:?}");
+    assert!(has("finished early"), "{errors:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_relay_paths_are_retried_directly_and_dead_targets_reported() {
+    let (_ca, _book, nodes) = cluster(&["a", "b", "c"]);
+    let data = Bytes::from(random_bytes(2 * MIB, 8));
+    let id = nodes[0].plane.publish(data.clone()).unwrap();
+    // "ghost" has no address: the chain a → ghost → b → c breaks at its first hop.
+    let targets: Vec<String> = ["ghost", "b", "c"].map(String::from).to_vec();
+    let err = nodes[0].plane.broadcast(id, &targets).await.unwrap_err();
+    let BroadcastError::Incomplete {
+        blob,
+        mut delivered,
+        failed,
+    } = err
+    else {
+        panic!("expected Incomplete");
+    };
+    assert_eq!(blob, id);
+    delivered.sort();
+    assert_eq!(delivered, vec!["b".to_string(), "c".to_string()]);
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0].0, "ghost");
+    assert!(nodes[1].plane.get(&id).unwrap() == data);
+    assert!(nodes[2].plane.get(&id).unwrap() == data);
+
+    // A blob this node does not hold cannot be broadcast.
+    let err = nodes[1]
+        .plane
+        .broadcast(BlobId([1; 32]), &targets)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, BroadcastError::NotLocal(_)));
+    // Removing a blob frees its bytes.
+    assert!(nodes[0].plane.remove(&id));
+    assert_eq!(nodes[0].plane.stats().stored_bytes, 0);
+}

@@ -1,0 +1,209 @@
+//! Loopback bulk-plane nodes for the bulk tests and benchmark: real `quinn` endpoints on
+//! 127.0.0.1 with mutual TLS from a throwaway CA made with rcgen, an address book mapping node
+//! names to addresses, and an accept loop that routes `0x02`-tagged streams to the plane.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use clawrl_actors::bulk::wire::BULK_TAG;
+use clawrl_actors::bulk::{BulkConfig, BulkPlane, ConnectError, PeerConnector};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+
+/// ALPN of clawrl node connections.
+pub const ALPN: &[u8] = b"clawrl/1";
+
+/// A test certificate authority.
+pub struct TestCa {
+    cert: rcgen::Certificate,
+    key: rcgen::KeyPair,
+}
+
+impl TestCa {
+    pub fn new() -> TestCa {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "clawrl bulk test CA");
+        let cert = params.self_signed(&key).unwrap();
+        TestCa { cert, key }
+    }
+
+    pub fn der(&self) -> CertificateDer<'static> {
+        self.cert.der().clone()
+    }
+
+    /// A certificate (valid for DNS name `name`) and key signed by this CA.
+    pub fn issue(&self, name: &str) -> (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let params = rcgen::CertificateParams::new(vec![name.to_string()]).unwrap();
+        let cert = params.signed_by(&key, &self.cert, &self.key).unwrap();
+        (
+            vec![cert.der().clone()],
+            PrivatePkcs8KeyDer::from(key.serialize_der()).into(),
+        )
+    }
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn transport() -> Arc<quinn::TransportConfig> {
+    let mut t = quinn::TransportConfig::default();
+    clawrl_actors::bulk::tune_transport(&mut t);
+    Arc::new(t)
+}
+
+/// A quinn endpoint on 127.0.0.1 that requires and presents certificates from `ca`.
+pub fn endpoint(ca: &TestCa, name: &str) -> quinn::Endpoint {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.der()).unwrap();
+    let roots = Arc::new(roots);
+    let (chain, key) = ca.issue(name);
+
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(roots.clone(), provider())
+            .build()
+            .unwrap();
+    let mut server = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain.clone(), key.clone_key())
+        .unwrap();
+    server.alpn_protocols = vec![ALPN.to_vec()];
+    let server = quinn::crypto::rustls::QuicServerConfig::try_from(server).unwrap();
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(server));
+    server.transport_config(transport());
+
+    let mut client = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_client_auth_cert(chain, key)
+        .unwrap();
+    client.alpn_protocols = vec![ALPN.to_vec()];
+    let client = quinn::crypto::rustls::QuicClientConfig::try_from(client).unwrap();
+    let mut client = quinn::ClientConfig::new(Arc::new(client));
+    client.transport_config(transport());
+
+    let mut ep = quinn::Endpoint::server(server, "127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(client);
+    ep
+}
+
+/// Name → address of every test node.
+pub type Book = Arc<Mutex<HashMap<String, SocketAddr>>>;
+
+/// Reaches peers by name through the address book, one cached connection per peer.
+pub struct Peers {
+    endpoint: quinn::Endpoint,
+    book: Book,
+    cache: Mutex<HashMap<String, quinn::Connection>>,
+}
+
+impl PeerConnector for Peers {
+    async fn connection(&self, peer: &str) -> Result<quinn::Connection, ConnectError> {
+        if let Some(c) = self.cache.lock().unwrap().get(peer) {
+            if c.close_reason().is_none() {
+                return Ok(c.clone());
+            }
+        }
+        let addr = *self
+            .book
+            .lock()
+            .unwrap()
+            .get(peer)
+            .ok_or_else(|| format!("no address for peer {peer}"))?;
+        let conn = self.endpoint.connect(addr, peer)?.await?;
+        self.cache
+            .lock()
+            .unwrap()
+            .insert(peer.to_string(), conn.clone());
+        Ok(conn)
+    }
+}
+
+/// One loopback node: its endpoint, address and bulk plane.
+pub struct Node {
+    pub name: String,
+    pub endpoint: quinn::Endpoint,
+    pub addr: SocketAddr,
+    pub plane: BulkPlane<Peers>,
+    /// Errors returned by `serve_stream` on this node, for assertions.
+    pub serve_errors: Arc<Mutex<Vec<String>>>,
+}
+
+/// Starts a node named `name` with `config` (its `local_name` is overwritten) and registers
+/// it in `book`.
+pub fn node(ca: &TestCa, book: &Book, name: &str, mut config: BulkConfig) -> Node {
+    config.local_name = name.to_string();
+    let endpoint = endpoint(ca, name);
+    let addr = endpoint.local_addr().unwrap();
+    book.lock().unwrap().insert(name.to_string(), addr);
+    let plane = BulkPlane::new(
+        Peers {
+            endpoint: endpoint.clone(),
+            book: book.clone(),
+            cache: Mutex::new(HashMap::new()),
+        },
+        config,
+    );
+    let serve_errors = Arc::new(Mutex::new(Vec::new()));
+    tokio::spawn(accept_loop(
+        endpoint.clone(),
+        plane.clone(),
+        serve_errors.clone(),
+    ));
+    Node {
+        name: name.to_string(),
+        endpoint,
+        addr,
+        plane,
+        serve_errors,
+    }
+}
+
+async fn accept_loop(
+    endpoint: quinn::Endpoint,
+    plane: BulkPlane<Peers>,
+    errors: Arc<Mutex<Vec<String>>>,
+) {
+    while let Some(incoming) = endpoint.accept().await {
+        let (plane, errors) = (plane.clone(), errors.clone());
+        tokio::spawn(async move {
+            let Ok(conn) = incoming.await else { return };
+            while let Ok((send, mut recv)) = conn.accept_bi().await {
+                let (plane, errors) = (plane.clone(), errors.clone());
+                tokio::spawn(async move {
+                    let mut tag = [0u8; 1];
+                    if recv.read_exact(&mut tag).await.is_err() || tag[0] != BULK_TAG {
+                        return;
+                    }
+                    if let Err(e) = plane.serve_stream(send, recv).await {
+                        errors.lock().unwrap().push(e.to_string());
+                    }
+                });
+            }
+        });
+    }
+}
+
+/// `len` pseudo-random bytes (xorshift), different per `seed`.
+pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
