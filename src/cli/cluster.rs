@@ -1,12 +1,242 @@
-//! `clawrl` subcommands of the cluster area.
+//! `clawrl` subcommands of the cluster area: certificates (`cluster init`), running a node
+//! (`node`, `attach`), and talking to the cluster (`submit`, `status`, `cancel`, `nodes`, `ping`).
 
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
 use clap::Subcommand;
+use clawrl::job::{JobSpec, SpecValidator};
+use clawrl_actors::cli::{self as client, CliReply, CliRequest};
+use clawrl_actors::config::NodeConfig;
+use clawrl_actors::control::{ControlReply, ControlRequest, JobRecord};
+use clawrl_actors::node::{Node, NodeOptions};
+use clawrl_actors::worker::EnvSpec;
 
 /// Subcommands of the cluster area.
 #[derive(Subcommand)]
-pub enum Commands {}
+pub enum Commands {
+    /// Cluster administration.
+    Cluster {
+        #[command(subcommand)]
+        cmd: ClusterCmd,
+    },
+    /// Run a node from its config file (runs until Ctrl-C / SIGTERM).
+    Node {
+        /// The node's config file (`cluster.toml`).
+        #[arg(long)]
+        config: PathBuf,
+        /// Environment workers to host, `KIND:COUNT` (needs the `env` role); repeatable.
+        #[arg(long = "env")]
+        envs: Vec<EnvSpec>,
+    },
+    /// Join a running cluster as a worker process hosting environment workers.
+    Attach {
+        /// This worker's node config (name, listen, seeds, tls; roles should include `env`).
+        #[arg(long)]
+        config: PathBuf,
+        /// Environment workers, `KIND:COUNT`; repeatable.
+        #[arg(long = "env", required = true)]
+        envs: Vec<EnvSpec>,
+    },
+    /// Submit a job spec to the cluster's Control actor.
+    Submit {
+        /// The job spec (TOML).
+        job: PathBuf,
+        /// Config of the node to talk to.
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Show one job, or all jobs.
+    Status {
+        /// The job id (`job-N`).
+        job: Option<String>,
+        /// Config of the node to talk to.
+        #[arg(long)]
+        config: PathBuf,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Cancel a job.
+    Cancel {
+        /// The job id.
+        job: String,
+        /// Config of the node to talk to.
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// List the cluster's nodes and process groups.
+    Nodes {
+        /// Config of the node to talk to.
+        #[arg(long)]
+        config: PathBuf,
+        /// Print `{"nodes":[...],"groups":{...}}`.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Ping every group member from a node (remote request/reply round trips).
+    Ping {
+        /// Config of the node to talk to.
+        #[arg(long)]
+        config: PathBuf,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// `clawrl cluster ...`
+#[derive(Subcommand)]
+pub enum ClusterCmd {
+    /// Create a cluster CA, one certificate per node and a client certificate.
+    Init {
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// Node names, comma-separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        nodes: Vec<String>,
+    },
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+fn load(config: &std::path::Path) -> anyhow::Result<NodeConfig> {
+    Ok(NodeConfig::load(config)?)
+}
+
+fn ask(config: &std::path::Path, req: CliRequest) -> anyhow::Result<CliReply> {
+    let cfg = load(config)?;
+    let reply = runtime()?.block_on(client::request(&cfg, &req, Duration::from_secs(30)))?;
+    if let CliReply::Error(e) = &reply {
+        bail!("{e}");
+    }
+    Ok(reply)
+}
+
+fn control(config: &std::path::Path, req: ControlRequest) -> anyhow::Result<Vec<JobRecord>> {
+    match ask(config, CliRequest::Control(req))? {
+        CliReply::Control(ControlReply::Jobs(j)) => Ok(j),
+        CliReply::Control(ControlReply::Error(e)) => bail!("{e}"),
+        other => bail!("unexpected reply from the node: {other:?}"),
+    }
+}
+
+fn print_jobs(jobs: &[JobRecord]) {
+    if jobs.is_empty() {
+        println!("no jobs");
+    }
+    for j in jobs {
+        println!(
+            "{}\t{}\t{:?}\ttrainer={}\tenv {} {}/{}\t{}",
+            j.id,
+            j.needs.name,
+            j.state,
+            j.placement.trainer.as_deref().unwrap_or("-"),
+            j.needs.env_kind,
+            j.placement.env_workers.len(),
+            j.needs.env_parallelism,
+            j.placement.env_workers.join(",")
+        );
+    }
+}
+
+fn run_node(config: PathBuf, envs: Vec<EnvSpec>) -> anyhow::Result<()> {
+    let cfg = load(&config)?;
+    runtime()?.block_on(async move {
+        let node = Node::start(
+            &cfg,
+            NodeOptions {
+                validator: Some(Arc::new(SpecValidator)),
+                envs,
+            },
+        )
+        .await?;
+        node.run_until_signal().await;
+        Ok(())
+    })
+}
 
 /// Runs one subcommand of this area.
 pub fn run(cmd: Commands) -> anyhow::Result<()> {
-    match cmd {}
+    match cmd {
+        Commands::Cluster {
+            cmd: ClusterCmd::Init { out, nodes },
+        } => {
+            for n in &nodes {
+                if !clawrl_actors::config::valid_node_name(n) || n == "client" || n == "ca" {
+                    bail!("--nodes: `{n}` is not a usable node name (ASCII letters, digits, '-', '_'; not `ca` or `client`)");
+                }
+            }
+            let written = clawrl_actors::pki::init_cluster(&out, &nodes)?;
+            for p in written {
+                println!("{}", p.display());
+            }
+            Ok(())
+        }
+        Commands::Node { config, envs } => run_node(config, envs),
+        Commands::Attach { config, envs } => run_node(config, envs),
+        Commands::Submit { job, config } => {
+            let file = job.display().to_string();
+            let spec = std::fs::read_to_string(&job).with_context(|| format!("reading {file}"))?;
+            // Checked here for a quick answer; Control checks again.
+            JobSpec::parse(&spec, &file)?;
+            let jobs = control(&config, ControlRequest::Submit { file, spec })?;
+            print_jobs(&jobs);
+            Ok(())
+        }
+        Commands::Status { job, config, json } => {
+            let jobs = control(&config, ControlRequest::Status(job))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&jobs)?);
+            } else {
+                print_jobs(&jobs);
+            }
+            Ok(())
+        }
+        Commands::Cancel { job, config } => {
+            print_jobs(&control(&config, ControlRequest::Cancel(job))?);
+            Ok(())
+        }
+        Commands::Nodes { config, json } => match ask(&config, CliRequest::Nodes)? {
+            CliReply::Nodes(view) => {
+                if json {
+                    println!("{}", serde_json::to_string(&view)?);
+                } else {
+                    for n in &view.nodes {
+                        println!("{}\t{}\t{}", n.name, n.addr, n.roles.join(","));
+                    }
+                    for (g, members) in &view.groups {
+                        println!("{g}: {}", members.join(" "));
+                    }
+                }
+                Ok(())
+            }
+            other => bail!("unexpected reply from the node: {other:?}"),
+        },
+        Commands::Ping { config, json } => match ask(&config, CliRequest::Ping)? {
+            CliReply::Ping(results) => {
+                if json {
+                    println!("{}", serde_json::to_string(&results)?);
+                } else {
+                    for r in &results {
+                        let status = if r.ok { "ok" } else { "FAILED" };
+                        println!("{}\t{}\t{status}\t{}", r.group, r.member, r.detail);
+                    }
+                }
+                if results.iter().any(|r| !r.ok) {
+                    bail!("some members did not answer");
+                }
+                Ok(())
+            }
+            other => bail!("unexpected reply from the node: {other:?}"),
+        },
+    }
 }

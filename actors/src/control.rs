@@ -1,0 +1,546 @@
+//! The cluster's `Control` actor: accepts, validates, stores, places, cancels and reports jobs.
+//!
+//! There is one per cluster, on the node with the `control` role, in group
+//! [`crate::groups::CONTROL`]. Job specs are validated by a [`JobValidator`] the binary supplies
+//! (the spec format belongs to the LLM/RL crate). Placement ([`place`]) is a pure function: a
+//! trainer node from the nodes with the `trainer` role, and environment workers of the job's kind
+//! from `clawrl.env.<kind>`, each worker serving one job. Control watches the process groups and
+//! re-places running jobs when workers join or leave, so workers attached at runtime are used
+//! without a restart. Jobs are kept in `data_dir/control/jobs.json`. Running the training
+//! pipeline behind a job is not part of this crate.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use serde::{Deserialize, Serialize};
+
+use crate::config::Role;
+use crate::rpc::{self, Rpc};
+use crate::worker::{MemberInfo, MemberReply, MemberRequest};
+
+/// What a validated job needs from the cluster.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct JobNeeds {
+    /// The job's kind or name, for display.
+    pub name: String,
+    /// Environment kind (`clawrl.env.<kind>` workers).
+    pub env_kind: String,
+    /// How many environment workers the job wants.
+    pub env_parallelism: u32,
+}
+
+/// Validates a job spec (`file` is for messages); returns what the job needs or an error that
+/// names the offending key and the file.
+pub trait JobValidator: Send + Sync + 'static {
+    /// Validates `text`, read from `file`.
+    fn validate(&self, file: &str, text: &str) -> Result<JobNeeds, String>;
+}
+
+/// A job's state.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub enum JobState {
+    /// No trainer node or no environment worker yet.
+    Waiting,
+    /// Placed, with fewer environment workers than asked for.
+    Partial,
+    /// Placed with every environment worker asked for.
+    Placed,
+    /// Cancelled by a user.
+    Cancelled,
+}
+
+/// Where a job runs.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Placement {
+    /// The node that hosts the job's trainer.
+    pub trainer: Option<String>,
+    /// The environment workers (`<node>/<actor>`) serving the job.
+    pub env_workers: Vec<String>,
+}
+
+/// A stored job.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct JobRecord {
+    /// The job id (`job-N`).
+    pub id: String,
+    /// The file the spec came from.
+    pub file: String,
+    /// The spec text as submitted.
+    pub spec: String,
+    /// What it needs.
+    pub needs: JobNeeds,
+    /// Its state.
+    pub state: JobState,
+    /// Its placement.
+    pub placement: Placement,
+    /// Submission time, seconds since the Unix epoch.
+    pub submitted_unix: u64,
+}
+
+/// A request to Control.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum ControlRequest {
+    /// Validate, store and place a job spec read from `file`.
+    Submit {
+        /// The spec's file name (for messages).
+        file: String,
+        /// The spec text.
+        spec: String,
+    },
+    /// One job, or all jobs when `None`.
+    Status(Option<String>),
+    /// Cancel a job.
+    Cancel(String),
+    /// All jobs.
+    List,
+}
+
+/// Control's reply.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum ControlReply {
+    /// Jobs (one for submit, status of one job, or cancel).
+    Jobs(Vec<JobRecord>),
+    /// The request failed.
+    Error(String),
+}
+
+/// The resources placement can draw from.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Pool {
+    /// Nodes with the trainer role.
+    pub trainer_nodes: BTreeSet<String>,
+    /// Live environment workers by kind.
+    pub env: BTreeMap<String, BTreeSet<String>>,
+}
+
+/// Places (or re-places) one job: keeps what is still alive, fills up from free resources.
+/// `busy` are workers already serving other jobs; `load` counts jobs per trainer node.
+pub fn place(
+    needs: &JobNeeds,
+    current: &Placement,
+    pool: &Pool,
+    busy: &BTreeSet<String>,
+    load: &BTreeMap<String, usize>,
+) -> (Placement, JobState) {
+    let trainer = current
+        .trainer
+        .clone()
+        .filter(|t| pool.trainer_nodes.contains(t))
+        .or_else(|| {
+            pool.trainer_nodes
+                .iter()
+                .min_by_key(|n| (load.get(*n).copied().unwrap_or(0), (*n).clone()))
+                .cloned()
+        });
+    let live = pool.env.get(&needs.env_kind);
+    let mut env_workers: Vec<String> = current
+        .env_workers
+        .iter()
+        .filter(|w| live.is_some_and(|l| l.contains(*w)))
+        .cloned()
+        .collect();
+    let want = needs.env_parallelism as usize;
+    if let Some(live) = live {
+        for w in live {
+            if env_workers.len() >= want {
+                break;
+            }
+            if !busy.contains(w) && !env_workers.contains(w) {
+                env_workers.push(w.clone());
+            }
+        }
+    }
+    env_workers.truncate(want);
+    let state = match (&trainer, env_workers.len()) {
+        (None, _) | (_, 0) => JobState::Waiting,
+        (Some(_), n) if n < want => JobState::Partial,
+        _ => JobState::Placed,
+    };
+    (
+        Placement {
+            trainer,
+            env_workers,
+        },
+        state,
+    )
+}
+
+/// Messages of the Control actor: cluster requests, and an internal re-placement tick.
+pub struct Control;
+
+/// Arguments of [`Control`].
+pub struct ControlArgs {
+    /// The spec validator.
+    pub validator: Arc<dyn JobValidator>,
+    /// Where jobs are stored (`jobs.json` inside).
+    pub dir: PathBuf,
+    /// The actor's label (for logs).
+    pub label: String,
+}
+
+/// Control's state.
+pub struct ControlState {
+    args: ControlArgs,
+    jobs: BTreeMap<u64, JobRecord>,
+    next_id: u64,
+    /// Described members by label (cached: a label is one actor for its lifetime).
+    known: HashMap<String, MemberInfo>,
+}
+
+const DESCRIBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+fn now_unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+impl ControlState {
+    fn store_path(&self) -> PathBuf {
+        self.args.dir.join("jobs.json")
+    }
+
+    fn persist(&self) {
+        let jobs: Vec<&JobRecord> = self.jobs.values().collect();
+        let write = || -> std::io::Result<()> {
+            std::fs::create_dir_all(&self.args.dir)?;
+            let tmp = self.args.dir.join("jobs.json.tmp");
+            std::fs::write(&tmp, serde_json::to_vec_pretty(&jobs)?)?;
+            std::fs::rename(&tmp, self.store_path())
+        };
+        if let Err(e) = write() {
+            tracing::error!(
+                "control: cannot store jobs in {}: {e}",
+                self.store_path().display()
+            );
+        }
+    }
+
+    /// Asks every member of the node and environment groups who it is (new labels only) and
+    /// builds the placement pool from the members that answer.
+    async fn refresh_pool(&mut self) -> Pool {
+        let mut groups = vec![crate::groups::NODES.to_string()];
+        groups.extend(
+            ractor::pg::which_groups()
+                .into_iter()
+                .filter(|g| g.starts_with(crate::groups::ENV_PREFIX)),
+        );
+        let mut live = BTreeSet::new();
+        let mut pending = tokio::task::JoinSet::new();
+        for g in &groups {
+            for cell in ractor::pg::get_members(g) {
+                let label = rpc::actor_label(&cell);
+                live.insert(label.clone());
+                if !self.known.contains_key(&label) {
+                    pending.spawn(async move {
+                        let r: Result<MemberReply, _> =
+                            rpc::call(&cell, &MemberRequest::Describe, DESCRIBE_TIMEOUT).await;
+                        (label, r)
+                    });
+                }
+            }
+        }
+        while let Some(Ok((label, r))) = pending.join_next().await {
+            match r {
+                Ok(MemberReply::Info(info)) => {
+                    self.known.insert(label, info);
+                }
+                Ok(other) => tracing::warn!("control: {label} answered {other:?} to Describe"),
+                Err(e) => tracing::warn!("control: {e}"),
+            }
+        }
+        self.known.retain(|l, _| live.contains(l));
+        let mut pool = Pool::default();
+        for info in self.known.values() {
+            if info.group == crate::groups::NODES {
+                if info.roles.contains(&Role::Trainer) {
+                    pool.trainer_nodes.insert(info.node.clone());
+                }
+            } else if let Some(kind) = info.group.strip_prefix(crate::groups::ENV_PREFIX) {
+                pool.env
+                    .entry(kind.to_string())
+                    .or_default()
+                    .insert(info.label.clone());
+            }
+        }
+        pool
+    }
+
+    async fn replace_all(&mut self) {
+        let pool = self.refresh_pool().await;
+        let mut changed = false;
+        let ids: Vec<u64> = self.jobs.keys().copied().collect();
+        for id in ids {
+            if self.jobs[&id].state == JobState::Cancelled {
+                continue;
+            }
+            let (busy, load) = self.usage(id);
+            let job = &self.jobs[&id];
+            let (placement, state) = place(&job.needs, &job.placement, &pool, &busy, &load);
+            let job = self.jobs.get_mut(&id).expect("id taken from the map");
+            if placement != job.placement || state != job.state {
+                tracing::info!(
+                    "control: {} {:?} trainer={:?} env workers {}/{}",
+                    job.id,
+                    state,
+                    placement.trainer,
+                    placement.env_workers.len(),
+                    job.needs.env_parallelism
+                );
+                job.placement = placement;
+                job.state = state;
+                changed = true;
+            }
+        }
+        if changed {
+            self.persist();
+        }
+    }
+
+    /// Workers held and trainer load of every active job other than `except`.
+    fn usage(&self, except: u64) -> (BTreeSet<String>, BTreeMap<String, usize>) {
+        let mut busy = BTreeSet::new();
+        let mut load = BTreeMap::new();
+        for (id, j) in &self.jobs {
+            if *id == except || j.state == JobState::Cancelled {
+                continue;
+            }
+            busy.extend(j.placement.env_workers.iter().cloned());
+            if let Some(t) = &j.placement.trainer {
+                *load.entry(t.clone()).or_insert(0) += 1;
+            }
+        }
+        (busy, load)
+    }
+
+    fn find(&self, id: &str) -> Option<u64> {
+        self.jobs.iter().find(|(_, j)| j.id == id).map(|(k, _)| *k)
+    }
+
+    async fn handle_request(&mut self, req: ControlRequest) -> ControlReply {
+        match req {
+            ControlRequest::Submit { file, spec } => {
+                let needs = match self.args.validator.validate(&file, &spec) {
+                    Ok(n) => n,
+                    Err(e) => return ControlReply::Error(e),
+                };
+                let n = self.next_id;
+                self.next_id += 1;
+                let id = format!("job-{n}");
+                tracing::info!("control: accepted {id} ({}) from {file}", needs.name);
+                self.jobs.insert(
+                    n,
+                    JobRecord {
+                        id,
+                        file,
+                        spec,
+                        needs,
+                        state: JobState::Waiting,
+                        placement: Placement::default(),
+                        submitted_unix: now_unix(),
+                    },
+                );
+                self.persist();
+                self.replace_all().await;
+                ControlReply::Jobs(vec![self.jobs[&n].clone()])
+            }
+            ControlRequest::Status(Some(id)) => match self.find(&id) {
+                Some(k) => ControlReply::Jobs(vec![self.jobs[&k].clone()]),
+                None => ControlReply::Error(format!("no job `{id}`")),
+            },
+            ControlRequest::Status(None) | ControlRequest::List => {
+                ControlReply::Jobs(self.jobs.values().cloned().collect())
+            }
+            ControlRequest::Cancel(id) => match self.find(&id) {
+                Some(k) => {
+                    let j = self.jobs.get_mut(&k).expect("found above");
+                    if j.state != JobState::Cancelled {
+                        j.state = JobState::Cancelled;
+                        j.placement = Placement::default();
+                        tracing::info!("control: cancelled {id}");
+                        self.persist();
+                        // Freed workers may complete other jobs.
+                        self.replace_all().await;
+                    }
+                    ControlReply::Jobs(vec![self.jobs[&k].clone()])
+                }
+                None => ControlReply::Error(format!("no job `{id}`")),
+            },
+        }
+    }
+}
+
+impl Actor for Control {
+    type Msg = Rpc;
+    type State = ControlState;
+    type Arguments = ControlArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<Rpc>,
+        args: ControlArgs,
+    ) -> Result<ControlState, ActorProcessingErr> {
+        let path = args.dir.join("jobs.json");
+        let jobs: Vec<JobRecord> = match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| format!("control: {} is corrupt: {e}", path.display()))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(format!("control: cannot read {}: {e}", path.display()).into()),
+        };
+        let mut map = BTreeMap::new();
+        let mut next_id = 1;
+        for j in jobs {
+            let n: u64 =
+                j.id.strip_prefix("job-")
+                    .and_then(|s| s.parse().ok())
+                    .ok_or_else(|| {
+                        format!("control: {} holds a bad job id `{}`", path.display(), j.id)
+                    })?;
+            next_id = next_id.max(n + 1);
+            map.insert(n, j);
+        }
+        if !map.is_empty() {
+            tracing::info!("control: loaded {} jobs from {}", map.len(), path.display());
+        }
+        ractor::pg::join(crate::groups::CONTROL.to_string(), vec![myself.get_cell()]);
+        ractor::pg::monitor_scope(ractor::pg::DEFAULT_SCOPE.to_string(), myself.get_cell());
+        Ok(ControlState {
+            args,
+            jobs: map,
+            next_id,
+            known: HashMap::new(),
+        })
+    }
+
+    async fn post_start(
+        &self,
+        _myself: ActorRef<Rpc>,
+        state: &mut ControlState,
+    ) -> Result<(), ActorProcessingErr> {
+        state.replace_all().await;
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Rpc>,
+        msg: Rpc,
+        state: &mut ControlState,
+    ) -> Result<(), ActorProcessingErr> {
+        let reply = match rpc::decode::<ControlRequest>(&msg.request) {
+            Ok(req) => state.handle_request(req).await,
+            Err(e) => ControlReply::Error(format!("malformed control request: {e}")),
+        };
+        rpc::reply(msg.reply, &reply);
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        _myself: ActorRef<Rpc>,
+        evt: SupervisionEvent,
+        state: &mut ControlState,
+    ) -> Result<(), ActorProcessingErr> {
+        // Control has no children; the events it gets are process-group changes, which may
+        // free or bring workers: re-place every running job.
+        if let SupervisionEvent::ProcessGroupChanged(_) = evt {
+            state.replace_all().await;
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        myself: ActorRef<Rpc>,
+        state: &mut ControlState,
+    ) -> Result<(), ActorProcessingErr> {
+        ractor::pg::demonitor_scope(ractor::pg::DEFAULT_SCOPE.to_string(), myself.get_id());
+        tracing::info!("control {} stopped", state.args.label);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn needs(n: u32) -> JobNeeds {
+        JobNeeds {
+            name: "t".into(),
+            env_kind: "terminal".into(),
+            env_parallelism: n,
+        }
+    }
+
+    fn pool(trainers: &[&str], env: &[&str]) -> Pool {
+        Pool {
+            trainer_nodes: trainers.iter().map(|s| s.to_string()).collect(),
+            env: BTreeMap::from([(
+                "terminal".to_string(),
+                env.iter().map(|s| s.to_string()).collect(),
+            )]),
+        }
+    }
+
+    #[test]
+    fn waits_without_trainer_or_workers() {
+        let (p, s) = place(
+            &needs(2),
+            &Placement::default(),
+            &pool(&[], &["w/1"]),
+            &BTreeSet::new(),
+            &BTreeMap::new(),
+        );
+        assert_eq!(s, JobState::Waiting);
+        assert_eq!(p.trainer, None);
+        let (_, s) = place(
+            &needs(2),
+            &Placement::default(),
+            &pool(&["a"], &[]),
+            &BTreeSet::new(),
+            &BTreeMap::new(),
+        );
+        assert_eq!(s, JobState::Waiting);
+    }
+
+    #[test]
+    fn fills_up_skips_busy_and_keeps_current_workers() {
+        let pl = pool(&["a", "b"], &["w/1", "w/2", "w/3"]);
+        let busy = BTreeSet::from(["w/1".to_string()]);
+        let load = BTreeMap::from([("a".to_string(), 1)]);
+        let (p, s) = place(&needs(2), &Placement::default(), &pl, &busy, &load);
+        assert_eq!(s, JobState::Placed);
+        assert_eq!(p.trainer.as_deref(), Some("b"));
+        assert_eq!(p.env_workers, vec!["w/2", "w/3"]);
+        // A worker that left is replaced only if a free one exists.
+        let pl2 = pool(&["a", "b"], &["w/1", "w/3"]);
+        let (p2, s2) = place(&needs(2), &p, &pl2, &busy, &load);
+        assert_eq!(p2.env_workers, vec!["w/3"]);
+        assert_eq!(s2, JobState::Partial);
+        // A new worker joins: the job picks it up without losing w/3.
+        let pl3 = pool(&["a", "b"], &["w/1", "w/3", "w/9"]);
+        let (p3, s3) = place(&needs(2), &p2, &pl3, &busy, &load);
+        assert_eq!(p3.env_workers, vec!["w/3", "w/9"]);
+        assert_eq!(s3, JobState::Placed);
+    }
+
+    #[test]
+    fn a_lost_trainer_node_is_replaced() {
+        let cur = Placement {
+            trainer: Some("gone".into()),
+            env_workers: vec![],
+        };
+        let (p, _) = place(
+            &needs(1),
+            &cur,
+            &pool(&["b"], &["w/1"]),
+            &BTreeSet::new(),
+            &BTreeMap::new(),
+        );
+        assert_eq!(p.trainer.as_deref(), Some("b"));
+    }
+}

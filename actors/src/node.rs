@@ -1,0 +1,1220 @@
+//! A cluster node: the QUIC endpoint, the peer mesh, and the supervisor of the local actors.
+//!
+//! One `quinn` endpoint serves everything (mutual TLS: only certificates of the cluster CA get
+//! in; refused handshakes are logged). Membership: the dialing side opens a
+//! [`StreamTag::Hello`] stream, both sides exchange name, address, roles and known peers, and
+//! both apply the same rule to keep exactly one connection per pair of nodes ([`prefer_new`]).
+//! The dialer then opens a [`StreamTag::ActorSession`] stream that becomes a `ractor_cluster`
+//! node session (the `NodeServer`'s own TCP listener is bound to loopback behind a TLS acceptor
+//! nobody holds a certificate for, so all actor traffic rides QUIC). A maintenance loop dials
+//! seeds and gossiped peers with capped exponential backoff, reopens a node session that
+//! `ractor_cluster` dropped, and gossips the peer list so nodes form a full mesh. A connection
+//! silent for [`transport::IDLE_TIMEOUT`] is dead: its node session ends and its members leave
+//! their process groups.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use quinn::{RecvStream, SendStream};
+use ractor::{Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, SupervisionEvent};
+use ractor_cluster::{NodeServer, NodeServerMessage};
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncReadExt;
+
+use crate::cli::{CliReply, CliRequest, ClusterView, NodeView, PingResult};
+use crate::config::{NodeConfig, Role};
+use crate::control::{Control, ControlArgs, JobValidator};
+use crate::pki::{self, Identity, NODE_SERVER_NAME};
+use crate::rpc;
+use crate::transport::{self, QuicBidi, StreamTag};
+use crate::worker::{EnvSpec, Member, MemberInfo, MemberReply, MemberRequest};
+
+/// How long a stream may take to send its tag byte or its first frame.
+const STREAM_HEAD_TIMEOUT: Duration = Duration::from_secs(5);
+/// First redial delay; doubles up to [`MAX_BACKOFF`].
+const MIN_BACKOFF: Duration = Duration::from_millis(200);
+/// Longest redial delay.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// Maintenance loop period.
+const TICK: Duration = Duration::from_millis(250);
+/// A node session missing this long after it was opened is reopened.
+const SESSION_GRACE: Duration = Duration::from_secs(3);
+/// The host part of every `ractor_cluster` node name (`<name>@clawrl`).
+const RACTOR_HOST: &str = "clawrl";
+
+/// Why a node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// Certificates missing or unusable.
+    #[error(transparent)]
+    Pki(#[from] pki::PkiError),
+    /// The QUIC endpoint could not be set up.
+    #[error(transparent)]
+    Endpoint(#[from] transport::EndpointError),
+    /// An actor could not be spawned.
+    #[error("spawning {what}: {message}")]
+    Spawn {
+        /// Which actor.
+        what: String,
+        /// The error.
+        message: String,
+    },
+    /// Options contradict the config.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Extra behaviour the binary gives a node.
+#[derive(Clone, Default)]
+pub struct NodeOptions {
+    /// Validates job specs for the Control actor (required when the node has `control`).
+    pub validator: Option<Arc<dyn JobValidator>>,
+    /// Environment workers to run on this node (`--env KIND:N`).
+    pub envs: Vec<EnvSpec>,
+}
+
+/// A stream handler for [`StreamTag::Bulk`] streams (the bulk plane installs one).
+pub trait BulkStreamHandler: Send + Sync + 'static {
+    /// Serves one bulk stream (tag byte already read) from `peer` (a node name, when known).
+    fn serve(&self, peer: Option<String>, send: SendStream, recv: RecvStream);
+}
+
+/// A connected peer.
+#[derive(Clone, Debug)]
+pub struct Peer {
+    /// The peer's node name.
+    pub name: String,
+    /// Its advertised address.
+    pub addr: SocketAddr,
+    /// Its roles.
+    pub roles: Vec<Role>,
+    /// The one QUIC connection to it.
+    pub conn: quinn::Connection,
+    /// Which node dialed this connection.
+    pub dialer: String,
+    /// When this side last opened a node session on it (dialer side only).
+    session_opened: Option<Instant>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Hello {
+    cluster: String,
+    name: String,
+    addr: SocketAddr,
+    roles: Vec<Role>,
+    peers: Vec<(String, SocketAddr)>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+enum HelloReply {
+    Welcome(Hello),
+    Refused { name: String, reason: String },
+}
+
+/// Whether a new connection to a peer replaces the one already held. Both ends compute the
+/// same answer: the connection dialed by the node whose name sorts first wins; between two
+/// dialed by the same node, the newer wins (the older is a leftover of a restart).
+pub fn prefer_new(me: &str, peer: &str, new_dialer: &str, old_dialer: &str) -> bool {
+    let canonical = if me <= peer { me } else { peer };
+    let (new_c, old_c) = (new_dialer == canonical, old_dialer == canonical);
+    if new_c != old_c {
+        new_c
+    } else {
+        true
+    }
+}
+
+/// Exponential backoff: the next delay after `prev`.
+pub fn next_backoff(prev: Duration) -> Duration {
+    (prev * 2).clamp(MIN_BACKOFF, MAX_BACKOFF)
+}
+
+#[derive(Debug)]
+struct Target {
+    backoff: Duration,
+    next: Instant,
+    dialing: bool,
+    /// The name found at this address (self, or a peer reached under another address).
+    name: Option<String>,
+}
+
+struct Inner {
+    name: String,
+    roles: Vec<Role>,
+    advertised: SocketAddr,
+    digest: String,
+    endpoint: quinn::Endpoint,
+    node_server: ActorRef<NodeServerMessage>,
+    peers: Mutex<HashMap<String, Peer>>,
+    targets: Mutex<HashMap<SocketAddr, Target>>,
+    bulk: Mutex<Option<Arc<dyn BulkStreamHandler>>>,
+}
+
+/// A running node. Cloning gives another handle to the same node.
+#[derive(Clone)]
+pub struct Node {
+    inner: Arc<Inner>,
+    supervisor: ActorRef<SupervisorMsg>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A TLS acceptor for the `NodeServer`'s TCP listener that no client can pass: it requires a
+/// client certificate from a CA whose key is thrown away at once.
+fn sealed_acceptor() -> Result<tokio_rustls::TlsAcceptor, pki::PkiError> {
+    let ca = pki::Ca::generate()?;
+    let (cert, key) = ca.issue("sealed")?;
+    use rustls::pki_types::pem::PemObject;
+    let pem = |s: &str| {
+        rustls::pki_types::CertificateDer::from_pem_slice(s.as_bytes()).map_err(|e| {
+            pki::PkiError::Pem {
+                path: "<memory>".into(),
+                message: e.to_string(),
+            }
+        })
+    };
+    let id = Identity {
+        ca: pem(&ca.cert_pem())?,
+        cert: pem(&cert)?,
+        key: rustls::pki_types::PrivateKeyDer::from_pem_slice(key.as_bytes()).map_err(|e| {
+            pki::PkiError::Pem {
+                path: "<memory>".into(),
+                message: e.to_string(),
+            }
+        })?,
+    };
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(
+        id.server_config(&[])?,
+    )))
+}
+
+impl Node {
+    /// Starts a node from its config: certificates, endpoint, actor runtime, local actors, the
+    /// accept loop and the maintenance loop.
+    pub async fn start(config: &NodeConfig, options: NodeOptions) -> Result<Node, NodeError> {
+        let identity = match &config.tls {
+            Some(t) => Identity::load(&t.ca, &t.cert, &t.key)?,
+            None => {
+                let (id, created) = pki::ephemeral_identity(&config.data_dir, &config.name)?;
+                let dir = pki::ephemeral_dir(&config.data_dir);
+                if created {
+                    tracing::warn!(
+                        "no [tls] in {}: created an EPHEMERAL cluster CA in {} (single-machine use only)",
+                        config.file.display(),
+                        dir.display()
+                    );
+                } else {
+                    tracing::warn!(
+                        "no [tls] in {}: using the EPHEMERAL cluster CA in {} (single-machine use only)",
+                        config.file.display(),
+                        dir.display()
+                    );
+                }
+                id
+            }
+        };
+        if config.has_role(Role::Control) && options.validator.is_none() {
+            return Err(NodeError::Invalid(
+                "the control role needs a job validator".into(),
+            ));
+        }
+        if !options.envs.is_empty() && !config.has_role(Role::Env) {
+            return Err(NodeError::Invalid(format!(
+                "environment workers requested but {} does not give node `{}` the `env` role",
+                config.file.display(),
+                config.name
+            )));
+        }
+        let endpoint = transport::endpoint(&identity, config.listen, true)?;
+        let local = endpoint
+            .local_addr()
+            .map_err(|e| NodeError::Invalid(format!("endpoint address: {e}")))?;
+        let advertised = SocketAddr::new(config.listen.ip(), local.port());
+        let digest = identity.cluster_digest();
+
+        let (supervisor, _) = Actor::spawn(
+            Some(format!("{}/supervisor", config.name)),
+            NodeSupervisor,
+            (),
+        )
+        .await
+        .map_err(|e| NodeError::Spawn {
+            what: "node supervisor".into(),
+            message: e.to_string(),
+        })?;
+        let server = NodeServer::new(
+            0,
+            digest.clone(),
+            config.name.clone(),
+            RACTOR_HOST.into(),
+            Some(ractor_cluster::IncomingEncryptionMode::Tls(
+                sealed_acceptor()?,
+            )),
+            Some(ractor_cluster::node::NodeConnectionMode::Isolated),
+        )
+        .with_listen_addr(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
+        let (node_server, _) = Actor::spawn_linked(None, server, (), supervisor.get_cell())
+            .await
+            .map_err(|e| NodeError::Spawn {
+                what: "ractor_cluster node server".into(),
+                message: e.to_string(),
+            })?;
+        supervisor
+            .cast(SupervisorMsg::Adopt(
+                node_server.get_id(),
+                Child::NodeServer,
+            ))
+            .map_err(|e| NodeError::Spawn {
+                what: "node server".into(),
+                message: e.to_string(),
+            })?;
+
+        let inner = Arc::new(Inner {
+            name: config.name.clone(),
+            roles: config.roles.clone(),
+            advertised,
+            digest,
+            endpoint,
+            node_server,
+            peers: Mutex::new(HashMap::new()),
+            targets: Mutex::new(HashMap::new()),
+            bulk: Mutex::new(None),
+        });
+        {
+            let mut t = lock(&inner.targets);
+            for s in &config.seeds {
+                t.insert(*s, Target::new());
+            }
+        }
+
+        // Local actors.
+        let mut children = vec![Child::Member(MemberInfo {
+            node: config.name.clone(),
+            label: format!("{}/node", config.name),
+            group: crate::groups::NODES.into(),
+            addr: advertised,
+            roles: config.roles.clone(),
+        })];
+        if let (true, Some(v)) = (config.has_role(Role::Control), &options.validator) {
+            children.push(Child::Control {
+                validator: v.clone(),
+                dir: config.data_dir.join("control"),
+                label: format!("{}/control", config.name),
+            });
+        }
+        for e in &options.envs {
+            for i in 0..e.count {
+                children.push(Child::Member(MemberInfo {
+                    node: config.name.clone(),
+                    label: format!("{}/env.{}.{}", config.name, e.kind, i),
+                    group: crate::groups::env(&e.kind),
+                    addr: advertised,
+                    roles: Vec::new(),
+                }));
+            }
+        }
+        for c in children {
+            spawn_child(&supervisor, c).await?;
+        }
+
+        let node = Node { inner, supervisor };
+        tokio::spawn(node.clone().accept_loop());
+        tokio::spawn(node.clone().maintenance_loop());
+        tracing::info!(
+            "node `{}` listening on {} (QUIC, ALPN clawrl/1), roles [{}]",
+            config.name,
+            local,
+            config
+                .roles
+                .iter()
+                .map(|r| r.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        Ok(node)
+    }
+
+    /// This node's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The address this node advertises to peers.
+    pub fn addr(&self) -> SocketAddr {
+        self.inner.advertised
+    }
+
+    /// The node's QUIC endpoint (for planes that open their own streams).
+    pub fn endpoint(&self) -> &quinn::Endpoint {
+        &self.inner.endpoint
+    }
+
+    /// The connected peers, by name.
+    pub fn peers(&self) -> BTreeMap<String, Peer> {
+        lock(&self.inner.peers)
+            .iter()
+            .filter(|(_, p)| p.conn.close_reason().is_none())
+            .map(|(n, p)| (n.clone(), p.clone()))
+            .collect()
+    }
+
+    /// The live QUIC connection to peer `name`, if any.
+    pub fn connection(&self, name: &str) -> Option<quinn::Connection> {
+        lock(&self.inner.peers)
+            .get(name)
+            .filter(|p| p.conn.close_reason().is_none())
+            .map(|p| p.conn.clone())
+    }
+
+    /// Installs the handler of [`StreamTag::Bulk`] streams.
+    pub fn set_bulk_handler(&self, handler: Arc<dyn BulkStreamHandler>) {
+        *lock(&self.inner.bulk) = Some(handler);
+    }
+
+    /// The cluster as this node sees it.
+    pub fn view(&self) -> ClusterView {
+        let mut nodes = vec![NodeView {
+            name: self.inner.name.clone(),
+            addr: self.inner.advertised.to_string(),
+            roles: self.inner.roles.iter().map(|r| r.as_str().into()).collect(),
+        }];
+        for p in self.peers().into_values() {
+            nodes.push(NodeView {
+                name: p.name,
+                addr: p.addr.to_string(),
+                roles: p.roles.iter().map(|r| r.as_str().into()).collect(),
+            });
+        }
+        nodes.sort_by(|a, b| a.name.cmp(&b.name));
+        let mut groups = BTreeMap::new();
+        for g in ractor::pg::which_groups() {
+            if !g.starts_with(crate::groups::PREFIX) {
+                continue;
+            }
+            let mut members: Vec<String> = ractor::pg::get_members(&g)
+                .iter()
+                .map(rpc::actor_label)
+                .collect();
+            if members.is_empty() {
+                continue;
+            }
+            members.sort();
+            groups.insert(g, members);
+        }
+        ClusterView { nodes, groups }
+    }
+
+    /// Runs until Ctrl-C or SIGTERM, then closes the endpoint and stops the local actors.
+    pub async fn run_until_signal(self) {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            match signal(SignalKind::terminate()) {
+                Ok(mut term) => {
+                    tokio::select! {
+                        _ = tokio::signal::ctrl_c() => {}
+                        _ = term.recv() => {}
+                        _ = self.supervisor.wait(None) => {}
+                    }
+                }
+                Err(_) => {
+                    tokio::select! {
+                        _ = tokio::signal::ctrl_c() => {}
+                        _ = self.supervisor.wait(None) => {}
+                    }
+                }
+            }
+        }
+        #[cfg(not(unix))]
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = self.supervisor.wait(None) => {}
+        }
+        self.shutdown().await;
+    }
+
+    /// Closes every connection and stops the local actors.
+    pub async fn shutdown(&self) {
+        tracing::info!("node `{}` shutting down", self.inner.name);
+        self.inner.endpoint.close(0u32.into(), b"shutdown");
+        self.supervisor.stop(Some("shutdown".into()));
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.inner.endpoint.wait_idle()).await;
+    }
+
+    fn my_hello(&self) -> Hello {
+        Hello {
+            cluster: self.inner.digest.clone(),
+            name: self.inner.name.clone(),
+            addr: self.inner.advertised,
+            roles: self.inner.roles.clone(),
+            peers: self
+                .peers()
+                .into_values()
+                .map(|p| (p.name, p.addr))
+                .collect(),
+        }
+    }
+
+    /// Makes `addr` dialable: an unspecified advertised IP is replaced by the IP the
+    /// connection actually comes from.
+    fn fix_addr(addr: SocketAddr, conn: &quinn::Connection) -> SocketAddr {
+        if addr.ip().is_unspecified() {
+            SocketAddr::new(conn.remote_address().ip(), addr.port())
+        } else {
+            addr
+        }
+    }
+
+    fn learn(&self, addrs: impl IntoIterator<Item = (String, SocketAddr)>) {
+        let mut t = lock(&self.inner.targets);
+        for (name, addr) in addrs {
+            if name == self.inner.name {
+                continue;
+            }
+            t.entry(addr).or_insert_with(Target::new);
+        }
+    }
+
+    /// Decides whether `conn` becomes the connection to `hello.name`; returns false when the
+    /// connection already held wins.
+    fn admit(&self, conn: &quinn::Connection, hello: &Hello, dialer: &str) -> bool {
+        let addr = Self::fix_addr(hello.addr, conn);
+        let mut peers = lock(&self.inner.peers);
+        if let Some(old) = peers.get(&hello.name) {
+            if old.conn.stable_id() == conn.stable_id() {
+                return true;
+            }
+            if old.conn.close_reason().is_none()
+                && !prefer_new(&self.inner.name, &hello.name, dialer, &old.dialer)
+            {
+                return false;
+            }
+            if old.conn.close_reason().is_none() {
+                tracing::info!("peer `{}`: replacing a duplicate connection", hello.name);
+                old.conn.close(1u32.into(), b"duplicate");
+            }
+        }
+        tracing::info!("peer `{}` joined from {addr}", hello.name);
+        peers.insert(
+            hello.name.clone(),
+            Peer {
+                name: hello.name.clone(),
+                addr,
+                roles: hello.roles.clone(),
+                conn: conn.clone(),
+                dialer: dialer.to_string(),
+                session_opened: None,
+            },
+        );
+        true
+    }
+
+    /// Opens a node session stream on a connection this node dialed.
+    async fn open_session(&self, peer: &str, conn: &quinn::Connection) {
+        match transport::open_tagged(conn, StreamTag::ActorSession).await {
+            Ok((send, recv)) => {
+                if let Some(p) = lock(&self.inner.peers).get_mut(peer) {
+                    p.session_opened = Some(Instant::now());
+                }
+                let stream = QuicBidi::new(
+                    send,
+                    recv,
+                    format!("{peer}@{}", conn.remote_address()),
+                    self.inner.name.clone(),
+                );
+                if let Err(e) =
+                    self.inner
+                        .node_server
+                        .cast(NodeServerMessage::ConnectionOpenedExternal {
+                            stream: Box::new(stream),
+                            is_server: false,
+                        })
+                {
+                    tracing::error!("node server gone: {e}");
+                }
+            }
+            Err(e) => tracing::warn!("peer `{peer}`: cannot open a node session stream: {e}"),
+        }
+    }
+
+    async fn accept_loop(self) {
+        while let Some(incoming) = self.inner.endpoint.accept().await {
+            let node = self.clone();
+            tokio::spawn(async move {
+                let from = incoming.remote_address();
+                let conn = match incoming.accept() {
+                    Ok(connecting) => match connecting.await {
+                        Ok(c) => c,
+                        Err(e) => {
+                            tracing::warn!("refused connection from {from}: {e}");
+                            return;
+                        }
+                    },
+                    Err(e) => {
+                        tracing::warn!("refused connection from {from}: {e}");
+                        return;
+                    }
+                };
+                if transport::negotiated_alpn(&conn).as_deref() != Some(pki::ALPN) {
+                    tracing::warn!("refused connection from {from}: wrong or missing ALPN");
+                    conn.close(2u32.into(), b"ALPN clawrl/1 required");
+                    return;
+                }
+                node.serve_connection(conn, None).await;
+            });
+        }
+    }
+
+    /// Serves the streams a connection's peer opens until the connection ends.
+    async fn serve_connection(self, conn: quinn::Connection, mut peer: Option<String>) {
+        loop {
+            let (send, recv) = match conn.accept_bi().await {
+                Ok(s) => s,
+                Err(_) => break,
+            };
+            if peer.is_none() {
+                peer = lock(&self.inner.peers)
+                    .values()
+                    .find(|p| p.conn.stable_id() == conn.stable_id())
+                    .map(|p| p.name.clone());
+            }
+            let node = self.clone();
+            let c = conn.clone();
+            let p = peer.clone();
+            tokio::spawn(async move { node.serve_stream(c, p, send, recv).await });
+        }
+        let reason = conn
+            .close_reason()
+            .map(|r| r.to_string())
+            .unwrap_or_default();
+        let mut peers = lock(&self.inner.peers);
+        let name = peers
+            .iter()
+            .find(|(_, p)| p.conn.stable_id() == conn.stable_id())
+            .map(|(n, _)| n.clone());
+        if let Some(n) = name {
+            peers.remove(&n);
+            tracing::warn!("peer `{n}` left ({reason})");
+        }
+    }
+
+    async fn serve_stream(
+        self,
+        conn: quinn::Connection,
+        peer: Option<String>,
+        send: SendStream,
+        mut recv: RecvStream,
+    ) {
+        let from = conn.remote_address();
+        let mut tag = [0u8; 1];
+        match tokio::time::timeout(
+            STREAM_HEAD_TIMEOUT,
+            AsyncReadExt::read_exact(&mut recv, &mut tag),
+        )
+        .await
+        {
+            Ok(Ok(_)) => {}
+            _ => {
+                tracing::debug!("stream from {from} sent no tag");
+                return;
+            }
+        }
+        match StreamTag::from_byte(tag[0]) {
+            Some(StreamTag::Hello) => self.serve_hello(conn, send, recv).await,
+            Some(StreamTag::ActorSession) => {
+                let Some(peer) = self.admitted_name(&conn) else {
+                    tracing::warn!("{from}: node session stream before hello; refused");
+                    return;
+                };
+                let stream = QuicBidi::new(
+                    send,
+                    recv,
+                    format!("{peer}@{from}"),
+                    self.inner.name.clone(),
+                );
+                if let Err(e) =
+                    self.inner
+                        .node_server
+                        .cast(NodeServerMessage::ConnectionOpenedExternal {
+                            stream: Box::new(stream),
+                            is_server: true,
+                        })
+                {
+                    tracing::error!("node server gone: {e}");
+                }
+            }
+            Some(StreamTag::Gossip) => {
+                if self.admitted_name(&conn).is_none() {
+                    return;
+                }
+                let r = tokio::time::timeout(
+                    STREAM_HEAD_TIMEOUT,
+                    transport::read_frame::<Vec<(String, SocketAddr)>>(&mut recv),
+                )
+                .await;
+                match r {
+                    Ok(Ok(list)) => self.learn(list),
+                    Ok(Err(e)) => tracing::warn!("{from}: bad gossip: {e}"),
+                    Err(_) => tracing::warn!("{from}: gossip timed out"),
+                }
+            }
+            Some(StreamTag::Cli) => self.serve_cli(from, send, recv).await,
+            Some(StreamTag::Bulk) => {
+                let handler = lock(&self.inner.bulk).clone();
+                match handler {
+                    Some(h) => h.serve(peer.or_else(|| self.admitted_name(&conn)), send, recv),
+                    None => tracing::warn!("{from}: bulk stream but no bulk plane on this node"),
+                }
+            }
+            None => tracing::warn!("{from}: unknown stream tag {:#04x}; stream dropped", tag[0]),
+        }
+    }
+
+    fn admitted_name(&self, conn: &quinn::Connection) -> Option<String> {
+        lock(&self.inner.peers)
+            .values()
+            .find(|p| p.conn.stable_id() == conn.stable_id())
+            .map(|p| p.name.clone())
+    }
+
+    async fn serve_hello(
+        &self,
+        conn: quinn::Connection,
+        mut send: SendStream,
+        mut recv: RecvStream,
+    ) {
+        let from = conn.remote_address();
+        let hello: Hello =
+            match tokio::time::timeout(STREAM_HEAD_TIMEOUT, transport::read_frame(&mut recv)).await
+            {
+                Ok(Ok(h)) => h,
+                Ok(Err(e)) => {
+                    tracing::warn!("{from}: bad hello: {e}");
+                    conn.close(3u32.into(), b"bad hello");
+                    return;
+                }
+                Err(_) => {
+                    conn.close(3u32.into(), b"hello timeout");
+                    return;
+                }
+            };
+        let refuse = |reason: &str| HelloReply::Refused {
+            name: self.inner.name.clone(),
+            reason: reason.to_string(),
+        };
+        let reply = if hello.cluster != self.inner.digest {
+            tracing::warn!("refused `{}` from {from}: another cluster CA", hello.name);
+            refuse("another cluster")
+        } else if hello.name == self.inner.name {
+            refuse("same name as this node")
+        } else if !crate::config::valid_node_name(&hello.name) {
+            refuse("invalid node name")
+        } else if self.admit(&conn, &hello, &hello.name) {
+            self.learn(hello.peers.iter().cloned());
+            HelloReply::Welcome(self.my_hello())
+        } else {
+            refuse("duplicate connection")
+        };
+        let refused = matches!(reply, HelloReply::Refused { .. });
+        if transport::write_frame(&mut send, &reply).await.is_ok() {
+            let _ = send.finish();
+        }
+        if refused {
+            // Let the reply reach the peer, then drop the connection.
+            let _ = tokio::time::timeout(Duration::from_secs(1), send.stopped()).await;
+            conn.close(4u32.into(), b"refused");
+        }
+    }
+
+    async fn serve_cli(&self, from: SocketAddr, mut send: SendStream, mut recv: RecvStream) {
+        let req: CliRequest =
+            match tokio::time::timeout(STREAM_HEAD_TIMEOUT, transport::read_frame(&mut recv)).await
+            {
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) => {
+                    tracing::warn!("{from}: bad CLI request: {e}");
+                    return;
+                }
+                Err(_) => return,
+            };
+        let reply = match req {
+            CliRequest::Nodes => CliReply::Nodes(self.view()),
+            CliRequest::Ping => CliReply::Ping(self.ping_all().await),
+            CliRequest::Control(c) => {
+                let mut members = ractor::pg::get_members(&crate::groups::CONTROL.to_string());
+                members.sort_by_key(rpc::actor_label);
+                if members.len() > 1 {
+                    tracing::warn!(
+                        "{} Control actors in the cluster; using {}",
+                        members.len(),
+                        rpc::actor_label(&members[0])
+                    );
+                }
+                match members.first() {
+                    None => CliReply::Error(
+                        "no Control actor in the cluster (no node with the `control` role is connected)".into(),
+                    ),
+                    Some(ctl) => match rpc::call(ctl, &c, Duration::from_secs(20)).await {
+                        Ok(r) => CliReply::Control(r),
+                        Err(e) => CliReply::Error(e.to_string()),
+                    },
+                }
+            }
+        };
+        if let Err(e) = transport::write_frame(&mut send, &reply).await {
+            tracing::warn!("{from}: cannot answer CLI request: {e}");
+        }
+        let _ = send.finish();
+        let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
+    }
+
+    /// Pings every member of every `clawrl.*` group except Control, concurrently.
+    async fn ping_all(&self) -> Vec<PingResult> {
+        let mut set = tokio::task::JoinSet::new();
+        let mut n = 0u64;
+        for g in ractor::pg::which_groups() {
+            if !g.starts_with(crate::groups::PREFIX) || g == crate::groups::CONTROL {
+                continue;
+            }
+            for m in ractor::pg::get_members(&g) {
+                n += 1;
+                let g = g.clone();
+                let nonce = n ^ 0x5eed_0000_0000;
+                set.spawn(async move {
+                    let t = Instant::now();
+                    let r: Result<MemberReply, _> =
+                        rpc::call(&m, &MemberRequest::Ping(nonce), Duration::from_secs(3)).await;
+                    let member = rpc::actor_label(&m);
+                    let (ok, detail) = match r {
+                        Ok(MemberReply::Pong(x)) if x == nonce => {
+                            (true, format!("{}", t.elapsed().as_micros()))
+                        }
+                        Ok(other) => (false, format!("unexpected reply {other:?}")),
+                        Err(e) => (false, e.to_string()),
+                    };
+                    PingResult {
+                        group: g,
+                        member,
+                        ok,
+                        detail,
+                    }
+                });
+            }
+        }
+        let mut out = Vec::new();
+        while let Some(r) = set.join_next().await {
+            if let Ok(r) = r {
+                out.push(r);
+            }
+        }
+        out.sort_by(|a, b| (&a.group, &a.member).cmp(&(&b.group, &b.member)));
+        out
+    }
+
+    async fn dial(self, addr: SocketAddr) -> Result<(), String> {
+        let connecting = self
+            .inner
+            .endpoint
+            .connect(addr, NODE_SERVER_NAME)
+            .map_err(|e| e.to_string())?;
+        let conn = tokio::time::timeout(STREAM_HEAD_TIMEOUT, connecting)
+            .await
+            .map_err(|_| "handshake timed out".to_string())?
+            .map_err(|e| e.to_string())?;
+        let exchange = async {
+            let (mut send, mut recv) = transport::open_tagged(&conn, StreamTag::Hello)
+                .await
+                .map_err(|e| e.to_string())?;
+            transport::write_frame(&mut send, &self.my_hello())
+                .await
+                .map_err(|e| e.to_string())?;
+            let _ = send.finish();
+            transport::read_frame::<HelloReply>(&mut recv)
+                .await
+                .map_err(|e| e.to_string())
+        };
+        let reply = tokio::time::timeout(STREAM_HEAD_TIMEOUT, exchange)
+            .await
+            .map_err(|_| "hello timed out".to_string())??;
+        let hello = match reply {
+            HelloReply::Refused { name, reason } => {
+                self.set_target_name(addr, &name);
+                conn.close(0u32.into(), b"refused");
+                return Err(format!("`{name}` refused: {reason}"));
+            }
+            HelloReply::Welcome(h) => h,
+        };
+        self.set_target_name(addr, &hello.name);
+        if hello.cluster != self.inner.digest {
+            conn.close(4u32.into(), b"another cluster");
+            return Err(format!("`{}` belongs to another cluster", hello.name));
+        }
+        self.learn(hello.peers.iter().cloned());
+        if !self.admit(&conn, &hello, &self.inner.name.clone()) {
+            conn.close(1u32.into(), b"duplicate");
+            return Ok(());
+        }
+        self.open_session(&hello.name, &conn).await;
+        let node = self.clone();
+        tokio::spawn(node.serve_connection(conn, Some(hello.name)));
+        Ok(())
+    }
+
+    fn set_target_name(&self, addr: SocketAddr, name: &str) {
+        if let Some(t) = lock(&self.inner.targets).get_mut(&addr) {
+            t.name = Some(name.to_string());
+        }
+    }
+
+    async fn maintenance_loop(self) {
+        let mut tick: u64 = 0;
+        let mut interval = tokio::time::interval(TICK);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            interval.tick().await;
+            if self.supervisor.get_status() == ractor::ActorStatus::Stopped {
+                return;
+            }
+            tick += 1;
+            self.dial_targets();
+            if tick.is_multiple_of(4) {
+                self.check_sessions().await;
+            }
+            if tick.is_multiple_of(8) {
+                self.gossip();
+            }
+        }
+    }
+
+    fn dial_targets(&self) {
+        let peers = self.peers();
+        let live_addrs: Vec<SocketAddr> = peers.values().map(|p| p.addr).collect();
+        let now = Instant::now();
+        let mut due = Vec::new();
+        {
+            let mut targets = lock(&self.inner.targets);
+            for (addr, t) in targets.iter_mut() {
+                let known_live = t
+                    .name
+                    .as_ref()
+                    .is_some_and(|n| *n == self.inner.name || peers.contains_key(n));
+                if t.dialing
+                    || known_live
+                    || live_addrs.contains(addr)
+                    || *addr == self.inner.advertised
+                {
+                    if !t.dialing {
+                        t.backoff = Duration::ZERO;
+                    }
+                    continue;
+                }
+                if now >= t.next {
+                    t.dialing = true;
+                    due.push(*addr);
+                }
+            }
+        }
+        for addr in due {
+            let node = self.clone();
+            tokio::spawn(async move {
+                let r = node.clone().dial(addr).await;
+                let mut targets = lock(&node.inner.targets);
+                if let Some(t) = targets.get_mut(&addr) {
+                    t.dialing = false;
+                    match r {
+                        Ok(()) => t.backoff = Duration::ZERO,
+                        Err(e) => {
+                            t.backoff = next_backoff(t.backoff);
+                            t.next = Instant::now() + t.backoff;
+                            tracing::debug!("dial {addr}: {e}; retry in {:?}", t.backoff);
+                        }
+                    }
+                }
+            });
+        }
+    }
+
+    /// Reopens node sessions that `ractor_cluster` dropped on connections this node dialed.
+    async fn check_sessions(&self) {
+        let sessions = match self
+            .inner
+            .node_server
+            .call(NodeServerMessage::GetSessions, Some(Duration::from_secs(2)))
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(s)) => s,
+            _ => return,
+        };
+        let live: Vec<String> = sessions
+            .values()
+            .filter_map(|s| s.peer_name.as_ref())
+            .filter_map(|n| {
+                n.name
+                    .strip_suffix(&format!("@{RACTOR_HOST}"))
+                    .map(String::from)
+            })
+            .collect();
+        let stale: Vec<(String, quinn::Connection)> = lock(&self.inner.peers)
+            .values()
+            .filter(|p| {
+                p.dialer == self.inner.name
+                    && p.conn.close_reason().is_none()
+                    && !live.contains(&p.name)
+                    && p.session_opened.is_none_or(|t| t.elapsed() > SESSION_GRACE)
+            })
+            .map(|p| (p.name.clone(), p.conn.clone()))
+            .collect();
+        for (name, conn) in stale {
+            tracing::info!("peer `{name}`: no node session; opening one");
+            self.open_session(&name, &conn).await;
+        }
+    }
+
+    fn gossip(&self) {
+        let mut list: Vec<(String, SocketAddr)> = self
+            .peers()
+            .into_values()
+            .map(|p| (p.name, p.addr))
+            .collect();
+        list.push((self.inner.name.clone(), self.inner.advertised));
+        for p in self.peers().into_values() {
+            let list = list.clone();
+            tokio::spawn(async move {
+                if let Ok((mut send, _recv)) =
+                    transport::open_tagged(&p.conn, StreamTag::Gossip).await
+                {
+                    if transport::write_frame(&mut send, &list).await.is_ok() {
+                        let _ = send.finish();
+                    }
+                }
+            });
+        }
+    }
+}
+
+impl Target {
+    fn new() -> Self {
+        Target {
+            backoff: Duration::ZERO,
+            next: Instant::now(),
+            dialing: false,
+            name: None,
+        }
+    }
+}
+
+/// What the node supervisor restarts, and how.
+#[derive(Clone)]
+enum Child {
+    /// The `ractor_cluster` node server: without it there is no actor traffic, so its loss
+    /// stops the node.
+    NodeServer,
+    /// A group member (the node's own, or an environment worker): restarted.
+    Member(MemberInfo),
+    /// The Control actor: restarted; it reloads its jobs from disk.
+    Control {
+        validator: Arc<dyn JobValidator>,
+        dir: std::path::PathBuf,
+        label: String,
+    },
+}
+
+impl Child {
+    fn label(&self) -> String {
+        match self {
+            Child::NodeServer => "node server".into(),
+            Child::Member(m) => m.label.clone(),
+            Child::Control { label, .. } => label.clone(),
+        }
+    }
+}
+
+/// Messages of the node supervisor.
+enum SupervisorMsg {
+    /// Watch a child spawned linked to the supervisor.
+    Adopt(ActorId, Child),
+}
+
+impl ractor::Message for SupervisorMsg {}
+
+/// The root of a node's local actors; decides what each child's failure means (see [`Child`]).
+struct NodeSupervisor;
+
+struct SupervisorState {
+    children: HashMap<ActorId, Child>,
+    /// Restart times of recent failures, to give up on a crash loop.
+    restarts: Vec<Instant>,
+}
+
+const RESTART_WINDOW: Duration = Duration::from_secs(10);
+const MAX_RESTARTS: usize = 20;
+
+async fn spawn_child(supervisor: &ActorRef<SupervisorMsg>, c: Child) -> Result<(), NodeError> {
+    let cell = start_child(supervisor.get_cell(), &c).await?;
+    supervisor
+        .cast(SupervisorMsg::Adopt(cell.get_id(), c))
+        .map_err(|e| NodeError::Spawn {
+            what: "node supervisor".into(),
+            message: e.to_string(),
+        })
+}
+
+async fn start_child(sup: ActorCell, c: &Child) -> Result<ActorCell, NodeError> {
+    let err = |e: ractor::SpawnErr| NodeError::Spawn {
+        what: c.label(),
+        message: e.to_string(),
+    };
+    match c {
+        Child::NodeServer => Err(NodeError::Invalid(
+            "the node server is not restartable".into(),
+        )),
+        Child::Member(info) => {
+            let (a, _) = Actor::spawn_linked(Some(info.label.clone()), Member, info.clone(), sup)
+                .await
+                .map_err(err)?;
+            Ok(a.get_cell())
+        }
+        Child::Control {
+            validator,
+            dir,
+            label,
+        } => {
+            let (a, _) = Actor::spawn_linked(
+                Some(label.clone()),
+                Control,
+                ControlArgs {
+                    validator: validator.clone(),
+                    dir: dir.clone(),
+                    label: label.clone(),
+                },
+                sup,
+            )
+            .await
+            .map_err(err)?;
+            Ok(a.get_cell())
+        }
+    }
+}
+
+impl Actor for NodeSupervisor {
+    type Msg = SupervisorMsg;
+    type State = SupervisorState;
+    type Arguments = ();
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<SupervisorMsg>,
+        _: (),
+    ) -> Result<SupervisorState, ActorProcessingErr> {
+        Ok(SupervisorState {
+            children: HashMap::new(),
+            restarts: Vec::new(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<SupervisorMsg>,
+        msg: SupervisorMsg,
+        state: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            SupervisorMsg::Adopt(id, c) => {
+                state.children.insert(id, c);
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        evt: SupervisionEvent,
+        state: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        let (cell, why) = match evt {
+            SupervisionEvent::ActorFailed(cell, e) => (cell, format!("failed: {e}")),
+            SupervisionEvent::ActorTerminated(cell, _, reason) => {
+                (cell, format!("stopped ({})", reason.unwrap_or_default()))
+            }
+            // Children starting and group changes need no decision.
+            SupervisionEvent::ActorStarted(_)
+            | SupervisionEvent::ProcessGroupChanged(_)
+            | SupervisionEvent::PidLifecycleEvent(_) => return Ok(()),
+        };
+        let Some(child) = state.children.remove(&cell.get_id()) else {
+            return Ok(());
+        };
+        if myself.get_status() != ractor::ActorStatus::Running {
+            return Ok(());
+        }
+        if let Child::NodeServer = child {
+            tracing::error!("the ractor_cluster node server {why}; stopping the node");
+            myself.stop(Some("node server lost".into()));
+            return Ok(());
+        }
+        let now = Instant::now();
+        state
+            .restarts
+            .retain(|t| now.duration_since(*t) < RESTART_WINDOW);
+        if state.restarts.len() >= MAX_RESTARTS {
+            tracing::error!(
+                "{} {why}; {MAX_RESTARTS} restarts within {RESTART_WINDOW:?}: stopping the node",
+                child.label()
+            );
+            myself.stop(Some("crash loop".into()));
+            return Ok(());
+        }
+        state.restarts.push(now);
+        tracing::warn!("{} {why}; restarting it", child.label());
+        // The old actor's registered name is released once it has stopped; retry briefly.
+        let mut last = None;
+        for _ in 0..10 {
+            match start_child(myself.get_cell(), &child).await {
+                Ok(new) => {
+                    state.children.insert(new.get_id(), child);
+                    return Ok(());
+                }
+                Err(e) => {
+                    last = Some(e);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+        tracing::error!(
+            "cannot restart {}: {}; stopping the node",
+            child.label(),
+            last.map(|e| e.to_string()).unwrap_or_default()
+        );
+        myself.stop(Some("restart failed".into()));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_ends_keep_the_same_connection() {
+        // a < b: the connection dialed by a wins on both ends, whichever arrives first.
+        assert!(prefer_new("a", "b", "a", "b"));
+        assert!(!prefer_new("a", "b", "b", "a"));
+        assert!(prefer_new("b", "a", "a", "b"));
+        assert!(!prefer_new("b", "a", "b", "a"));
+        // Same dialer (a restart): the newer wins.
+        assert!(prefer_new("a", "b", "b", "b"));
+        assert!(prefer_new("b", "a", "b", "b"));
+    }
+
+    #[test]
+    fn backoff_doubles_and_is_capped() {
+        assert_eq!(next_backoff(Duration::ZERO), MIN_BACKOFF);
+        assert_eq!(next_backoff(MIN_BACKOFF), MIN_BACKOFF * 2);
+        assert_eq!(next_backoff(MAX_BACKOFF), MAX_BACKOFF);
+    }
+}
