@@ -1,1 +1,28 @@
-//! judge (being written).
+//! The judge: turns next states into rewards and hindsight hints (DESIGN §1, issue 5).
+//!
+//! It owns the prompts ([`prompt`]), the exact parsing of judge text into votes and hints
+//! ([`parse`]), the backends that produce judge text ([`backend`]: scripted rules, any
+//! OpenAI-compatible endpoint, a local chat model), the concurrent vote runner that never stalls
+//! ([`votes`]), the judged-turn records, and the pure part of OPD ([`opd`]). Aggregation and the
+//! advantage arithmetic live in [`crate::rl`].
+
+pub mod backend;
+pub mod config;
+pub mod opd;
+pub mod openai;
+pub mod parse;
+pub mod prompt;
+pub mod scripted;
+pub mod votes;
+
+pub use backend::{
+    BackendError, ChatGenerator, ChatMessage, GenerateError, JudgeBackend, JudgeRequest,
+    ModelBackend, SamplingParams,
+};
+pub use config::{BackendConfig, JudgeConfig, JudgeConfigError, ModelSource, OpdConfig, Teacher};
+pub use opd::{enhance_messages, OpdError, HINT_PREFIX};
+pub use parse::{last_boxed_digit, parse_hint, parse_vote, VoteError};
+pub use prompt::{Material, PromptKind, PromptOverrides, PromptSet, StepMaterial, TurnMaterial};
+pub use votes::{
+    Judge, JudgedTurnRecord, StepJudgement, TurnJudgement, VoteKind, VoteRecord, VoteSettings,
+};
