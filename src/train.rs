@@ -1,1 +1,16 @@
-//! train (being written).
+//! The learner: the OpenClaw-RL objective of DESIGN §1 in Burn. It owns the batch layout of
+//! variable-length samples ([`batch`]), the loss ([`loss`]), a `torch.optim.AdamW`-exact optimizer
+//! with a global gradient-norm clip ([`optim`]), the training configuration ([`config`]), the
+//! learner itself with versioned weight export ([`learner`]), checkpoints ([`checkpoint`]) and
+//! the JSONL sample reader used by offline training ([`samples`]).
+
+pub mod batch;
+pub mod checkpoint;
+pub mod config;
+pub mod learner;
+pub mod loss;
+pub mod optim;
+
+pub use batch::{BatchLayout, Sample, SampleError};
+pub use config::{ConfigError, TrainConfig};
+pub use loss::{policy_loss, token_logprobs, LossParams, LossTerms};
