@@ -1,1 +1,26 @@
-//! model (being written).
+//! The policy: a Qwen3 decoder in Burn that loads and saves Hugging Face checkpoints, renders
+//! chat templates exactly as Hugging Face does, scores responses and generates with a KV cache.
+//!
+//! Layout: [`config`] (the `config.json` schema), [`qwen3`] (the module and its forward passes),
+//! [`kv_cache`] (per-sequence cache outside the model), [`weights`] (safetensors in and out),
+//! [`checkpoint`] (the directory layout), [`chat`] (templates and tokenization), [`score`]
+//! (per-token log-probs in one pass).
+
+pub mod chat;
+pub mod checkpoint;
+pub mod config;
+pub mod kv_cache;
+pub mod qwen3;
+pub mod score;
+pub mod weights;
+
+pub use chat::{ChatError, ChatTemplate, Prompt};
+pub use checkpoint::{
+    load_checkpoint, load_config, load_model, save_checkpoint_dir, Checkpoint, LoadError,
+    TokenizerFiles,
+};
+pub use config::{ConfigError, Qwen3Config};
+pub use kv_cache::{KvCache, KvCacheError};
+pub use qwen3::Qwen3;
+pub use score::{score_batch, score_response, token_logprobs};
+pub use weights::{model_from_safetensors, model_to_safetensors, SaveError};

@@ -1,0 +1,92 @@
+//! The key/value cache of one sequence, kept outside the model so that any number of sequences
+//! share one set of weights. Its memory is bounded by the sequence's maximum context (appending
+//! past it is an error) and released when the cache is dropped.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+
+/// Errors of cache-backed model calls.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvCacheError {
+    /// No tokens were given.
+    #[error("no tokens to feed")]
+    Empty,
+    /// The sequence would exceed its maximum context.
+    #[error("context full: {len} cached + {adding} new tokens exceed the maximum of {max}")]
+    Full {
+        /// Tokens already cached.
+        len: usize,
+        /// Tokens being added.
+        adding: usize,
+        /// The bound.
+        max: usize,
+    },
+}
+
+/// Per-layer keys and values of one sequence, each `[1, kv_heads, len, head_dim]`.
+#[derive(Debug, Clone)]
+pub struct KvCache<B: Backend> {
+    layers: Vec<Option<(Tensor<B, 4>, Tensor<B, 4>)>>,
+    len: usize,
+    max_len: usize,
+}
+
+impl<B: Backend> KvCache<B> {
+    /// An empty cache for `num_layers` layers holding at most `max_len` positions.
+    pub fn new(num_layers: usize, max_len: usize) -> Self {
+        Self {
+            layers: vec![None; num_layers],
+            len: 0,
+            max_len,
+        }
+    }
+
+    /// Number of cached positions.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bound on cached positions.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// Fails when `adding` more positions would not fit.
+    pub fn check_room(&self, adding: usize) -> Result<(), KvCacheError> {
+        if self.len + adding > self.max_len {
+            return Err(KvCacheError::Full {
+                len: self.len,
+                adding,
+                max: self.max_len,
+            });
+        }
+        Ok(())
+    }
+
+    /// Appends `k`, `v` (`[1, kv_heads, s, d]`) to layer `layer` and returns the layer's full
+    /// keys and values. The length only moves on [`KvCache::advance`], after all layers.
+    pub(crate) fn append(
+        &mut self,
+        layer: usize,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let slot = &mut self.layers[layer];
+        let (k_all, v_all) = match slot.take() {
+            None => (k, v),
+            Some((k0, v0)) => (Tensor::cat(vec![k0, k], 2), Tensor::cat(vec![v0, v], 2)),
+        };
+        *slot = Some((k_all.clone(), v_all.clone()));
+        (k_all, v_all)
+    }
+
+    /// Records that `n` positions were appended to every layer.
+    pub(crate) fn advance(&mut self, n: usize) {
+        self.len += n;
+    }
+}

@@ -1,0 +1,571 @@
+//! The Qwen3 decoder as a Burn module: embedding, `num_hidden_layers` pre-norm blocks
+//! (RMSNorm → grouped-query attention with per-head q/k RMSNorm and RoPE → residual; RMSNorm →
+//! SwiGLU MLP → residual), a final RMSNorm and a tied or untied LM head.
+//!
+//! Weights are stored the Burn way, `[in, out]` (Hugging Face stores `[out, in]`; the loaders in
+//! [`super::weights`] transpose). With tied embeddings the LM head multiplies by the transpose of
+//! the one `embed_tokens` parameter, so under autodiff both uses accumulate into it.
+//!
+//! Two ways in: [`Qwen3::forward`] runs full causal attention over a batch from position 0 (for
+//! training and scoring), and [`Qwen3::prefill`] / [`Qwen3::decode_step`] run against a
+//! [`KvCache`] kept outside the model (for generation), so many sequences share one set of weights.
+
+use burn::module::{Module, Param};
+use burn::tensor::activation::silu;
+use burn::tensor::backend::Backend;
+use burn::tensor::module::{attention, embedding};
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Distribution, Int, Tensor, TensorData};
+
+use super::config::Qwen3Config;
+use super::kv_cache::{KvCache, KvCacheError};
+
+/// Root-mean-square layer norm over the last dimension (no bias, no mean subtraction).
+#[derive(Module, Debug)]
+pub struct RmsNorm<B: Backend> {
+    /// Per-channel scale, `[dim]`.
+    pub weight: Param<Tensor<B, 1>>,
+    /// Added to the mean square before the square root.
+    pub eps: f64,
+}
+
+impl<B: Backend> RmsNorm<B> {
+    /// `[..., dim]` → `[..., dim]`: `x / sqrt(mean(x²) + eps) * weight`.
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let var = x.clone().powi_scalar(2).mean_dim(D - 1);
+        let inv = (var + self.eps).sqrt().recip();
+        x * inv * self.weight.val().unsqueeze::<D>()
+    }
+}
+
+/// `[b, s, in]` × `[in, out]` → `[b, s, out]`.
+fn linear<B: Backend>(x: Tensor<B, 3>, w: &Param<Tensor<B, 2>>) -> Tensor<B, 3> {
+    let [b, s, i] = x.dims();
+    let w = w.val();
+    let o = w.dims()[1];
+    x.reshape([b * s, i]).matmul(w).reshape([b, s, o])
+}
+
+/// RoPE inverse frequencies `1 / theta^(2i / head_dim)` for `i < head_dim / 2`, computed in f32
+/// as Hugging Face does, then rounded to `round_to` (the checkpoint's dtype) when that is bf16 or
+/// f16: `transformers` casts the whole module, this buffer included, to the checkpoint dtype on
+/// load, and the reference logits are computed with that rounded buffer.
+pub fn rope_inv_freq(head_dim: usize, theta: f64, round_to: Option<&str>) -> Vec<f32> {
+    (0..head_dim / 2)
+        .map(|i| {
+            let exponent = (2 * i) as f32 / head_dim as f32;
+            let f = 1.0 / (theta as f32).powf(exponent);
+            match round_to {
+                Some("bfloat16") => half::bf16::from_f32(f).to_f32(),
+                Some("float16") => half::f16::from_f32(f).to_f32(),
+                _ => f,
+            }
+        })
+        .collect()
+}
+
+/// RoPE tables for the given positions (f32 angles, as Hugging Face): returns `(cos, sin)`,
+/// each `[positions.len(), 2 * inv_freq.len()]` flattened row-major, with the half-width table
+/// repeated twice along the row.
+pub fn rope_tables(positions: &[usize], inv_freq: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let width = 2 * inv_freq.len();
+    let mut cos = Vec::with_capacity(positions.len() * width);
+    let mut sin = Vec::with_capacity(positions.len() * width);
+    for &p in positions {
+        for _ in 0..2 {
+            for f in inv_freq {
+                let a = f * p as f32;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+    }
+    (cos, sin)
+}
+
+/// Applies RoPE: `x [b, h, s, d]`, `cos`/`sin` broadcastable to it → `[b, h, s, d]`.
+fn apply_rope<B: Backend>(x: Tensor<B, 4>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 4> {
+    let d = x.dims()[3];
+    let x1 = x.clone().narrow(3, 0, d / 2);
+    let x2 = x.clone().narrow(3, d / 2, d / 2);
+    let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
+    x * cos + rotated * sin
+}
+
+/// Grouped-query self-attention with per-head q/k RMSNorm.
+#[derive(Module, Debug)]
+pub struct Attention<B: Backend> {
+    /// `[hidden, heads * head_dim]`.
+    pub q_proj: Param<Tensor<B, 2>>,
+    /// `[hidden, kv_heads * head_dim]`.
+    pub k_proj: Param<Tensor<B, 2>>,
+    /// `[hidden, kv_heads * head_dim]`.
+    pub v_proj: Param<Tensor<B, 2>>,
+    /// `[heads * head_dim, hidden]`.
+    pub o_proj: Param<Tensor<B, 2>>,
+    /// RMSNorm over each query head.
+    pub q_norm: RmsNorm<B>,
+    /// RMSNorm over each key head.
+    pub k_norm: RmsNorm<B>,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads.
+    pub num_kv_heads: usize,
+    /// Per-head width.
+    pub head_dim: usize,
+}
+
+impl<B: Backend> Attention<B> {
+    /// Projects `x [b, s, hidden]` to `(q [b, heads, s, d], k [b, kv_heads, s, d],
+    /// v [b, kv_heads, s, d])`, with q/k normalised and rotated by `cos`/`sin` (broadcastable to
+    /// `[b, 1, s, d]`).
+    fn qkv(
+        &self,
+        x: Tensor<B, 3>,
+        cos: Tensor<B, 4>,
+        sin: Tensor<B, 4>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
+        let [b, s, _] = x.dims();
+        let (nq, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let q = linear(x.clone(), &self.q_proj).reshape([b, s, nq, d]);
+        let k = linear(x.clone(), &self.k_proj).reshape([b, s, nkv, d]);
+        let v = linear(x, &self.v_proj).reshape([b, s, nkv, d]);
+        let q = self.q_norm.forward(q).swap_dims(1, 2);
+        let k = self.k_norm.forward(k).swap_dims(1, 2);
+        let q = apply_rope(q, cos.clone(), sin.clone());
+        let k = apply_rope(k, cos, sin);
+        (q, k, v.swap_dims(1, 2))
+    }
+
+    /// Repeats each key/value head `heads / kv_heads` times: `[b, kv, s, d]` → `[b, heads, s, d]`.
+    fn repeat_kv(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        let groups = self.num_heads / self.num_kv_heads;
+        if groups == 1 {
+            return x;
+        }
+        let [b, kv, s, d] = x.dims();
+        x.unsqueeze_dim::<5>(2)
+            .expand([b, kv, groups, s, d])
+            .reshape([b, kv * groups, s, d])
+    }
+
+    /// `[b, heads, s, d]` → `[b, s, hidden]` through `o_proj`.
+    fn output(&self, o: Tensor<B, 4>) -> Tensor<B, 3> {
+        let [b, h, s, d] = o.dims();
+        linear(o.swap_dims(1, 2).reshape([b, s, h * d]), &self.o_proj)
+    }
+
+    /// Full causal self-attention from position 0: `x [b, s, hidden]` → `[b, s, hidden]`.
+    pub fn forward(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
+        let (q, k, v) = self.qkv(x, cos, sin);
+        let o = attention(
+            q,
+            self.repeat_kv(k),
+            self.repeat_kv(v),
+            None,
+            None,
+            causal(),
+        );
+        self.output(o)
+    }
+}
+
+fn causal() -> AttentionModuleOptions {
+    AttentionModuleOptions {
+        scale: None,
+        softcap: None,
+        is_causal: true,
+    }
+}
+
+/// The SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    /// `[hidden, intermediate]`.
+    pub gate_proj: Param<Tensor<B, 2>>,
+    /// `[hidden, intermediate]`.
+    pub up_proj: Param<Tensor<B, 2>>,
+    /// `[intermediate, hidden]`.
+    pub down_proj: Param<Tensor<B, 2>>,
+}
+
+impl<B: Backend> Mlp<B> {
+    /// `[b, s, hidden]` → `[b, s, hidden]`.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let gate = silu(linear(x.clone(), &self.gate_proj));
+        let up = linear(x, &self.up_proj);
+        linear(gate * up, &self.down_proj)
+    }
+}
+
+/// One pre-norm decoder block.
+#[derive(Module, Debug)]
+pub struct DecoderLayer<B: Backend> {
+    /// Norm before attention.
+    pub input_layernorm: RmsNorm<B>,
+    /// Self-attention.
+    pub self_attn: Attention<B>,
+    /// Norm before the MLP.
+    pub post_attention_layernorm: RmsNorm<B>,
+    /// The MLP.
+    pub mlp: Mlp<B>,
+}
+
+impl<B: Backend> DecoderLayer<B> {
+    /// `[b, s, hidden]` → `[b, s, hidden]` with full causal attention.
+    pub fn forward(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
+        let h = x.clone()
+            + self
+                .self_attn
+                .forward(self.input_layernorm.forward(x), cos, sin);
+        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
+    }
+}
+
+/// The Qwen3 causal language model.
+#[derive(Module, Debug)]
+pub struct Qwen3<B: Backend> {
+    /// Token embedding `[vocab, hidden]`; also the LM head when embeddings are tied.
+    pub embed_tokens: Param<Tensor<B, 2>>,
+    /// Decoder blocks.
+    pub layers: Vec<DecoderLayer<B>>,
+    /// Final norm.
+    pub norm: RmsNorm<B>,
+    /// Untied LM head `[hidden, vocab]`; `None` when tied to `embed_tokens`.
+    pub lm_head: Option<Param<Tensor<B, 2>>>,
+    /// RoPE inverse frequencies, `[head_dim / 2]` (see [`rope_inv_freq`]).
+    #[module(skip)]
+    pub rope_inv_freq: Vec<f32>,
+    /// Longest supported sequence.
+    pub max_position_embeddings: usize,
+}
+
+/// Shapes of every weight, in Hugging Face names and `[out, in]` orientation for linear layers.
+pub fn hf_weight_shapes(cfg: &Qwen3Config) -> Vec<(String, Vec<usize>)> {
+    let (h, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
+    let (nq, nkv) = (cfg.num_attention_heads, cfg.num_kv_heads());
+    let mut out = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![cfg.vocab_size, h],
+    )];
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        out.extend([
+            (format!("{p}.input_layernorm.weight"), vec![h]),
+            (format!("{p}.self_attn.q_proj.weight"), vec![nq * d, h]),
+            (format!("{p}.self_attn.k_proj.weight"), vec![nkv * d, h]),
+            (format!("{p}.self_attn.v_proj.weight"), vec![nkv * d, h]),
+            (format!("{p}.self_attn.o_proj.weight"), vec![h, nq * d]),
+            (format!("{p}.self_attn.q_norm.weight"), vec![d]),
+            (format!("{p}.self_attn.k_norm.weight"), vec![d]),
+            (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+            (format!("{p}.mlp.gate_proj.weight"), vec![i, h]),
+            (format!("{p}.mlp.up_proj.weight"), vec![i, h]),
+            (format!("{p}.mlp.down_proj.weight"), vec![h, i]),
+        ]);
+    }
+    out.push(("model.norm.weight".to_string(), vec![h]));
+    if !cfg.tie_word_embeddings {
+        out.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, h]));
+    }
+    out
+}
+
+impl<B: Backend> Qwen3<B> {
+    /// A randomly initialised model (normal weights with `initializer_range` std, unit norms).
+    pub fn init(cfg: &Qwen3Config, device: &B::Device) -> Self {
+        let std = cfg.initializer_range;
+        Self::build(cfg, device, &mut |name, shape| {
+            let n: usize = shape.iter().product();
+            if name.ends_with("norm.weight") {
+                return Ok::<_, std::convert::Infallible>(vec![1.0; n]);
+            }
+            let t = Tensor::<B, 1>::random([n], Distribution::Normal(0.0, std), device);
+            Ok(t.into_data().convert::<f32>().to_vec().expect("f32 data"))
+        })
+        .unwrap_or_else(|e| match e {})
+    }
+
+    /// Builds the model from weights given in Hugging Face names and layout: `get(name, shape)`
+    /// returns the f32 data of that tensor (`[out, in]` for linear layers).
+    pub fn build<E>(
+        cfg: &Qwen3Config,
+        device: &B::Device,
+        get: &mut dyn FnMut(&str, &[usize]) -> Result<Vec<f32>, E>,
+    ) -> Result<Self, E> {
+        let (h, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
+        let (nq, nkv) = (cfg.num_attention_heads, cfg.num_kv_heads());
+        let eps = cfg.rms_norm_eps;
+        let mut vector = |name: &str, n: usize| -> Result<Param<Tensor<B, 1>>, E> {
+            let data = get(name, &[n])?;
+            Ok(Param::from_tensor(Tensor::<B, 1>::from_data(
+                TensorData::new(data, [n]),
+                device,
+            )))
+        };
+        let mut norms = Vec::new();
+        for l in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            norms.push((
+                vector(&format!("{p}.input_layernorm.weight"), h)?,
+                vector(&format!("{p}.self_attn.q_norm.weight"), d)?,
+                vector(&format!("{p}.self_attn.k_norm.weight"), d)?,
+                vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
+            ));
+        }
+        let final_norm = vector("model.norm.weight", h)?;
+        let embed = get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        // Linear weights: HF [out, in] → Burn [in, out].
+        let mut matrix = |name: &str, out: usize, inp: usize| -> Result<Param<Tensor<B, 2>>, E> {
+            let data = get(name, &[out, inp])?;
+            Ok(Param::from_tensor(Tensor::from_data(
+                TensorData::new(transpose(&data, out, inp), [inp, out]),
+                device,
+            )))
+        };
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for (l, (in_norm, q_norm, k_norm, post_norm)) in norms.into_iter().enumerate() {
+            let p = format!("model.layers.{l}");
+            layers.push(DecoderLayer {
+                input_layernorm: RmsNorm {
+                    weight: in_norm,
+                    eps,
+                },
+                self_attn: Attention {
+                    q_proj: matrix(&format!("{p}.self_attn.q_proj.weight"), nq * d, h)?,
+                    k_proj: matrix(&format!("{p}.self_attn.k_proj.weight"), nkv * d, h)?,
+                    v_proj: matrix(&format!("{p}.self_attn.v_proj.weight"), nkv * d, h)?,
+                    o_proj: matrix(&format!("{p}.self_attn.o_proj.weight"), h, nq * d)?,
+                    q_norm: RmsNorm {
+                        weight: q_norm,
+                        eps,
+                    },
+                    k_norm: RmsNorm {
+                        weight: k_norm,
+                        eps,
+                    },
+                    num_heads: nq,
+                    num_kv_heads: nkv,
+                    head_dim: d,
+                },
+                post_attention_layernorm: RmsNorm {
+                    weight: post_norm,
+                    eps,
+                },
+                mlp: Mlp {
+                    gate_proj: matrix(&format!("{p}.mlp.gate_proj.weight"), i, h)?,
+                    up_proj: matrix(&format!("{p}.mlp.up_proj.weight"), i, h)?,
+                    down_proj: matrix(&format!("{p}.mlp.down_proj.weight"), h, i)?,
+                },
+            });
+        }
+        let embed_tokens = Param::from_tensor(Tensor::<B, 2>::from_data(
+            TensorData::new(embed, [cfg.vocab_size, h]),
+            device,
+        ));
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(matrix("lm_head.weight", cfg.vocab_size, h)?)
+        };
+        Ok(Self {
+            embed_tokens,
+            layers,
+            norm: RmsNorm {
+                weight: final_norm,
+                eps,
+            },
+            lm_head,
+            rope_inv_freq: rope_inv_freq(d, cfg.rope_theta(), cfg.storage_dtype()),
+            max_position_embeddings: cfg.max_position_embeddings,
+        })
+    }
+
+    /// Vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        self.embed_tokens.dims()[0]
+    }
+
+    /// Number of decoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn head_dim(&self) -> usize {
+        self.layers[0].self_attn.head_dim
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> B::Device {
+        self.embed_tokens.val().device()
+    }
+
+    /// `(cos, sin)` as `[1, 1, s, d]` for positions `start..start + s`.
+    fn rope(&self, start: usize, s: usize) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let positions: Vec<usize> = (start..start + s).collect();
+        self.rope_at(&positions, [1, 1, s])
+    }
+
+    fn rope_at(&self, positions: &[usize], lead: [usize; 3]) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let d = self.head_dim();
+        let (cos, sin) = rope_tables(positions, &self.rope_inv_freq);
+        let device = self.device();
+        let shape = [lead[0], lead[1], lead[2], d];
+        (
+            Tensor::from_data(TensorData::new(cos, shape), &device),
+            Tensor::from_data(TensorData::new(sin, shape), &device),
+        )
+    }
+
+    /// Final norm and LM head: `[b, s, hidden]` → `[b, s, vocab]`.
+    pub fn head(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
+        let x = self.norm.forward(hidden);
+        match &self.lm_head {
+            Some(w) => linear(x, w),
+            None => {
+                let [b, s, h] = x.dims();
+                let w = self.embed_tokens.val();
+                let v = w.dims()[0];
+                x.reshape([b * s, h])
+                    .matmul(w.transpose())
+                    .reshape([b, s, v])
+            }
+        }
+    }
+
+    /// Runs the decoder stack (without final norm / head): `input_ids [b, s]` → `[b, s, hidden]`.
+    pub fn forward_hidden(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let s = input_ids.dims()[1];
+        let (cos, sin) = self.rope(0, s);
+        let mut x = embedding(self.embed_tokens.val(), input_ids);
+        for layer in &self.layers {
+            x = layer.forward(x, cos.clone(), sin.clone());
+        }
+        x
+    }
+
+    /// `input_ids [batch, seq]` → logits `[batch, seq, vocab]`: full causal attention, positions
+    /// from 0, no cache. Right-padded batches are fine (attention is causal, so padding never
+    /// influences earlier positions).
+    pub fn forward(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.head(self.forward_hidden(input_ids))
+    }
+
+    /// Feeds `ids` (the whole prompt, or more tokens of a sequence) through the model, appending
+    /// their keys and values to `cache`; returns the logits `[vocab]` after the last id.
+    pub fn prefill(
+        &self,
+        ids: &[u32],
+        cache: &mut KvCache<B>,
+    ) -> Result<Tensor<B, 1>, KvCacheError> {
+        let s = ids.len();
+        if s == 0 {
+            return Err(KvCacheError::Empty);
+        }
+        cache.check_room(s)?;
+        let device = self.device();
+        let start = cache.len();
+        let (cos, sin) = self.rope(start, s);
+        let ids_i: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
+        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids_i, [1, s]), &device);
+        let mut x = embedding(self.embed_tokens.val(), input);
+        for (l, layer) in self.layers.iter().enumerate() {
+            let attn = &layer.self_attn;
+            let (q, k, v) = attn.qkv(
+                layer.input_layernorm.forward(x.clone()),
+                cos.clone(),
+                sin.clone(),
+            );
+            let (k_all, v_all) = cache.append(l, k, v);
+            let o = attention(
+                q,
+                attn.repeat_kv(k_all),
+                attn.repeat_kv(v_all),
+                None,
+                None,
+                causal(),
+            );
+            let h = x + attn.output(o);
+            x = h.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(h));
+        }
+        cache.advance(s);
+        let last = x.narrow(1, s - 1, 1);
+        Ok(self.head(last).reshape([self.vocab_size()]))
+    }
+
+    /// One decode step for a batch of sequences: `tokens[i]` is the next token of the sequence
+    /// whose cache is `caches[i]` (which may have different lengths). Returns logits
+    /// `[n, vocab]` for the position after each token.
+    pub fn decode_step(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache<B>],
+    ) -> Result<Tensor<B, 2>, KvCacheError> {
+        let n = tokens.len();
+        assert_eq!(n, caches.len(), "decode_step: one cache per token");
+        if n == 0 {
+            return Err(KvCacheError::Empty);
+        }
+        for c in caches.iter() {
+            c.check_room(1)?;
+        }
+        let device = self.device();
+        let positions: Vec<usize> = caches.iter().map(|c| c.len()).collect();
+        // cos/sin [n, 1, 1, d]: one row per sequence.
+        let (cos, sin) = self.rope_at(&positions, [n, 1, 1]);
+        let ids_i: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
+        let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids_i, [n, 1]), &device);
+        let mut x = embedding(self.embed_tokens.val(), input);
+        let no_causal = AttentionModuleOptions {
+            scale: None,
+            softcap: None,
+            is_causal: false,
+        };
+        for (l, layer) in self.layers.iter().enumerate() {
+            let attn = &layer.self_attn;
+            let (q, k, v) = attn.qkv(
+                layer.input_layernorm.forward(x.clone()),
+                cos.clone(),
+                sin.clone(),
+            );
+            let (nq, nkv, d) = (attn.num_heads, attn.num_kv_heads, attn.head_dim);
+            let groups = nq / nkv;
+            let mut outs = Vec::with_capacity(n);
+            for (i, cache) in caches.iter_mut().enumerate() {
+                let ki = k.clone().narrow(0, i, 1);
+                let vi = v.clone().narrow(0, i, 1);
+                let (k_all, v_all) = cache.append(l, ki, vi);
+                // The single query of each head group attends to the same key/value head, so the
+                // group's queries become the query axis: [1, kv, groups, d]. No causal mask
+                // needed: one new token sees its whole past.
+                let qi = q.clone().narrow(0, i, 1).reshape([1, nkv, groups, d]);
+                let o = attention(qi, k_all, v_all, None, None, no_causal);
+                outs.push(o.reshape([1, nq, 1, d]));
+            }
+            let o = Tensor::cat(outs, 0);
+            let h = x + attn.output(o);
+            x = h.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(h));
+        }
+        for c in caches.iter_mut() {
+            c.advance(1);
+        }
+        Ok(self.head(x).reshape([n, self.vocab_size()]))
+    }
+
+    /// A new empty cache for one sequence of at most `max_len` tokens (capped at
+    /// `max_position_embeddings`).
+    pub fn new_cache(&self, max_len: usize) -> KvCache<B> {
+        KvCache::new(self.num_layers(), max_len.min(self.max_position_embeddings))
+    }
+}
+
+/// Transposes a row-major `[r, c]` matrix into a row-major `[c, r]` one.
+pub(crate) fn transpose(v: &[f32], r: usize, c: usize) -> Vec<f32> {
+    let mut out = vec![0f32; r * c];
+    for i in 0..r {
+        for j in 0..c {
+            out[j * r + i] = v[i * c + j];
+        }
+    }
+    out
+}

@@ -1,0 +1,73 @@
+//! Scoring: per-token log-probabilities of given responses under the model, in one forward pass
+//! per batch. The trainer uses this for old, reference and teacher log-probs; for the same
+//! weights it equals what generation reports at temperature 1.
+
+use burn::tensor::activation::log_softmax;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+
+use super::qwen3::Qwen3;
+
+/// Log-probability of each target under `logits`: `logits [b, s, vocab]`, `targets [b, s]`
+/// (the token that follows each position) → `[b, s]`. Differentiable.
+pub fn token_logprobs<B: Backend>(
+    logits: Tensor<B, 3>,
+    targets: Tensor<B, 2, Int>,
+) -> Tensor<B, 2> {
+    let [b, s, _] = logits.dims();
+    log_softmax(logits, 2)
+        .gather(2, targets.reshape([b, s, 1]))
+        .reshape([b, s])
+}
+
+/// Log-probs of `response` tokens given `prompt`: `out[i] = log p(response[i] | prompt,
+/// response[..i])`. Empty when `response` is empty.
+pub fn score_response<B: Backend>(model: &Qwen3<B>, prompt: &[u32], response: &[u32]) -> Vec<f32> {
+    score_batch(model, &[(prompt, response)])
+        .pop()
+        .unwrap_or_default()
+}
+
+/// Scores several `(prompt, response)` pairs in one right-padded forward pass.
+///
+/// # Panics
+/// If a prompt is empty (there is no position to predict the first response token from).
+pub fn score_batch<B: Backend>(model: &Qwen3<B>, pairs: &[(&[u32], &[u32])]) -> Vec<Vec<f32>> {
+    if pairs.is_empty() {
+        return Vec::new();
+    }
+    assert!(
+        pairs.iter().all(|(p, _)| !p.is_empty()),
+        "score_batch: empty prompt"
+    );
+    let lens: Vec<usize> = pairs.iter().map(|(p, r)| p.len() + r.len()).collect();
+    let s = *lens.iter().max().expect("non-empty");
+    let b = pairs.len();
+    // Inputs are the sequence minus its last token; targets are the sequence shifted by one.
+    let width = s - 1;
+    if width == 0 {
+        return pairs.iter().map(|_| Vec::new()).collect();
+    }
+    let mut inputs = vec![0i64; b * width];
+    let mut targets = vec![0i64; b * width];
+    for (row, (p, r)) in pairs.iter().enumerate() {
+        let seq: Vec<u32> = p.iter().chain(r.iter()).copied().collect();
+        for t in 0..seq.len() - 1 {
+            inputs[row * width + t] = seq[t] as i64;
+            targets[row * width + t] = seq[t + 1] as i64;
+        }
+    }
+    let device = model.device();
+    let inputs = Tensor::<B, 2, Int>::from_data(TensorData::new(inputs, [b, width]), &device);
+    let targets = Tensor::<B, 2, Int>::from_data(TensorData::new(targets, [b, width]), &device);
+    let lp = token_logprobs(model.forward(inputs), targets);
+    let all: Vec<f32> = lp.into_data().convert::<f32>().to_vec().expect("f32");
+    pairs
+        .iter()
+        .enumerate()
+        .map(|(row, (p, r))| {
+            let start = row * width + p.len() - 1;
+            all[start..start + r.len()].to_vec()
+        })
+        .collect()
+}
