@@ -377,6 +377,16 @@ impl<B: AutodiffBackend> Learner<B> {
     }
 }
 
+/// Per-token log-probs of each sample's response under any `model` (e.g. a serving replica),
+/// computed exactly as the learner computes its own: one right-padded forward pass.
+pub fn sample_logprobs<B: Backend>(
+    model: &Qwen3<B>,
+    samples: &[Sample],
+) -> Result<Vec<Vec<f32>>, LayoutError> {
+    let layout = BatchLayout::new(samples, None, PAD_ID, Some(model.vocab_size()))?;
+    Ok(layout.gather(&to_vec(window_logprobs(model, &layout))))
+}
+
 /// Log-probs `[batch, window]` of each window position's target under `model`.
 pub fn window_logprobs<B: Backend>(model: &Qwen3<B>, layout: &BatchLayout) -> Tensor<B, 2> {
     let device = model.device();

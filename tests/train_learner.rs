@@ -1,0 +1,258 @@
+//! Learner behaviour on the tiny Qwen3 fixture: versioned weight export, checkpoint resume,
+//! batching invariance, recomputed old log-probs, the rollout gap and skipped steps.
+
+use std::path::Path;
+
+use clawrl::model::{load_model, model_from_safetensors};
+use clawrl::train::checkpoint;
+use clawrl::train::learner::{sample_logprobs, Learner};
+use clawrl::train::{Sample, TrainConfig};
+use clawrl::{CpuAutodiff, CpuBackend};
+use rand::Rng;
+
+const DIR: &str = "tests/fixtures/qwen3-tiny";
+
+fn learner(kl_coef: f64) -> Learner {
+    let device = Default::default();
+    let (cfg, model) = load_model::<CpuAutodiff>(Path::new(DIR), &device).unwrap();
+    let train = TrainConfig {
+        lr: 1e-3,
+        kl_coef,
+        batch_size: 3,
+        ..TrainConfig::default()
+    };
+    Learner::new(cfg, model, train, device, 7)
+}
+
+/// Three samples of different prompt and response lengths with mixed-sign advantages.
+fn samples() -> Vec<Sample> {
+    let mk = |p: &[u32], r: &[u32], a: f32| Sample {
+        prompt_ids: p.to_vec(),
+        response_ids: r.to_vec(),
+        advantages: (0..r.len()).map(|k| a + 0.1 * k as f32).collect(),
+        old_logprobs: None,
+        ref_logprobs: None,
+        rollout_logprobs: None,
+    };
+    vec![
+        mk(&[1, 91, 89, 292, 205, 13], &[40, 41, 42, 2], 1.0),
+        mk(&[1, 89], &[300, 301, 302, 303, 304, 305, 2], -1.0),
+        mk(&[1, 7, 8, 9, 10, 11, 12, 13, 14, 15], &[77, 2], 0.5),
+    ]
+}
+
+/// A second batch: the first one's responses with noisy old log-probs so that ratios clip.
+fn samples_with_old(l: &Learner) -> Vec<Sample> {
+    let mut s = samples();
+    let own = l.logprobs(&s).unwrap();
+    for (i, (s, own)) in s.iter_mut().zip(own).enumerate() {
+        s.old_logprobs = Some(
+            own.iter()
+                .enumerate()
+                .map(|(k, x)| x + 0.3 * (((i * 7 + k * 3) % 5) as f32 - 2.0))
+                .collect(),
+        );
+    }
+    s
+}
+
+#[test]
+fn exported_weights_are_versioned_and_replicas_match_exactly() {
+    let mut l = learner(0.0);
+    let s = samples();
+    let w0 = l.export_weights().unwrap();
+    assert_eq!(w0.version, 0);
+    let mut last = w0.version;
+    for _ in 0..2 {
+        let m = l.step(&s).unwrap();
+        assert_eq!(m.skipped, None);
+        let w = l.export_weights().unwrap();
+        assert_eq!(w.version, last + 1);
+        assert_eq!(w.hash, blake3::hash(&w.bytes).to_hex().to_string());
+        last = w.version;
+        let replica =
+            model_from_safetensors::<CpuBackend>(l.model_config(), &w.bytes, &Default::default())
+                .unwrap();
+        let theirs = sample_logprobs(&replica, &s).unwrap();
+        assert_eq!(
+            theirs,
+            l.logprobs(&s).unwrap(),
+            "replica log-probs differ at version {last}"
+        );
+    }
+    // The weights moved: version 0's replica disagrees.
+    let replica0 =
+        model_from_safetensors::<CpuBackend>(l.model_config(), &w0.bytes, &Default::default())
+            .unwrap();
+    assert_ne!(
+        sample_logprobs(&replica0, &s).unwrap(),
+        l.logprobs(&s).unwrap()
+    );
+}
+
+#[test]
+fn resumed_run_continues_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = learner(0.05);
+    a.step(&samples()).unwrap();
+    let _: u64 = a.rng().random();
+    let saved = checkpoint::save(&a, dir.path(), 2).unwrap();
+    assert_eq!(checkpoint::latest(dir.path()).unwrap(), saved);
+    // No temporary leftovers.
+    let names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(names.iter().all(|n| !n.starts_with('.')), "{names:?}");
+
+    let mut b: Learner = checkpoint::restore(&saved, &Default::default()).unwrap();
+    assert_eq!((b.version(), b.steps()), (a.version(), a.steps()));
+    assert_eq!(b.rng().random::<u64>(), a.rng().random::<u64>());
+
+    let batch = samples_with_old(&a);
+    let ma = a.step(&batch).unwrap();
+    let mb = b.step(&batch).unwrap();
+    assert_eq!(ma, mb);
+    assert!(ma.clip_fraction > 0.0 && ma.kl > 0.0, "{ma:?}");
+    assert_eq!(
+        a.export_weights().unwrap().bytes,
+        b.export_weights().unwrap().bytes,
+        "weights after the resumed step differ"
+    );
+    // A third step also agrees (optimizer moments were restored, not just weights).
+    let mc = a.step(&samples()).unwrap();
+    let md = b.step(&samples()).unwrap();
+    assert_eq!(mc, md);
+
+    // Older checkpoints are pruned to `keep`.
+    checkpoint::save(&a, dir.path(), 2).unwrap();
+    checkpoint::save(&b, dir.path(), 2).unwrap(); // same step: replaced in place
+    let mut e = learner(0.0);
+    e.step(&samples()).unwrap();
+    e.step(&samples()).unwrap();
+    e.step(&samples()).unwrap();
+    e.step(&samples()).unwrap();
+    checkpoint::save(&e, dir.path(), 2).unwrap();
+    let mut steps: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    steps.sort();
+    assert_eq!(steps, vec!["step-00000003", "step-00000004"]);
+}
+
+fn close(a: f64, b: f64, tol: f64) -> bool {
+    (a - b).abs() <= tol * a.abs().max(b.abs()).max(1e-12)
+}
+
+#[test]
+fn loss_is_invariant_to_order_and_padding() {
+    let base = {
+        let l = learner(0.05);
+        samples_with_old(&l)
+    };
+    let mut reversed = base.clone();
+    reversed.reverse();
+    let rotated = vec![base[1].clone(), base[2].clone(), base[0].clone()];
+    let longest = base.iter().map(Sample::len).max().unwrap();
+
+    let mut ref_l = learner(0.05);
+    let m0 = ref_l.step(&base).unwrap();
+    let w0 = ref_l.export_weights().unwrap().bytes;
+    for (batch, pad) in [
+        (&base, Some(longest + 9)),
+        (&reversed, None),
+        (&rotated, Some(longest + 3)),
+    ] {
+        let mut l = learner(0.05);
+        let m = l.step_padded(batch, pad).unwrap();
+        for (name, x, y) in [
+            ("loss", m.loss, m0.loss),
+            ("pg_loss", m.pg_loss, m0.pg_loss),
+            ("kl", m.kl, m0.kl),
+            ("clip_fraction", m.clip_fraction, m0.clip_fraction),
+            ("grad_norm", m.grad_norm, m0.grad_norm),
+        ] {
+            assert!(close(x, y, 1e-5), "{name}: {x} vs {y} (pad {pad:?})");
+        }
+        // Updated weights agree to float rounding.
+        let a = model_from_safetensors::<CpuBackend>(l.model_config(), &w0, &Default::default())
+            .unwrap();
+        let pa = sample_logprobs(&a, &base).unwrap();
+        let pb = l.logprobs(&base).unwrap();
+        for (x, y) in pa.iter().flatten().zip(pb.iter().flatten()) {
+            assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+        }
+    }
+}
+
+#[test]
+fn missing_old_logprobs_are_the_policys_own_and_rollout_gap_is_reported() {
+    let mut l = learner(0.0);
+    let mut s = samples();
+    let own = l.logprobs(&s).unwrap();
+    for (s, own) in s.iter_mut().zip(&own) {
+        s.rollout_logprobs = Some(own.iter().map(|x| x - 0.25).collect());
+    }
+    let m = l.step(&s).unwrap();
+    // Ratio 1 everywhere: nothing clips and pg_loss is minus the mean advantage.
+    assert_eq!(m.clip_fraction, 0.0);
+    let mean_adv: f64 = s
+        .iter()
+        .map(|s| s.advantages.iter().map(|&a| a as f64).sum::<f64>() / s.advantages.len() as f64)
+        .sum::<f64>()
+        / s.len() as f64;
+    assert!(
+        close(m.pg_loss, -mean_adv, 1e-5),
+        "{} vs {}",
+        m.pg_loss,
+        -mean_adv
+    );
+    assert_eq!(m.kl, 0.0);
+    let gap = m.rollout_gap.unwrap();
+    assert_eq!(gap.tokens, 13);
+    assert!(
+        (gap.mean + 0.25).abs() < 1e-5 && (gap.mean_abs - 0.25).abs() < 1e-5,
+        "{gap:?}"
+    );
+    assert!(m.grad_norm > 0.0 && m.tokens == 13);
+}
+
+#[test]
+fn non_finite_loss_skips_the_step_and_leaves_weights_untouched() {
+    let mut l = learner(0.0);
+    let mut s = samples();
+    // old log-probs far below the new ones: the ratio overflows to inf, and with a negative
+    // advantage the unclipped term is +inf.
+    s[1].old_logprobs = Some(vec![-200.0; s[1].response_ids.len()]);
+    let before = l.export_weights().unwrap();
+    let m = l.step(&s).unwrap();
+    assert!(
+        m.skipped
+            .as_deref()
+            .unwrap_or("")
+            .contains("non-finite loss"),
+        "{m:?}"
+    );
+    assert_eq!((m.step, m.version), (0, 0));
+    let after = l.export_weights().unwrap();
+    assert_eq!(before.hash, after.hash);
+    assert_eq!(after.version, 0);
+    assert!(l.optimizer().export_state().is_empty());
+    // The learner still trains on good data afterwards.
+    let m = l.step(&samples()).unwrap();
+    assert_eq!((m.skipped, m.version), (None, 1));
+}
+
+#[test]
+fn invalid_batches_are_refused() {
+    let mut l = learner(0.0);
+    let mut s = samples();
+    s[2].response_ids.push(9999);
+    s[2].advantages.push(0.0);
+    let err = l.step(&s).unwrap_err().to_string();
+    assert!(err.contains("sample 2") && err.contains("9999"), "{err}");
+    let err = l.step(&[]).unwrap_err().to_string();
+    assert!(err.contains("empty batch"), "{err}");
+}
