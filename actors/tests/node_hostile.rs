@@ -1,0 +1,144 @@
+//! A node faced with hostile or broken peers on its UDP port: a TLS client with no certificate,
+//! a client speaking another ALPN, a client with no ALPN, and garbage datagrams. None of them
+//! gets in, and the node neither crashes nor stalls: a proper CLI request still succeeds.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clawrl_actors::cli::{self, CliReply, CliRequest};
+use clawrl_actors::config::NodeConfig;
+use clawrl_actors::node::{Node, NodeOptions};
+use clawrl_actors::pki::{self, Identity, NODE_SERVER_NAME};
+use clawrl_actors::transport::{self, StreamTag};
+
+fn config(dir: &Path, name: &str) -> NodeConfig {
+    let text = format!(
+        "[node]\nname = \"{name}\"\nlisten = \"127.0.0.1:0\"\nroles = [\"env\"]\ndata_dir = \"data\"\n"
+    );
+    NodeConfig::parse(&text, &dir.join("cluster.toml")).unwrap()
+}
+
+/// The node's config with its actual (OS-picked) port, for the CLI client.
+fn client_config(cfg: &NodeConfig, node: &Node) -> NodeConfig {
+    let mut c = cfg.clone();
+    c.listen = node.addr();
+    c
+}
+
+async fn cli_works(cfg: &NodeConfig) {
+    match cli::request(cfg, &CliRequest::Nodes, Duration::from_secs(10)).await {
+        Ok(CliReply::Nodes(v)) => assert_eq!(v.nodes.len(), 1),
+        other => panic!("node did not answer a proper request: {other:?}"),
+    }
+}
+
+fn client_endpoint(tls: rustls::ClientConfig) -> quinn::Endpoint {
+    let quic = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    ep.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic)));
+    ep
+}
+
+/// Tries a CLI exchange over a connection made with `ep`; Ok means the node answered.
+async fn try_exchange(ep: &quinn::Endpoint, addr: SocketAddr) -> Result<(), String> {
+    let conn = ep
+        .connect(addr, NODE_SERVER_NAME)
+        .map_err(|e| e.to_string())?
+        .await
+        .map_err(|e| e.to_string())?;
+    let (mut send, mut recv) = transport::open_tagged(&conn, StreamTag::Cli)
+        .await
+        .map_err(|e| e.to_string())?;
+    transport::write_frame(&mut send, &CliRequest::Nodes)
+        .await
+        .map_err(|e| e.to_string())?;
+    let _ = send.finish();
+    transport::read_frame::<CliReply>(&mut recv)
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+fn ring() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_without_certificate_or_with_wrong_alpn_are_refused_and_garbage_is_ignored() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), "hostile-target");
+    let node = Node::start(&cfg, NodeOptions::default()).await.unwrap();
+    let ccfg = client_config(&cfg, &node);
+    let addr = node.addr();
+    cli_works(&ccfg).await;
+
+    let eph = pki::ephemeral_dir(&cfg.data_dir);
+    let ca = Identity::load(
+        &eph.join("ca.pem"),
+        &eph.join("client.pem"),
+        &eph.join("client.key"),
+    )
+    .unwrap();
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.ca.clone()).unwrap();
+
+    // 1. No client certificate.
+    let mut tls = rustls::ClientConfig::builder_with_provider(ring())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates(roots.clone())
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![pki::ALPN.to_vec()];
+    let ep = client_endpoint(tls);
+    let r = tokio::time::timeout(Duration::from_secs(10), try_exchange(&ep, addr)).await;
+    assert!(
+        matches!(r, Ok(Err(_))),
+        "a peer without certificate was served: {r:?}"
+    );
+
+    // 2. A valid certificate but another ALPN, and no ALPN at all.
+    for alpn in [vec![b"h3".to_vec()], vec![]] {
+        let mut tls = ca.client_config(&[]).unwrap();
+        tls.alpn_protocols = alpn.clone();
+        let ep = client_endpoint(tls);
+        let r = tokio::time::timeout(Duration::from_secs(10), try_exchange(&ep, addr)).await;
+        assert!(matches!(r, Ok(Err(_))), "ALPN {alpn:?} was served: {r:?}");
+    }
+
+    // 3. Garbage datagrams of every size, including ones that look like QUIC long headers.
+    let sock = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    for i in 0..2000usize {
+        let len = 1 + (i * 37) % 1400;
+        let mut buf = vec![0u8; len];
+        for b in buf.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *b = x as u8;
+        }
+        if i % 3 == 0 {
+            buf[0] = 0xc0 | (buf[0] & 0x0f); // long header, random version
+        }
+        let _ = sock.send_to(&buf, addr);
+    }
+
+    // 4. The node still serves its cluster's client, promptly.
+    cli_works(&ccfg).await;
+    let ok_tls = ca.client_config(&[pki::ALPN]).unwrap();
+    let ep = client_endpoint(ok_tls);
+    tokio::time::timeout(Duration::from_secs(10), try_exchange(&ep, addr))
+        .await
+        .expect("node stalled")
+        .expect("node refused a proper client");
+
+    // 5. A stream with an unknown tag and one that never sends a tag do not disturb it.
+    let conn = ep.connect(addr, NODE_SERVER_NAME).unwrap().await.unwrap();
+    let (mut s1, _r1) = conn.open_bi().await.unwrap();
+    s1.write_all(&[0x7f, 1, 2, 3]).await.unwrap();
+    let (_s2, _r2) = conn.open_bi().await.unwrap();
+    cli_works(&ccfg).await;
+    node.shutdown().await;
+}
