@@ -6,9 +6,10 @@
 //!   `\boxed{1} … \boxed{10}` reads as `1`. With no such box the vote fails.
 //! - A score outside the prompt's allowed set (e.g. `\boxed{5}`, or `\boxed{0}` for the hint
 //!   judge) is a failed vote.
-//! - A hint is the text between the last `[HINT_END]` and the last `[HINT_START]` before it
-//!   (so an unterminated trailing `[HINT_START]` is ignored), possibly spanning lines, trimmed;
-//!   an empty hint is no hint.
+//! - A hint is the text of the last complete `[HINT_START]…[HINT_END]` pair: from the last
+//!   `[HINT_START]` that an `[HINT_END]` follows, to the first `[HINT_END]` after it (so an
+//!   unterminated trailing `[HINT_START]` is ignored, and a stray extra `[HINT_END]` does not
+//!   extend the hint), possibly spanning lines, trimmed; an empty hint is no hint.
 //!
 //! Both scans are linear in the text length (substring search plus constant work per match).
 
@@ -68,10 +69,14 @@ pub fn parse_vote(text: &str, allowed: &[i8]) -> Result<i8, VoteError> {
 /// Parses the last `[HINT_START]…[HINT_END]` in `text`, trimmed; `None` when there is no
 /// complete pair or the hint is empty after trimming.
 pub fn parse_hint(text: &str) -> Option<String> {
-    let end = text.rfind(HINT_END)?;
-    let before = &text[..end];
-    let start = before.rfind(HINT_START)? + HINT_START.len();
-    let hint = before[start..].trim();
+    // The last start tag that some end tag follows is the last one before the last end tag; its
+    // hint runs to the first end tag after it.
+    let last_end = text.rfind(HINT_END)?;
+    let start = text[..last_end].rfind(HINT_START)? + HINT_START.len();
+    let len = text[start..]
+        .find(HINT_END)
+        .expect("the last end tag follows");
+    let hint = text[start..start + len].trim();
     (!hint.is_empty()).then(|| hint.to_string())
 }
 
