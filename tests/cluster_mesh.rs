@@ -190,3 +190,66 @@ fn a_killed_node_leaves_within_5s_others_keep_working_and_it_rejoins() {
     let pings = clawrl_ok(&["ping", "--config", c2.to_str().unwrap()]);
     assert!(pings.contains("k3/env.terminal.0"), "{pings}");
 }
+
+#[test]
+fn a_64_mib_blob_broadcast_from_one_node_arrives_bit_exact_at_three_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = init_certs(dir.path(), &["s", "r1", "r2", "r3"]);
+    let ps = free_port();
+    let src = write_config(dir.path(), "s", ps, &[], &["control"], Some(&certs));
+    let _ns = NodeProc::start("node", &src, &[]);
+    let mut receivers = Vec::new();
+    for name in ["r1", "r2", "r3"] {
+        let cfg = write_config(dir.path(), name, free_port(), &[ps], &["env"], Some(&certs));
+        receivers.push((name, cfg.clone(), NodeProc::start("node", &cfg, &[])));
+    }
+    wait_for(JOIN_LIMIT, || {
+        view(&src).filter(|v| node_names(v) == ["r1", "r2", "r3", "s"])
+    })
+    .expect("mesh never formed");
+
+    // 64 MiB of deterministic pseudo-random bytes.
+    let mut data = vec![0u8; 64 << 20];
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    for chunk in data.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes()[..chunk.len()]);
+    }
+    let file = dir.path().join("blob.bin");
+    std::fs::write(&file, &data).unwrap();
+    let out = clawrl_ok(&[
+        "blob",
+        "publish",
+        file.to_str().unwrap(),
+        "--config",
+        src.to_str().unwrap(),
+    ]);
+    let id = out.split_whitespace().next().unwrap().to_string();
+    assert_eq!(out.split_whitespace().nth(1), Some("67108864"));
+
+    let out = clawrl_ok(&[
+        "blob",
+        "broadcast",
+        &id,
+        "--to",
+        "r1,r2,r3",
+        "--config",
+        src.to_str().unwrap(),
+    ]);
+    assert!(out.starts_with("delivered\t"), "{out}");
+    for (name, cfg, _) in &receivers {
+        let saved = dir.path().join(format!("{name}.bin"));
+        clawrl_ok(&[
+            "blob",
+            "save",
+            &id,
+            saved.to_str().unwrap(),
+            "--config",
+            cfg.to_str().unwrap(),
+        ]);
+        let got = std::fs::read(&saved).unwrap();
+        assert!(got == data, "{name} holds different bytes");
+    }
+}

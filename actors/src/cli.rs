@@ -22,6 +22,58 @@ pub enum CliRequest {
     Ping,
     /// Forward to the cluster's Control actor.
     Control(ControlRequest),
+    /// Operate this node's bulk plane.
+    Blob(BlobRequest),
+}
+
+/// A request to a node's bulk plane. Paths are on the node's filesystem.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum BlobRequest {
+    /// Read a file and publish its bytes as a blob.
+    Publish {
+        /// The file (node-side path).
+        path: std::path::PathBuf,
+    },
+    /// Broadcast a blob held by this node to other nodes (relayed).
+    Broadcast {
+        /// The blob id (hex).
+        id: String,
+        /// Target node names.
+        targets: Vec<String>,
+    },
+    /// Write a blob held by this node to a file.
+    Save {
+        /// The blob id (hex).
+        id: String,
+        /// The file (node-side path).
+        path: std::path::PathBuf,
+    },
+}
+
+/// A bulk plane's answer.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub enum BlobReply {
+    /// The blob's id and size.
+    Published {
+        /// The blob id (hex).
+        id: String,
+        /// Its size in bytes.
+        len: u64,
+    },
+    /// Nodes now holding the blob.
+    Broadcast {
+        /// Every target, all holding the blob.
+        delivered: Vec<String>,
+        /// Targets that needed a direct retry.
+        retried: Vec<String>,
+    },
+    /// The blob was written.
+    Saved {
+        /// Bytes written.
+        len: u64,
+        /// blake3 of the bytes written (hex).
+        blake3: String,
+    },
 }
 
 /// A node's answer.
@@ -33,6 +85,8 @@ pub enum CliReply {
     Ping(Vec<PingResult>),
     /// Control's answer.
     Control(ControlReply),
+    /// The bulk plane's answer.
+    Blob(BlobReply),
     /// The request failed.
     Error(String),
 }

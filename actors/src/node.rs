@@ -23,7 +23,8 @@ use ractor_cluster::{NodeServer, NodeServerMessage};
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncReadExt;
 
-use crate::cli::{CliReply, CliRequest, ClusterView, NodeView, PingResult};
+use crate::bulk::{BlobId, BulkConfig, BulkPlane, ConnectError, PeerConnector};
+use crate::cli::{BlobReply, BlobRequest, CliReply, CliRequest, ClusterView, NodeView, PingResult};
 use crate::config::{NodeConfig, Role};
 use crate::control::{Control, ControlArgs, JobValidator};
 use crate::pki::{self, Identity, NODE_SERVER_NAME};
@@ -75,10 +76,40 @@ pub struct NodeOptions {
     pub envs: Vec<EnvSpec>,
 }
 
-/// A stream handler for [`StreamTag::Bulk`] streams (the bulk plane installs one).
-pub trait BulkStreamHandler: Send + Sync + 'static {
-    /// Serves one bulk stream (tag byte already read) from `peer` (a node name, when known).
-    fn serve(&self, peer: Option<String>, send: SendStream, recv: RecvStream);
+/// The bulk plane's view of this node's peer table: the live connection to a named peer,
+/// waiting briefly when the mesh is (re)connecting to it.
+#[derive(Clone)]
+pub struct NodeConnector {
+    peers: Arc<Mutex<HashMap<String, Peer>>>,
+}
+
+/// How long the bulk plane waits for a peer that is not connected right now.
+const CONNECT_WAIT: Duration = Duration::from_secs(5);
+
+impl PeerConnector for NodeConnector {
+    fn connection(
+        &self,
+        peer: &str,
+    ) -> impl std::future::Future<Output = Result<quinn::Connection, ConnectError>> + Send {
+        let peers = self.peers.clone();
+        let peer = peer.to_string();
+        async move {
+            let start = Instant::now();
+            loop {
+                let live = lock(&peers)
+                    .get(&peer)
+                    .filter(|p| p.conn.close_reason().is_none())
+                    .map(|p| p.conn.clone());
+                if let Some(c) = live {
+                    return Ok(c);
+                }
+                if start.elapsed() > CONNECT_WAIT {
+                    return Err(format!("not connected to node `{peer}`").into());
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
 }
 
 /// A connected peer.
@@ -147,9 +178,9 @@ struct Inner {
     digest: String,
     endpoint: quinn::Endpoint,
     node_server: ActorRef<NodeServerMessage>,
-    peers: Mutex<HashMap<String, Peer>>,
+    peers: Arc<Mutex<HashMap<String, Peer>>>,
     targets: Mutex<HashMap<SocketAddr, Target>>,
-    bulk: Mutex<Option<Arc<dyn BulkStreamHandler>>>,
+    bulk: BulkPlane<NodeConnector>,
 }
 
 /// A running node. Cloning gives another handle to the same node.
@@ -273,6 +304,7 @@ impl Node {
                 message: e.to_string(),
             })?;
 
+        let peers = Arc::new(Mutex::new(HashMap::new()));
         let inner = Arc::new(Inner {
             name: config.name.clone(),
             roles: config.roles.clone(),
@@ -280,9 +312,12 @@ impl Node {
             digest,
             endpoint,
             node_server,
-            peers: Mutex::new(HashMap::new()),
+            peers: peers.clone(),
             targets: Mutex::new(HashMap::new()),
-            bulk: Mutex::new(None),
+            bulk: BulkPlane::new(
+                NodeConnector { peers },
+                BulkConfig::new(config.name.clone()),
+            ),
         });
         {
             let mut t = lock(&inner.targets);
@@ -370,9 +405,9 @@ impl Node {
             .map(|p| p.conn.clone())
     }
 
-    /// Installs the handler of [`StreamTag::Bulk`] streams.
-    pub fn set_bulk_handler(&self, handler: Arc<dyn BulkStreamHandler>) {
-        *lock(&self.inner.bulk) = Some(handler);
+    /// This node's bulk plane (blobs move between nodes on their own QUIC streams).
+    pub fn bulk(&self) -> &BulkPlane<NodeConnector> {
+        &self.inner.bulk
     }
 
     /// The cluster as this node sees it.
@@ -664,10 +699,11 @@ impl Node {
             }
             Some(StreamTag::Cli) => self.serve_cli(from, send, recv).await,
             Some(StreamTag::Bulk) => {
-                let handler = lock(&self.inner.bulk).clone();
-                match handler {
-                    Some(h) => h.serve(peer.or_else(|| self.admitted_name(&conn)), send, recv),
-                    None => tracing::warn!("{from}: bulk stream but no bulk plane on this node"),
+                if let Err(e) = self.inner.bulk.serve_stream(send, recv).await {
+                    tracing::warn!(
+                        "bulk stream from {}: {e}",
+                        peer.unwrap_or_else(|| from.to_string())
+                    );
                 }
             }
             None => tracing::warn!("{from}: unknown stream tag {:#04x}; stream dropped", tag[0]),
@@ -744,6 +780,10 @@ impl Node {
         let reply = match req {
             CliRequest::Nodes => CliReply::Nodes(self.view()),
             CliRequest::Ping => CliReply::Ping(self.ping_all().await),
+            CliRequest::Blob(b) => match self.blob_request(b).await {
+                Ok(r) => CliReply::Blob(r),
+                Err(e) => CliReply::Error(e),
+            },
             CliRequest::Control(c) => {
                 let mut members = ractor::pg::get_members(&crate::groups::CONTROL.to_string());
                 members.sort_by_key(rpc::actor_label);
@@ -770,6 +810,53 @@ impl Node {
         }
         let _ = send.finish();
         let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
+    }
+
+    async fn blob_request(&self, req: BlobRequest) -> Result<BlobReply, String> {
+        let parse = |id: &str| id.parse::<BlobId>().map_err(|e| e.to_string());
+        match req {
+            BlobRequest::Publish { path } => {
+                let data = tokio::fs::read(&path)
+                    .await
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                let len = data.len() as u64;
+                let id = self
+                    .inner
+                    .bulk
+                    .publish(bytes::Bytes::from(data))
+                    .map_err(|e| e.to_string())?;
+                tracing::info!("published blob {id} ({len} bytes) from {}", path.display());
+                Ok(BlobReply::Published {
+                    id: id.to_string(),
+                    len,
+                })
+            }
+            BlobRequest::Broadcast { id, targets } => {
+                let r = self
+                    .inner
+                    .bulk
+                    .broadcast(parse(&id)?, &targets)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(BlobReply::Broadcast {
+                    delivered: r.delivered,
+                    retried: r.retried,
+                })
+            }
+            BlobRequest::Save { id, path } => {
+                let id = parse(&id)?;
+                let data = self.inner.bulk.get(&id).ok_or_else(|| {
+                    format!("blob {id} is not held by node `{}`", self.inner.name)
+                })?;
+                tokio::fs::write(&path, &data)
+                    .await
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                Ok(BlobReply::Saved {
+                    len: data.len() as u64,
+                    blake3: blake3::hash(&data).to_hex().to_string(),
+                })
+            }
+        }
     }
 
     /// Pings every member of every `clawrl.*` group except Control, concurrently.

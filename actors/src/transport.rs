@@ -148,6 +148,8 @@ fn transport_config() -> quinn::TransportConfig {
     ));
     t.keep_alive_interval(Some(KEEP_ALIVE));
     t.max_concurrent_bidi_streams(1024u32.into());
+    // Windows sized for bulk transfers (weights) sharing the connection.
+    crate::bulk::tune_transport(&mut t);
     t
 }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Subcommand;
 use clawrl::job::{JobSpec, SpecValidator};
-use clawrl_actors::cli::{self as client, CliReply, CliRequest};
+use clawrl_actors::cli::{self as client, BlobReply, BlobRequest, CliReply, CliRequest};
 use clawrl_actors::config::NodeConfig;
 use clawrl_actors::control::{ControlReply, ControlRequest, JobRecord};
 use clawrl_actors::node::{Node, NodeOptions};
@@ -76,6 +76,11 @@ pub enum Commands {
         #[arg(long)]
         json: bool,
     },
+    /// Move blobs with a node's bulk plane (paths are on that node's filesystem).
+    Blob {
+        #[command(subcommand)]
+        cmd: BlobCmd,
+    },
     /// Ping every group member from a node (remote request/reply round trips).
     Ping {
         /// Config of the node to talk to.
@@ -84,6 +89,40 @@ pub enum Commands {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+    },
+}
+
+/// `clawrl blob ...`
+#[derive(Subcommand)]
+pub enum BlobCmd {
+    /// Publish a file's bytes as a blob on the node; prints the blob id.
+    Publish {
+        /// The file.
+        path: PathBuf,
+        /// Config of the node.
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Broadcast a blob the node holds to other nodes (relayed).
+    Broadcast {
+        /// The blob id.
+        id: String,
+        /// Target node names, comma-separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        to: Vec<String>,
+        /// Config of the node holding the blob.
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Write a blob the node holds to a file; prints its size and blake3.
+    Save {
+        /// The blob id.
+        id: String,
+        /// The file to write.
+        path: PathBuf,
+        /// Config of the node.
+        #[arg(long)]
+        config: PathBuf,
     },
 }
 
@@ -221,6 +260,35 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
             }
             other => bail!("unexpected reply from the node: {other:?}"),
         },
+        Commands::Blob { cmd } => {
+            let (config, req) = match cmd {
+                BlobCmd::Publish { path, config } => {
+                    let path = std::path::absolute(&path)
+                        .with_context(|| format!("resolving {}", path.display()))?;
+                    (config, BlobRequest::Publish { path })
+                }
+                BlobCmd::Broadcast { id, to, config } => {
+                    (config, BlobRequest::Broadcast { id, targets: to })
+                }
+                BlobCmd::Save { id, path, config } => {
+                    let path = std::path::absolute(&path)
+                        .with_context(|| format!("resolving {}", path.display()))?;
+                    (config, BlobRequest::Save { id, path })
+                }
+            };
+            match ask(&config, CliRequest::Blob(req))? {
+                CliReply::Blob(BlobReply::Published { id, len }) => println!("{id}\t{len}"),
+                CliReply::Blob(BlobReply::Broadcast { delivered, retried }) => {
+                    println!("delivered\t{}", delivered.join(","));
+                    if !retried.is_empty() {
+                        println!("retried\t{}", retried.join(","));
+                    }
+                }
+                CliReply::Blob(BlobReply::Saved { len, blake3 }) => println!("{len}\t{blake3}"),
+                other => bail!("unexpected reply from the node: {other:?}"),
+            }
+            Ok(())
+        }
         Commands::Ping { config, json } => match ask(&config, CliRequest::Ping)? {
             CliReply::Ping(results) => {
                 if json {
