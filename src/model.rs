@@ -4,14 +4,18 @@
 //! Layout: [`config`] (the `config.json` schema), [`qwen3`] (the module and its forward passes),
 //! [`kv_cache`] (per-sequence cache outside the model), [`weights`] (safetensors in and out),
 //! [`checkpoint`] (the directory layout), [`chat`] (templates and tokenization), [`score`]
-//! (per-token log-probs in one pass).
+//! (per-token log-probs in one pass), [`sampling`] (temperature / top-k / top-p), [`engine`] (the
+//! batching scheduler) and [`tool_call`] (Qwen `<tool_call>` parsing).
 
 pub mod chat;
 pub mod checkpoint;
 pub mod config;
+pub mod engine;
 pub mod kv_cache;
 pub mod qwen3;
+pub mod sampling;
 pub mod score;
+pub mod tool_call;
 pub mod weights;
 
 pub use chat::{ChatError, ChatTemplate, Prompt};
@@ -20,7 +24,13 @@ pub use checkpoint::{
     TokenizerFiles,
 };
 pub use config::{ConfigError, Qwen3Config};
+pub use engine::{
+    spawn_engine, EngineError, EngineHandle, EngineOptions, FinishReason, GenerationRequest,
+    GenerationResult,
+};
 pub use kv_cache::{KvCache, KvCacheError};
 pub use qwen3::Qwen3;
+pub use sampling::SamplingParams;
 pub use score::{score_batch, score_response, token_logprobs};
+pub use tool_call::{parse_tool_calls, ParsedResponse, ToolCall, ToolCallError};
 pub use weights::{model_from_safetensors, model_to_safetensors, SaveError};

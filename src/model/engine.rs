@@ -1,0 +1,388 @@
+//! The generation engine: one scheduler thread that owns all sequence state and batches
+//! concurrent requests. Callers hold an [`EngineHandle`] and send commands with a oneshot reply.
+//! Between decode steps the scheduler admits waiting requests (prefilling each into its own
+//! [`KvCache`]) and retires finished ones (dropping their cache), so sequences join and leave a
+//! running batch. The weights are shared behind an `Arc` and never copied per sequence.
+//!
+//! Each request has its own seeded RNG, so its output does not depend on what it is batched with
+//! (up to floating-point differences between batch shapes). Log-probs are those of
+//! [`super::sampling`]: under `softmax(logits / T)`, before top-k/top-p truncation.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use burn::tensor::backend::Backend;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+
+use super::kv_cache::KvCache;
+use super::qwen3::Qwen3;
+use super::sampling::{sample_token, SamplingError, SamplingParams};
+
+/// Engine-wide limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// Most sequences decoded together in one step.
+    pub max_batch: usize,
+    /// Most positions (prompt + response) one sequence may hold; its KV cache never grows past
+    /// this (capped at the model's `max_position_embeddings`).
+    pub max_context: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            max_batch: 16,
+            max_context: 4096,
+        }
+    }
+}
+
+/// One generation request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerationRequest {
+    /// The tokenized prompt.
+    pub prompt_ids: Vec<u32>,
+    /// Sampling and stopping.
+    pub params: SamplingParams,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// A stop token was sampled (it is the last response id).
+    Stop,
+    /// The decoded response contains a stop string.
+    StopString,
+    /// `max_new_tokens` were generated.
+    Length,
+    /// The sequence reached the maximum context.
+    ContextFull,
+}
+
+/// The outcome of one request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerationResult {
+    /// Sampled ids (a final stop token included).
+    pub response_ids: Vec<u32>,
+    /// Log-prob of each sampled id under the temperature-scaled distribution, before top-k /
+    /// top-p truncation.
+    pub logprobs: Vec<f32>,
+    /// Why it ended.
+    pub finish_reason: FinishReason,
+}
+
+/// A request the engine refused or could not finish.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum EngineError {
+    /// The sampling parameters are invalid.
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+    /// The prompt is empty.
+    #[error("empty prompt")]
+    EmptyPrompt,
+    /// A prompt token is outside the vocabulary.
+    #[error("prompt token {token} at position {position} is outside the vocabulary of {vocab}")]
+    BadToken {
+        /// The id.
+        token: u32,
+        /// Where.
+        position: usize,
+        /// Vocabulary size.
+        vocab: usize,
+    },
+    /// The prompt leaves no room for even one new token.
+    #[error("prompt of {len} tokens leaves no room in the maximum context of {max}")]
+    PromptTooLong {
+        /// Prompt length.
+        len: usize,
+        /// The bound.
+        max: usize,
+    },
+    /// Stop strings were given but the engine has no tokenizer to decode with.
+    #[error("stop strings need an engine with a tokenizer")]
+    NoTokenizer,
+    /// The engine thread is gone.
+    #[error("the generation engine has shut down")]
+    Closed,
+}
+
+enum Command {
+    Generate(
+        GenerationRequest,
+        oneshot::Sender<Result<GenerationResult, EngineError>>,
+    ),
+}
+
+/// A cheap, cloneable handle to a running engine. The engine stops when every handle is dropped
+/// and its running sequences are done.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::UnboundedSender<Command>,
+}
+
+impl EngineHandle {
+    /// Submits a request; the receiver resolves when it finishes (await it, or
+    /// `blocking_recv` it outside async code).
+    pub fn submit(
+        &self,
+        request: GenerationRequest,
+    ) -> oneshot::Receiver<Result<GenerationResult, EngineError>> {
+        let (tx, rx) = oneshot::channel();
+        // If the engine is gone, `tx` is dropped and the receiver reports it.
+        let _ = self.tx.send(Command::Generate(request, tx));
+        rx
+    }
+
+    /// Generates (async).
+    pub async fn generate(
+        &self,
+        request: GenerationRequest,
+    ) -> Result<GenerationResult, EngineError> {
+        self.submit(request)
+            .await
+            .map_err(|_| EngineError::Closed)?
+    }
+
+    /// Generates, blocking the calling (non-async) thread.
+    pub fn generate_blocking(
+        &self,
+        request: GenerationRequest,
+    ) -> Result<GenerationResult, EngineError> {
+        self.submit(request)
+            .blocking_recv()
+            .map_err(|_| EngineError::Closed)?
+    }
+}
+
+/// Starts an engine thread over shared weights. `tokenizer` is needed only for stop strings.
+pub fn spawn_engine<B: Backend>(
+    model: Arc<Qwen3<B>>,
+    tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+    options: EngineOptions,
+) -> EngineHandle
+where
+    Qwen3<B>: Send + Sync,
+{
+    let (tx, rx) = mpsc::unbounded_channel();
+    std::thread::Builder::new()
+        .name("clawrl-generate".into())
+        .spawn(move || Scheduler::new(model, tokenizer, options).run(rx))
+        .expect("spawning the engine thread");
+    EngineHandle { tx }
+}
+
+/// One sequence being decoded.
+struct Active<B: Backend> {
+    params: SamplingParams,
+    rng: StdRng,
+    cache: KvCache<B>,
+    response: Vec<u32>,
+    logprobs: Vec<f32>,
+    reply: oneshot::Sender<Result<GenerationResult, EngineError>>,
+}
+
+/// The scheduler state, owned by the engine thread.
+pub struct Scheduler<B: Backend> {
+    model: Arc<Qwen3<B>>,
+    tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+    options: EngineOptions,
+    waiting: VecDeque<(
+        GenerationRequest,
+        oneshot::Sender<Result<GenerationResult, EngineError>>,
+    )>,
+    active: Vec<Active<B>>,
+}
+
+impl<B: Backend> Scheduler<B> {
+    fn new(
+        model: Arc<Qwen3<B>>,
+        tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+        options: EngineOptions,
+    ) -> Self {
+        Self {
+            model,
+            tokenizer,
+            options,
+            waiting: VecDeque::new(),
+            active: Vec::new(),
+        }
+    }
+
+    fn max_context(&self) -> usize {
+        self.options
+            .max_context
+            .min(self.model.max_position_embeddings)
+    }
+
+    fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
+        let mut open = true;
+        loop {
+            if self.active.is_empty() && self.waiting.is_empty() {
+                if !open {
+                    return;
+                }
+                match rx.blocking_recv() {
+                    Some(c) => self.accept(c),
+                    None => return,
+                }
+            }
+            // Take every command already queued, without blocking.
+            while open {
+                match rx.try_recv() {
+                    Ok(c) => self.accept(c),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => open = false,
+                }
+            }
+            self.admit();
+            self.step();
+        }
+    }
+
+    fn accept(&mut self, c: Command) {
+        match c {
+            Command::Generate(req, reply) => self.waiting.push_back((req, reply)),
+        }
+    }
+
+    fn validate(&self, req: &GenerationRequest) -> Result<(), EngineError> {
+        req.params.validate()?;
+        if req.prompt_ids.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let vocab = self.model.vocab_size();
+        if let Some((position, &token)) = req
+            .prompt_ids
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= vocab)
+        {
+            return Err(EngineError::BadToken {
+                token,
+                position,
+                vocab,
+            });
+        }
+        if req.prompt_ids.len() >= self.max_context() {
+            return Err(EngineError::PromptTooLong {
+                len: req.prompt_ids.len(),
+                max: self.max_context(),
+            });
+        }
+        if !req.params.stop_strings.is_empty() && self.tokenizer.is_none() {
+            return Err(EngineError::NoTokenizer);
+        }
+        Ok(())
+    }
+
+    /// Prefills waiting requests while the batch has room; each gets its first token.
+    fn admit(&mut self) {
+        while self.active.len() < self.options.max_batch.max(1) {
+            let Some((req, reply)) = self.waiting.pop_front() else {
+                return;
+            };
+            if reply.is_closed() {
+                continue;
+            }
+            if let Err(e) = self.validate(&req) {
+                let _ = reply.send(Err(e));
+                continue;
+            }
+            let mut cache = self.model.new_cache(self.max_context());
+            let logits = self
+                .model
+                .prefill(&req.prompt_ids, &mut cache)
+                .expect("validated prompt fits the cache");
+            let row: Vec<f32> = logits.into_data().convert::<f32>().to_vec().expect("f32");
+            let mut seq = Active {
+                rng: StdRng::seed_from_u64(req.params.seed),
+                params: req.params,
+                cache,
+                response: Vec::new(),
+                logprobs: Vec::new(),
+                reply,
+            };
+            if let Some(reason) = self.push_sample(&mut seq, &row) {
+                self.finish(seq, reason);
+            } else {
+                self.active.push(seq);
+            }
+        }
+    }
+
+    /// Samples the next token of `seq` from `row`; returns a finish reason if it is done.
+    fn push_sample(&self, seq: &mut Active<B>, row: &[f32]) -> Option<FinishReason> {
+        let (tok, lp) = sample_token(row, &seq.params, &mut seq.rng);
+        seq.response.push(tok);
+        seq.logprobs.push(lp);
+        if seq.params.stop_token_ids.contains(&tok) {
+            return Some(FinishReason::Stop);
+        }
+        if !seq.params.stop_strings.is_empty() {
+            if let Some(tk) = &self.tokenizer {
+                if let Ok(text) = tk.decode(&seq.response, false) {
+                    if seq.params.stop_strings.iter().any(|s| text.contains(s)) {
+                        return Some(FinishReason::StopString);
+                    }
+                }
+            }
+        }
+        if seq.response.len() >= seq.params.max_new_tokens {
+            return Some(FinishReason::Length);
+        }
+        // Prompt plus response may not exceed the maximum context (the just-sampled token is
+        // not in the cache yet).
+        if seq.cache.len() + 1 >= seq.cache.max_len() {
+            return Some(FinishReason::ContextFull);
+        }
+        None
+    }
+
+    fn finish(&self, seq: Active<B>, reason: FinishReason) {
+        let Active {
+            response,
+            logprobs,
+            reply,
+            ..
+        } = seq; // the cache is dropped here, freeing its memory
+        let _ = reply.send(Ok(GenerationResult {
+            response_ids: response,
+            logprobs,
+            finish_reason: reason,
+        }));
+    }
+
+    /// One decode step over every active sequence.
+    fn step(&mut self) {
+        // Drop sequences whose caller has gone away.
+        self.active.retain(|s| !s.reply.is_closed());
+        if self.active.is_empty() {
+            return;
+        }
+        let tokens: Vec<u32> = self
+            .active
+            .iter()
+            .map(|s| *s.response.last().expect("active sequences have a token"))
+            .collect();
+        let logits = {
+            let mut caches: Vec<&mut KvCache<B>> =
+                self.active.iter_mut().map(|s| &mut s.cache).collect();
+            self.model
+                .decode_step(&tokens, &mut caches)
+                .expect("room was checked when the token was sampled")
+        };
+        let vocab = self.model.vocab_size();
+        let all: Vec<f32> = logits.into_data().convert::<f32>().to_vec().expect("f32");
+        let active = std::mem::take(&mut self.active);
+        for (i, mut seq) in active.into_iter().enumerate() {
+            match self.push_sample(&mut seq, &all[i * vocab..(i + 1) * vocab]) {
+                Some(reason) => self.finish(seq, reason),
+                None => self.active.push(seq),
+            }
+        }
+    }
+}
