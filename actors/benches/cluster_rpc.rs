@@ -1,0 +1,291 @@
+//! Remote request/reply round trips per second: the same `ractor_cluster` call messages carried
+//! over clawrl's QUIC transport (mutual TLS, one bidirectional stream per node session) versus
+//! `ractor_cluster`'s own TCP transport, plain and with TLS. Loopback, one process, two node
+//! servers per transport; prints the rates and the ratios. Run with
+//! `cargo bench -p clawrl-actors --bench cluster_rpc`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clawrl_actors::pki::{self, Identity, NODE_SERVER_NAME};
+use clawrl_actors::rpc::Rpc;
+use clawrl_actors::transport::{self, QuicBidi, StreamTag};
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef};
+use ractor_cluster::node::NodeConnectionMode;
+use ractor_cluster::{IncomingEncryptionMode, NodeServer, NodeServerMessage};
+
+/// Replies with the request bytes.
+struct Echo;
+
+impl Actor for Echo {
+    type Msg = Rpc;
+    type State = ();
+    type Arguments = String;
+    async fn pre_start(&self, me: ActorRef<Rpc>, group: String) -> Result<(), ActorProcessingErr> {
+        ractor::pg::join(group, vec![me.get_cell()]);
+        Ok(())
+    }
+    async fn handle(
+        &self,
+        _: ActorRef<Rpc>,
+        msg: Rpc,
+        _: &mut (),
+    ) -> Result<(), ActorProcessingErr> {
+        let _ = msg.reply.send(msg.request);
+        Ok(())
+    }
+}
+
+async fn node_server(
+    name: &str,
+    port: u16,
+    enc: Option<IncomingEncryptionMode>,
+) -> ActorRef<NodeServerMessage> {
+    let server = NodeServer::new(
+        port,
+        "bench-cookie".into(),
+        name.into(),
+        "bench".into(),
+        enc,
+        Some(NodeConnectionMode::Isolated),
+    )
+    .with_listen_addr(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
+    Actor::spawn(None, server, ()).await.unwrap().0
+}
+
+fn free_tcp_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Waits for the remote proxy of the echo actor in `group` (the member that is not local).
+async fn remote_member(group: &str) -> ActorCell {
+    let start = Instant::now();
+    loop {
+        if let Some(m) = ractor::pg::get_members(&group.to_string())
+            .into_iter()
+            .find(|m| !m.get_id().is_local())
+        {
+            return m;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no remote member in {group}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// (sequential round trips/s, pipelined round trips/s with `width` callers).
+async fn measure(target: &ActorCell, payload: usize, width: usize, dur: Duration) -> (f64, f64) {
+    let actor: ActorRef<Rpc> = target.clone().into();
+    let body = vec![7u8; payload];
+    // Warm-up.
+    for _ in 0..200 {
+        call(&actor, &body).await;
+    }
+    let start = Instant::now();
+    let mut n = 0u64;
+    while start.elapsed() < dur {
+        call(&actor, &body).await;
+        n += 1;
+    }
+    let seq = n as f64 / start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..width {
+        let a = actor.clone();
+        let b = body.clone();
+        set.spawn(async move {
+            let mut k = 0u64;
+            while start.elapsed() < dur {
+                call(&a, &b).await;
+                k += 1;
+            }
+            k
+        });
+    }
+    let mut total = 0u64;
+    while let Some(k) = set.join_next().await {
+        total += k.unwrap();
+    }
+    (seq, total as f64 / start.elapsed().as_secs_f64())
+}
+
+async fn call(actor: &ActorRef<Rpc>, body: &[u8]) {
+    let request = body.to_vec();
+    match actor
+        .call(|reply| Rpc { request, reply }, Some(Duration::from_secs(5)))
+        .await
+        .unwrap()
+    {
+        ractor::rpc::CallResult::Success(r) => assert_eq!(r.len(), body.len()),
+        other => panic!("call failed: {other:?}"),
+    }
+}
+
+/// One transport's node servers and echo actor; torn down before the next transport so that
+/// remote proxies of one transport are never picked by another.
+struct Setup {
+    target: ActorCell,
+    actors: Vec<ActorCell>,
+    quic: Option<(quinn::Connection, quinn::Endpoint)>,
+}
+
+impl Setup {
+    async fn teardown(self) {
+        for a in &self.actors {
+            a.stop(None);
+        }
+        if let Some((conn, ep)) = self.quic {
+            conn.close(0u32.into(), b"done");
+            ep.close(0u32.into(), b"done");
+        }
+        // Let sessions end and their proxies leave the groups.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+fn identity(dir: &std::path::Path, name: &str) -> Identity {
+    Identity::load(
+        &dir.join("ca.pem"),
+        &dir.join(format!("{name}.pem")),
+        &dir.join(format!("{name}.key")),
+    )
+    .unwrap()
+}
+
+async fn setup_tcp(tls: Option<(Identity, Identity)>, tag: &str) -> Setup {
+    let port = free_tcp_port();
+    let enc = match &tls {
+        Some((server, _)) => Some(IncomingEncryptionMode::Tls(
+            tokio_rustls::TlsAcceptor::from(Arc::new(server.server_config(&[]).unwrap())),
+        )),
+        None => None,
+    };
+    let a = node_server(&format!("{tag}-a"), port, enc).await;
+    let b = node_server(&format!("{tag}-b"), 0, None).await;
+    let group = format!("bench.{tag}");
+    let (echo, _) = Actor::spawn(None, Echo, group.clone()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let addr = format!("127.0.0.1:{port}");
+    match tls {
+        Some((_, client)) => {
+            let cfg = client.client_config(&[]).unwrap();
+            let connector = tokio_rustls::TlsConnector::from(Arc::new(cfg));
+            let name = rustls::pki_types::ServerName::try_from(NODE_SERVER_NAME).unwrap();
+            ractor_cluster::client_connect_enc(&b, addr, connector, name)
+                .await
+                .unwrap();
+        }
+        None => ractor_cluster::client_connect(&b, addr).await.unwrap(),
+    }
+    Setup {
+        target: remote_member(&group).await,
+        actors: vec![a.get_cell(), b.get_cell(), echo.get_cell()],
+        quic: None,
+    }
+}
+
+async fn setup_quic(dir: &std::path::Path) -> Setup {
+    let a = node_server("quic-a", 0, None).await;
+    let b = node_server("quic-b", 0, None).await;
+    let server_ep =
+        transport::endpoint(&identity(dir, "a"), "127.0.0.1:0".parse().unwrap(), true).unwrap();
+    let client_ep =
+        transport::endpoint(&identity(dir, "b"), "127.0.0.1:0".parse().unwrap(), false).unwrap();
+    let addr: SocketAddr = server_ep.local_addr().unwrap();
+    let a2 = a.clone();
+    tokio::spawn(async move {
+        let conn = server_ep.accept().await.unwrap().await.unwrap();
+        let (send, mut recv) = conn.accept_bi().await.unwrap();
+        let mut tag = [0u8; 1];
+        recv.read_exact(&mut tag).await.unwrap();
+        assert_eq!(tag[0], StreamTag::ActorSession as u8);
+        a2.cast(NodeServerMessage::ConnectionOpenedExternal {
+            stream: Box::new(QuicBidi::new(send, recv, "b".into(), "a".into())),
+            is_server: true,
+        })
+        .unwrap();
+        conn.closed().await;
+    });
+    let group = "bench.quic".to_string();
+    let (echo, _) = Actor::spawn(None, Echo, group.clone()).await.unwrap();
+    let conn = client_ep
+        .connect(addr, NODE_SERVER_NAME)
+        .unwrap()
+        .await
+        .unwrap();
+    let (send, recv) = transport::open_tagged(&conn, StreamTag::ActorSession)
+        .await
+        .unwrap();
+    b.cast(NodeServerMessage::ConnectionOpenedExternal {
+        stream: Box::new(QuicBidi::new(send, recv, "a".into(), "b".into())),
+        is_server: false,
+    })
+    .unwrap();
+    let target = remote_member(&group).await;
+    Setup {
+        target,
+        actors: vec![a.get_cell(), b.get_cell(), echo.get_cell()],
+        quic: Some((conn, client_ep)),
+    }
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        pki::init_cluster(dir.path(), &["a".into(), "b".into()]).unwrap();
+        let dur = Duration::from_secs(2);
+        let width = 32;
+        println!("remote request/reply over ractor_cluster sessions, loopback, {dur:?} per measure");
+        println!(
+            "{:<10} {:>8} {:>16} {:>22}",
+            "transport",
+            "payload",
+            "sequential rt/s",
+            format!("{width} concurrent rt/s")
+        );
+        let payloads = [64usize, 16 << 10];
+        let mut results: Vec<(&str, Vec<(f64, f64)>)> = Vec::new();
+        for name in ["quic+tls", "tcp", "tcp+tls"] {
+            let setup = match name {
+                "quic+tls" => setup_quic(dir.path()).await,
+                "tcp" => setup_tcp(None, "tcp").await,
+                _ => {
+                    setup_tcp(
+                        Some((identity(dir.path(), "a"), identity(dir.path(), "b"))),
+                        "tls",
+                    )
+                    .await
+                }
+            };
+            let mut r = Vec::new();
+            for payload in payloads {
+                let m = measure(&setup.target, payload, width, dur).await;
+                println!("{name:<10} {payload:>8} {:>16.0} {:>22.0}", m.0, m.1);
+                r.push(m);
+            }
+            results.push((name, r));
+            setup.teardown().await;
+        }
+        let q = &results[0].1;
+        for (name, r) in &results[1..] {
+            for (i, payload) in payloads.iter().enumerate() {
+                println!(
+                    "ratio quic+tls / {name:<8} payload {payload:>6}: sequential {:.2}, concurrent {:.2}",
+                    q[i].0 / r[i].0,
+                    q[i].1 / r[i].1
+                );
+            }
+        }
+    });
+}
