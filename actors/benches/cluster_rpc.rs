@@ -229,6 +229,17 @@ async fn setup_quic(dir: &std::path::Path) -> Setup {
     })
     .unwrap();
     let target = remote_member(&group).await;
+    // Discovery latency: a member joining a group on one node, seen through the other node's
+    // session (the session is up, so this is pure propagation).
+    let late = "bench.quic.late".to_string();
+    let t = Instant::now();
+    let (late_echo, _) = Actor::spawn(None, Echo, late.clone()).await.unwrap();
+    remote_member(&late).await;
+    println!(
+        "group join visible through the QUIC session after {:?}",
+        t.elapsed()
+    );
+    late_echo.stop(None);
     Setup {
         target,
         actors: vec![a.get_cell(), b.get_cell(), echo.get_cell()],
