@@ -3,11 +3,13 @@
 //! It owns the prompts ([`prompt`]), the exact parsing of judge text into votes and hints
 //! ([`parse`]), the backends that produce judge text ([`backend`]: scripted rules, any
 //! OpenAI-compatible endpoint, a local chat model), the concurrent vote runner that never stalls
-//! ([`votes`]), the judged-turn records, and the pure part of OPD ([`opd`]). Aggregation and the
+//! ([`votes`]), the judged-turn records, the pure part of OPD ([`opd`]) and its seams to the
+//! local policy of `crate::model` ([`local`]: the engine as a judge, teacher scoring). Aggregation and the
 //! advantage arithmetic live in [`crate::rl`].
 
 pub mod backend;
 pub mod config;
+pub mod local;
 pub mod opd;
 pub mod openai;
 pub mod parse;
@@ -20,6 +22,7 @@ pub use backend::{
     ModelBackend, SamplingParams,
 };
 pub use config::{BackendConfig, JudgeConfig, JudgeConfigError, ModelSource, OpdConfig, Teacher};
+pub use local::{EngineGenerator, TeacherError, TeacherModel};
 pub use opd::{enhance_messages, OpdError, HINT_PREFIX};
 pub use parse::{last_boxed_digit, parse_hint, parse_vote, VoteError};
 pub use prompt::{Material, PromptKind, PromptOverrides, PromptSet, StepMaterial, TurnMaterial};

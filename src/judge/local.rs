@@ -1,0 +1,182 @@
+//! The judge's seams to the local policy of [`crate::model`]: a [`ChatGenerator`] over the
+//! generation engine (the `model` judge backend), and OPD teacher scoring (the teacher's per-token
+//! log-probs of the *original* response under `s_enhanced`, then the four-case combine).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use burn::tensor::backend::Backend;
+use futures::future::BoxFuture;
+use minijinja::Value;
+use thiserror::Error;
+
+use super::backend::{ChatGenerator, ChatMessage, GenerateError, SamplingParams};
+use super::opd::{enhance_messages, OpdError};
+use crate::model::{
+    score_response, ChatError, ChatTemplate, EngineHandle, GenerationRequest, Qwen3,
+};
+use crate::rl::{combine, AdvantageError, AdvantageWeights, CombinedSample};
+
+/// A chat generator backed by the policy's generation engine: renders the judge messages with
+/// the checkpoint's chat template, generates, and decodes the sampled ids (special tokens
+/// skipped). Votes without a seed get distinct seeds from a counter, so `m` votes are `m`
+/// independent samples.
+pub struct EngineGenerator {
+    engine: EngineHandle,
+    template: ChatTemplate,
+    tokenizer: Arc<tokenizers::Tokenizer>,
+    stop_token_ids: Vec<u32>,
+    next_seed: AtomicU64,
+}
+
+impl EngineGenerator {
+    /// Wraps a running engine with the template and tokenizer of the same checkpoint;
+    /// `stop_token_ids` end generation (e.g. `Checkpoint::stop_token_ids`).
+    pub fn new(
+        engine: EngineHandle,
+        template: ChatTemplate,
+        tokenizer: Arc<tokenizers::Tokenizer>,
+        stop_token_ids: Vec<u32>,
+        seed: u64,
+    ) -> Self {
+        Self {
+            engine,
+            template,
+            tokenizer,
+            stop_token_ids,
+            next_seed: AtomicU64::new(seed),
+        }
+    }
+}
+
+impl ChatGenerator for EngineGenerator {
+    fn generate<'a>(
+        &'a self,
+        messages: &'a [ChatMessage],
+        params: &'a SamplingParams,
+    ) -> BoxFuture<'a, Result<String, GenerateError>> {
+        Box::pin(async move {
+            let prompt =
+                self.template
+                    .encode(&self.tokenizer, &Value::from_serialize(messages), None)?;
+            let seed = params
+                .seed
+                .unwrap_or_else(|| self.next_seed.fetch_add(1, Ordering::Relaxed));
+            let request = GenerationRequest {
+                prompt_ids: prompt.ids,
+                params: crate::model::SamplingParams {
+                    temperature: params.temperature,
+                    top_p: params.top_p,
+                    top_k: 0,
+                    max_new_tokens: params.max_tokens as usize,
+                    stop_token_ids: self.stop_token_ids.clone(),
+                    stop_strings: Vec::new(),
+                    seed,
+                },
+            };
+            let out = self.engine.generate(request).await?;
+            let text = self
+                .tokenizer
+                .decode(&out.response_ids, true)
+                .map_err(|e| format!("decoding the judge's answer: {e}"))?;
+            Ok(text)
+        })
+    }
+}
+
+/// Errors scoring an OPD sample with the teacher.
+#[derive(Debug, Error)]
+pub enum TeacherError {
+    /// `s_enhanced` could not be built.
+    #[error(transparent)]
+    Opd(#[from] OpdError),
+    /// The chat template or tokenizer failed on `s_enhanced`.
+    #[error("rendering s_enhanced: {0}")]
+    Chat(#[from] ChatError),
+    /// Nothing to score.
+    #[error("OPD: empty response")]
+    EmptyResponse,
+    /// A response id outside the teacher's vocabulary.
+    #[error(
+        "OPD: response token {token} at {index} is outside the teacher's vocabulary of {vocab}"
+    )]
+    BadToken {
+        /// The id.
+        token: u32,
+        /// Its position.
+        index: usize,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// The advantages could not be combined.
+    #[error(transparent)]
+    Advantage(#[from] AdvantageError),
+}
+
+/// A teacher: the policy (current or frozen) with the chat template and tokenizer it renders with.
+pub struct TeacherModel<'a, B: Backend> {
+    /// The teacher's weights.
+    pub model: &'a Qwen3<B>,
+    /// The chat template `s_t` was rendered with.
+    pub template: &'a ChatTemplate,
+    /// The tokenizer.
+    pub tokenizer: &'a tokenizers::Tokenizer,
+}
+
+impl<B: Backend> TeacherModel<'_, B> {
+    /// `log π_teacher(a_t,k | s_enhanced)` for every original response token: `s_enhanced` is
+    /// `messages` with the hint on the last user message, rendered with the same `tools` and the
+    /// generation prompt, exactly as `s_t` was served.
+    pub fn logprobs(
+        &self,
+        messages: &Value,
+        tools: Option<&Value>,
+        hint: &str,
+        response_ids: &[u32],
+    ) -> Result<Vec<f32>, TeacherError> {
+        if response_ids.is_empty() {
+            return Err(TeacherError::EmptyResponse);
+        }
+        let vocab = self.model.vocab_size();
+        if let Some((index, &token)) = response_ids
+            .iter()
+            .enumerate()
+            .find(|(_, t)| **t as usize >= vocab)
+        {
+            return Err(TeacherError::BadToken {
+                token,
+                index,
+                vocab,
+            });
+        }
+        let enhanced = enhance_messages(messages, hint)?;
+        let prompt = self.template.encode(self.tokenizer, &enhanced, tools)?;
+        Ok(score_response(self.model, &prompt.ids, response_ids))
+    }
+
+    /// The combined training sample of one turn (DESIGN §1's four cases): with a hint, the
+    /// teacher scores the response under `s_enhanced` and `old_logprobs` (the old policy under
+    /// `s_t`) give the OPD term; `reward` gives the binary term. `Ok(None)`: no sample.
+    #[allow(clippy::too_many_arguments)]
+    pub fn combined_sample(
+        &self,
+        weights: AdvantageWeights,
+        reward: i8,
+        hint: Option<&str>,
+        messages: &Value,
+        tools: Option<&Value>,
+        response_ids: &[u32],
+        old_logprobs: &[f32],
+    ) -> Result<Option<CombinedSample>, TeacherError> {
+        let teacher = match hint {
+            Some(h) => Some(self.logprobs(messages, tools, h, response_ids)?),
+            None => None,
+        };
+        Ok(combine(
+            weights,
+            reward,
+            teacher.as_deref().map(|t| (t, old_logprobs)),
+            response_ids.len(),
+        )?)
+    }
+}
