@@ -161,12 +161,11 @@ fn identity(dir: &std::path::Path, name: &str) -> Identity {
 
 async fn setup_tcp(tls: Option<(Identity, Identity)>, tag: &str) -> Setup {
     let port = free_tcp_port();
-    let enc = match &tls {
-        Some((server, _)) => Some(IncomingEncryptionMode::Tls(
-            tokio_rustls::TlsAcceptor::from(Arc::new(server.server_config(&[]).unwrap())),
-        )),
-        None => None,
-    };
+    let enc = tls.as_ref().map(|(server, _)| {
+        IncomingEncryptionMode::Tls(tokio_rustls::TlsAcceptor::from(Arc::new(
+            server.server_config(&[]).unwrap(),
+        )))
+    });
     let a = node_server(&format!("{tag}-a"), port, enc).await;
     let b = node_server(&format!("{tag}-b"), 0, None).await;
     let group = format!("bench.{tag}");

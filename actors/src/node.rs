@@ -534,6 +534,14 @@ impl Node {
             }
         }
         tracing::info!("peer `{}` joined from {addr}", hello.name);
+        if hello.roles.contains(&Role::Control) && self.inner.roles.contains(&Role::Control) {
+            tracing::error!(
+                "nodes `{}` and `{}` both have the control role; a cluster has one Control \
+                 (the CLI uses the one whose node name sorts first)",
+                self.inner.name,
+                hello.name
+            );
+        }
         peers.insert(
             hello.name.clone(),
             Peer {

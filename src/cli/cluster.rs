@@ -31,7 +31,9 @@ pub enum Commands {
         #[arg(long = "env")]
         envs: Vec<EnvSpec>,
     },
-    /// Join a running cluster as a worker process hosting environment workers.
+    /// Join a running cluster as a worker process hosting environment workers. Each worker is
+    /// an actor in group `clawrl.env.KIND` that answers describe/ping and is placed on jobs by
+    /// Control; the environment behaviour itself (sandboxes, episodes) is not implemented yet.
     Attach {
         /// This worker's node config (name, listen, seeds, tls; roles should include `env`).
         #[arg(long)]

@@ -1,0 +1,133 @@
+//! The node supervisor's decisions: a killed environment worker is restarted and rejoins its
+//! group; a killed Control actor is restarted and reloads its stored jobs.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clawrl_actors::cli::{self, CliReply, CliRequest};
+use clawrl_actors::config::NodeConfig;
+use clawrl_actors::control::{ControlReply, ControlRequest, JobNeeds, JobState, JobValidator};
+use clawrl_actors::node::{Node, NodeOptions};
+use clawrl_actors::worker::EnvSpec;
+
+/// A validator for this test: the spec is `KIND PARALLELISM`.
+struct LineValidator;
+
+impl JobValidator for LineValidator {
+    fn validate(&self, file: &str, text: &str) -> Result<JobNeeds, String> {
+        let mut it = text.split_whitespace();
+        let kind = it
+            .next()
+            .ok_or(format!("{file}: key `env.kind`: missing"))?;
+        let n = it.next().and_then(|n| n.parse().ok()).ok_or(format!(
+            "{file}: key `env.parallelism`: missing or not a number"
+        ))?;
+        Ok(JobNeeds {
+            name: "t".into(),
+            env_kind: kind.into(),
+            env_parallelism: n,
+        })
+    }
+}
+
+fn config(dir: &Path) -> NodeConfig {
+    let text = "[node]\nname = \"sup\"\nlisten = \"127.0.0.1:0\"\nroles = [\"control\", \"trainer\", \"env\"]\ndata_dir = \"data\"\n";
+    NodeConfig::parse(text, &dir.join("cluster.toml")).unwrap()
+}
+
+async fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if f() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+async fn control(cfg: &NodeConfig, req: ControlRequest) -> ControlReply {
+    match cli::request(cfg, &CliRequest::Control(req), Duration::from_secs(10)).await {
+        Ok(CliReply::Control(r)) => r,
+        other => panic!("control request failed: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_workers_and_control_are_restarted_and_control_keeps_its_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path());
+    let node = Node::start(
+        &cfg,
+        NodeOptions {
+            validator: Some(Arc::new(LineValidator)),
+            envs: vec![EnvSpec {
+                kind: "terminal".into(),
+                count: 2,
+            }],
+        },
+    )
+    .await
+    .unwrap();
+    let mut ccfg = cfg.clone();
+    ccfg.listen = node.addr();
+
+    let group = "clawrl.env.terminal".to_string();
+    let worker = ractor::registry::where_is("sup/env.terminal.0").expect("worker registered");
+    let old_id = worker.get_id();
+    worker.kill();
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            ractor::registry::where_is("sup/env.terminal.0").is_some_and(|w| w.get_id() != old_id)
+                && ractor::pg::get_members(&group).len() == 2
+        })
+        .await,
+        "the killed worker was not restarted into its group"
+    );
+
+    let job = match control(
+        &ccfg,
+        ControlRequest::Submit {
+            file: "j".into(),
+            spec: "terminal 2".into(),
+        },
+    )
+    .await
+    {
+        ControlReply::Jobs(j) => j[0].clone(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(job.state, JobState::Placed);
+    match control(
+        &ccfg,
+        ControlRequest::Submit {
+            file: "bad.toml".into(),
+            spec: "terminal many".into(),
+        },
+    )
+    .await
+    {
+        ControlReply::Error(e) => assert!(
+            e.contains("env.parallelism") && e.contains("bad.toml"),
+            "{e}"
+        ),
+        other => panic!("a bad spec was accepted: {other:?}"),
+    }
+
+    let ctl = ractor::registry::where_is("sup/control").expect("control registered");
+    let old_id = ctl.get_id();
+    ctl.kill();
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            ractor::registry::where_is("sup/control").is_some_and(|c| c.get_id() != old_id)
+        })
+        .await,
+        "control was not restarted"
+    );
+    match control(&ccfg, ControlRequest::Status(Some(job.id.clone()))).await {
+        ControlReply::Jobs(j) => assert_eq!(j[0].id, job.id),
+        other => panic!("restarted control lost the job: {other:?}"),
+    }
+    node.shutdown().await;
+}
