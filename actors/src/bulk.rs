@@ -56,6 +56,9 @@ pub trait PeerConnector: Send + Sync + 'static {
     ) -> impl Future<Output = Result<quinn::Connection, ConnectError>> + Send;
 }
 
+/// Slowest relay rate (bytes/s) a pusher allows for when it bounds its wait for a report.
+pub const MIN_RELAY_RATE: u64 = 4 << 20;
+
 /// QUIC error code used when the bulk plane aborts a stream.
 const ABORT: VarInt = VarInt::from_u32(0x0b);
 
@@ -90,12 +93,33 @@ impl BulkConfig {
     }
 }
 
-/// Stream windows for bulk traffic; the node should apply this to its endpoint's
-/// `TransportConfig` (large windows keep a fast hop from waiting on acknowledgements).
+/// Transport settings for bulk traffic; the node should apply this to its endpoint's
+/// `TransportConfig` (client and server side). Large stream and connection windows keep a fast
+/// hop from waiting on acknowledgements; QUIC flow control still paces every hop, so a slow
+/// receiver holds the sender back instead of growing buffers.
 pub fn tune_transport(cfg: &mut quinn::TransportConfig) {
     cfg.stream_receive_window(VarInt::from_u32(16 << 20))
         .receive_window(VarInt::from_u32(64 << 20))
         .send_window(64 << 20);
+}
+
+/// Socket buffer size the bulk plane asks for (the kernel may cap it, e.g. `net.core.rmem_max`).
+pub const SOCKET_BUFFER: usize = 4 << 20;
+
+/// A UDP socket bound to `addr` with large kernel buffers, for the node's QUIC endpoint: with
+/// the default ~200 KiB receive buffer a burst of bulk datagrams overflows it, and the losses
+/// throttle QUIC congestion control far below what the link carries.
+pub fn bind_udp(addr: std::net::SocketAddr) -> std::io::Result<std::net::UdpSocket> {
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::DGRAM,
+        Some(socket2::Protocol::UDP),
+    )?;
+    // Best effort: a smaller buffer only costs throughput.
+    let _ = socket.set_recv_buffer_size(SOCKET_BUFFER);
+    let _ = socket.set_send_buffer_size(SOCKET_BUFFER);
+    socket.bind(&addr.into())?;
+    Ok(socket.into())
 }
 
 /// A snapshot of one node's bulk counters.
@@ -319,8 +343,7 @@ fn lock(store: &Mutex<Store>) -> std::sync::MutexGuard<'_, Store> {
     store.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Outcome for one relay group: (delivered, failed).
-type GroupOutcome = (Vec<String>, Vec<(String, String)>);
+use plan::Outcome as GroupOutcome;
 
 struct Inner<C> {
     connector: C,
@@ -417,9 +440,13 @@ impl<C: PeerConnector> BulkPlane<C> {
             peer: peer.to_owned(),
             source,
         };
-        wire::write_frame(&mut send, &Request::Fetch { id })
-            .await
-            .map_err(wire_err)?;
+        self.stall(
+            peer,
+            "sending request",
+            wire::write_frame(&mut send, &Request::Fetch { id }),
+        )
+        .await?
+        .map_err(wire_err)?;
         let _ = send.finish();
         let reply: FetchReply = self
             .stall(
@@ -547,14 +574,19 @@ impl<C: PeerConnector> BulkPlane<C> {
             source,
         };
         let Some((manifest, bytes)) = found else {
-            wire::write_frame(&mut send, &FetchReply::NotFound)
-                .await
-                .map_err(wire_err)?;
+            self.stall(
+                peer,
+                "sending reply",
+                wire::write_frame(&mut send, &FetchReply::NotFound),
+            )
+            .await?
+            .map_err(wire_err)?;
             let _ = send.finish();
             return Ok(());
         };
-        wire::write_frame(&mut send, &FetchReply::Found(Manifest::clone(&manifest)))
-            .await
+        let reply = FetchReply::Found(Manifest::clone(&manifest));
+        self.stall(peer, "sending reply", wire::write_frame(&mut send, &reply))
+            .await?
             .map_err(wire_err)?;
         self.send_chunks(&manifest, Source::Complete(bytes), &mut send, peer)
             .await?;
@@ -585,7 +617,9 @@ impl<C: PeerConnector> BulkPlane<C> {
             .and_then(|()| wire::validate_names(forward.iter()).map_err(wire_err));
         if let Err(e) = checked {
             let ack = PushAck::Refused(wire::clip_reason(e.to_string()));
-            let _ = wire::write_frame(send, &ack).await;
+            let _ = self
+                .stall(peer, "sending ack", wire::write_frame(send, &ack))
+                .await;
             let _ = send.finish();
             return Err(e);
         }
@@ -596,8 +630,8 @@ impl<C: PeerConnector> BulkPlane<C> {
         // Either relay from the stored copy, or receive a new copy and relay while it arrives.
         let (source, incoming) = match stored {
             Some((_, bytes)) => {
-                wire::write_frame(send, &PushAck::Have)
-                    .await
+                self.stall(peer, "sending ack", wire::write_frame(send, &PushAck::Have))
+                    .await?
                     .map_err(wire_err)?;
                 (Source::Complete(bytes), None)
             }
@@ -606,13 +640,15 @@ impl<C: PeerConnector> BulkPlane<C> {
                     Ok(r) => r,
                     Err(e) => {
                         let ack = PushAck::Refused(wire::clip_reason(e.to_string()));
-                        let _ = wire::write_frame(send, &ack).await;
+                        let _ = self
+                            .stall(peer, "sending ack", wire::write_frame(send, &ack))
+                            .await;
                         let _ = send.finish();
                         return Err(e);
                     }
                 };
-                wire::write_frame(send, &PushAck::Send)
-                    .await
+                self.stall(peer, "sending ack", wire::write_frame(send, &PushAck::Send))
+                    .await?
                     .map_err(wire_err)?;
                 let (writer, reader) = buffer::incoming(manifest.clone());
                 (Source::Incoming(reader), Some((writer, reservation)))
@@ -642,7 +678,10 @@ impl<C: PeerConnector> BulkPlane<C> {
             *reason = wire::clip_reason(std::mem::take(reason));
         }
         let done = PushDone { delivered, failed };
-        let sent = wire::write_frame(send, &done).await.map_err(wire_err);
+        let sent = self
+            .stall(peer, "sending report", wire::write_frame(send, &done))
+            .await
+            .and_then(|r| r.map_err(wire_err));
         let _ = send.finish();
         own?;
         sent
@@ -712,9 +751,13 @@ impl<C: PeerConnector> BulkPlane<C> {
             manifest: Manifest::clone(manifest),
             forward: forward.to_vec(),
         };
-        wire::write_frame(&mut send, &request)
-            .await
-            .map_err(wire_err)?;
+        self.stall(
+            peer,
+            "sending request",
+            wire::write_frame(&mut send, &request),
+        )
+        .await?
+        .map_err(wire_err)?;
         let ack: PushAck = self
             .stall(peer, "push ack", wire::read_frame(&mut recv, "push ack"))
             .await?
@@ -738,8 +781,14 @@ impl<C: PeerConnector> BulkPlane<C> {
         let _ = send.finish();
         // The report comes once the peer's whole subtree is done; each hop below has its own
         // stall timeout, so this wait is bounded by the subtree's progress.
-        let done: PushDone = wire::read_frame(&mut recv, "push result")
+        let wait = self.report_timeout(manifest.total_len, forward.len());
+        let done: PushDone = tokio::time::timeout(wait, wire::read_frame(&mut recv, "push result"))
             .await
+            .map_err(|_| TransferError::Stalled {
+                peer: peer.to_owned(),
+                timeout: wait,
+                during: "waiting for the relay report",
+            })?
             .map_err(wire_err)?;
         done.validate().map_err(wire_err)?;
         Ok(done)
@@ -748,20 +797,21 @@ impl<C: PeerConnector> BulkPlane<C> {
     /// Opens a bulk stream to `peer` and writes the tag byte.
     async fn open(&self, peer: &str) -> Result<(SendStream, RecvStream), TransferError> {
         let conn = self
-            .inner
-            .connector
-            .connection(peer)
-            .await
+            .stall(peer, "connecting", self.inner.connector.connection(peer))
+            .await?
             .map_err(|source| TransferError::Connect {
                 peer: peer.to_owned(),
                 source,
             })?;
-        let (mut send, recv) = conn.open_bi().await.map_err(|source| TransferError::Open {
-            peer: peer.to_owned(),
-            source,
-        })?;
-        send.write_all(&[BULK_TAG])
-            .await
+        let (mut send, recv) = self
+            .stall(peer, "opening a stream", conn.open_bi())
+            .await?
+            .map_err(|source| TransferError::Open {
+                peer: peer.to_owned(),
+                source,
+            })?;
+        self.stall(peer, "sending the tag", send.write_all(&[BULK_TAG]))
+            .await?
             .map_err(|e| TransferError::Wire {
                 peer: peer.to_owned(),
                 source: WireError::Io(std::io::Error::other(e)),
@@ -861,6 +911,14 @@ impl<C: PeerConnector> BulkPlane<C> {
                 .fetch_add(n, Ordering::Relaxed);
         }
         Ok(())
+    }
+
+    /// How long a pusher waits, after its last chunk, for the receiver's report: the subtree
+    /// below may still be forwarding. The stall timeout plus the blob's time at
+    /// [`MIN_RELAY_RATE`] for each level the subtree may have.
+    fn report_timeout(&self, total_len: u64, subtree: usize) -> Duration {
+        let per_level = Duration::from_secs_f64(total_len as f64 / MIN_RELAY_RATE as f64);
+        self.inner.config.stall_timeout + per_level * (subtree as u32 + 1)
     }
 
     /// Runs `fut` under the stall timeout.

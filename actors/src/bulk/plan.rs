@@ -6,6 +6,9 @@
 
 use std::collections::HashSet;
 
+/// Outcome of delivering to a group of peers: (delivered, failed with reason).
+pub(crate) type Outcome = (Vec<String>, Vec<(String, String)>);
+
 /// Drops duplicates, empty names and `local` from `targets`, keeping first-seen order.
 pub(crate) fn normalize(targets: &[String], local: &str) -> Vec<String> {
     let mut seen = HashSet::new();
@@ -40,7 +43,7 @@ pub(crate) fn reconcile(
     rest: &[String],
     delivered: Vec<String>,
     failed: Vec<(String, String)>,
-) -> Result<(Vec<String>, Vec<(String, String)>), String> {
+) -> Result<Outcome, String> {
     let group: HashSet<&str> = std::iter::once(head)
         .chain(rest.iter().map(String::as_str))
         .collect();

@@ -92,7 +92,15 @@ pub fn endpoint(ca: &TestCa, name: &str) -> quinn::Endpoint {
     let mut client = quinn::ClientConfig::new(Arc::new(client));
     client.transport_config(transport());
 
-    let mut ep = quinn::Endpoint::server(server, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let endpoint_config = quinn::EndpointConfig::default();
+    let socket = clawrl_actors::bulk::bind_udp("127.0.0.1:0".parse().unwrap()).unwrap();
+    let mut ep = quinn::Endpoint::new(
+        endpoint_config,
+        Some(server),
+        socket,
+        Arc::new(quinn::TokioRuntime),
+    )
+    .unwrap();
     ep.set_default_client_config(client);
     ep
 }
@@ -104,7 +112,7 @@ pub type Book = Arc<Mutex<HashMap<String, SocketAddr>>>;
 pub struct Peers {
     endpoint: quinn::Endpoint,
     book: Book,
-    cache: Mutex<HashMap<String, quinn::Connection>>,
+    cache: Arc<Mutex<HashMap<String, quinn::Connection>>>,
 }
 
 impl PeerConnector for Peers {
@@ -135,6 +143,8 @@ pub struct Node {
     pub endpoint: quinn::Endpoint,
     pub addr: SocketAddr,
     pub plane: BulkPlane<Peers>,
+    /// Connections this node opened, by peer name.
+    pub connections: Arc<Mutex<HashMap<String, quinn::Connection>>>,
     /// Errors returned by `serve_stream` on this node, for assertions.
     pub serve_errors: Arc<Mutex<Vec<String>>>,
 }
@@ -146,11 +156,12 @@ pub fn node(ca: &TestCa, book: &Book, name: &str, mut config: BulkConfig) -> Nod
     let endpoint = endpoint(ca, name);
     let addr = endpoint.local_addr().unwrap();
     book.lock().unwrap().insert(name.to_string(), addr);
+    let connections = Arc::new(Mutex::new(HashMap::new()));
     let plane = BulkPlane::new(
         Peers {
             endpoint: endpoint.clone(),
             book: book.clone(),
-            cache: Mutex::new(HashMap::new()),
+            cache: connections.clone(),
         },
         config,
     );
@@ -165,6 +176,7 @@ pub fn node(ca: &TestCa, book: &Book, name: &str, mut config: BulkConfig) -> Nod
         endpoint,
         addr,
         plane,
+        connections,
         serve_errors,
     }
 }
