@@ -1,12 +1,265 @@
-//! `clawrl` subcommands of the model area.
+//! `clawrl` subcommands of the model area: `model inspect` (config summary and parameter
+//! count), `model logits` (prompt text, ids and last-position logits for a message list) and
+//! `generate` (one reply through the generation engine), for anyone checking a checkpoint.
 
-use clap::Subcommand;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context;
+use burn::module::Module;
+use burn::tensor::{Int, Tensor, TensorData};
+use clap::{Args, Subcommand};
+use serde_json::json;
+
+use clawrl::model::chat::{parse_json_value, validate_messages, validate_tools};
+use clawrl::model::{
+    load_checkpoint, load_model, spawn_engine, Checkpoint, EngineOptions, FinishReason,
+    GenerationRequest, SamplingParams,
+};
+use clawrl::CpuBackend;
+
+type B = CpuBackend;
 
 /// Subcommands of the model area.
 #[derive(Subcommand)]
-pub enum Commands {}
+pub enum Commands {
+    /// Inspect or probe a Hugging Face Qwen3 checkpoint directory.
+    Model {
+        #[command(subcommand)]
+        cmd: ModelCommand,
+    },
+    /// Generate one assistant reply for a message list (temperature 0 = greedy).
+    Generate(GenerateArgs),
+}
+
+/// `clawrl model ...`.
+#[derive(Subcommand)]
+pub enum ModelCommand {
+    /// Print the config summary and the parameter count.
+    Inspect {
+        /// Checkpoint directory.
+        dir: PathBuf,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Render the chat template, tokenize, and print the logits after the prompt.
+    Logits {
+        /// Checkpoint directory.
+        dir: PathBuf,
+        /// OpenAI-style message list (JSON file).
+        #[arg(long)]
+        messages: PathBuf,
+        /// Tool schemas (JSON list).
+        #[arg(long)]
+        tools: Option<PathBuf>,
+        /// Print `{"prompt_text","input_ids","last_logits"}`.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Arguments of `clawrl generate`.
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// Checkpoint directory.
+    dir: PathBuf,
+    /// OpenAI-style message list (JSON file).
+    #[arg(long)]
+    messages: PathBuf,
+    /// Tool schemas (JSON list).
+    #[arg(long)]
+    tools: Option<PathBuf>,
+    /// Most new tokens.
+    #[arg(long, default_value_t = 256)]
+    max_new_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// RNG seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Extra stop string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Print `{"response_ids","text","logprobs","finish_reason"}`.
+    #[arg(long)]
+    json: bool,
+}
 
 /// Runs one subcommand of this area.
 pub fn run(cmd: Commands) -> anyhow::Result<()> {
-    match cmd {}
+    match cmd {
+        Commands::Model {
+            cmd: ModelCommand::Inspect { dir, json },
+        } => inspect(&dir, json),
+        Commands::Model {
+            cmd:
+                ModelCommand::Logits {
+                    dir,
+                    messages,
+                    tools,
+                    json,
+                },
+        } => logits(&dir, &messages, tools.as_deref(), json),
+        Commands::Generate(args) => generate(args),
+    }
+}
+
+fn inspect(dir: &Path, as_json: bool) -> anyhow::Result<()> {
+    let (cfg, model) = load_model::<B>(dir, &Default::default())
+        .with_context(|| format!("loading {}", dir.display()))?;
+    let params = model.num_params();
+    let summary = json!({
+        "architecture": "Qwen3ForCausalLM",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_kv_heads(),
+        "head_dim": cfg.head_dim(),
+        "rope_theta": cfg.rope_theta(),
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "dtype": cfg.storage_dtype(),
+        "eos_token_ids": cfg.eos_token_ids(),
+        "parameters": params,
+    });
+    if as_json {
+        println!("{summary}");
+    } else {
+        println!("{}: Qwen3ForCausalLM", dir.display());
+        for (k, v) in summary.as_object().expect("an object") {
+            if k != "architecture" {
+                println!("  {k}: {v}");
+            }
+        }
+        println!("  parameters (millions): {:.2}", params as f64 / 1e6);
+    }
+    Ok(())
+}
+
+/// Loads the checkpoint and renders + tokenizes the messages (and tools) files.
+fn load_and_encode(
+    dir: &Path,
+    messages: &Path,
+    tools: Option<&Path>,
+) -> anyhow::Result<(Checkpoint<B>, clawrl::model::Prompt)> {
+    let ck = load_checkpoint::<B>(dir, &Default::default())
+        .with_context(|| format!("loading {}", dir.display()))?;
+    let what = messages.display().to_string();
+    let text = std::fs::read_to_string(messages).with_context(|| format!("reading {what}"))?;
+    let msgs = parse_json_value(&text, &what)?;
+    validate_messages(&msgs, &what)?;
+    let tools = match tools {
+        Some(p) => {
+            let what = p.display().to_string();
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading {what}"))?;
+            let t = parse_json_value(&text, &what)?;
+            validate_tools(&t, &what)?;
+            Some(t)
+        }
+        None => None,
+    };
+    let prompt = ck.encode_chat(&msgs, tools.as_ref())?;
+    Ok((ck, prompt))
+}
+
+fn logits(dir: &Path, messages: &Path, tools: Option<&Path>, as_json: bool) -> anyhow::Result<()> {
+    let (ck, prompt) = load_and_encode(dir, messages, tools)?;
+    let n = prompt.ids.len();
+    anyhow::ensure!(n > 0, "the rendered prompt is empty");
+    let input = Tensor::<B, 2, Int>::from_data(
+        TensorData::new(prompt.ids.iter().map(|&t| t as i64).collect(), [1, n]),
+        &Default::default(),
+    );
+    let hidden = ck.model.forward_hidden(input).narrow(1, n - 1, 1);
+    let last: Vec<f32> = ck
+        .model
+        .head(hidden)
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .map_err(|e| anyhow::anyhow!("reading logits: {e:?}"))?;
+    if as_json {
+        println!(
+            "{}",
+            json!({"prompt_text": prompt.text, "input_ids": prompt.ids, "last_logits": last})
+        );
+    } else {
+        println!("prompt ({n} tokens):\n{}", prompt.text);
+        let mut top: Vec<(usize, f32)> = last.iter().copied().enumerate().collect();
+        top.sort_by(|a, b| b.1.total_cmp(&a.1));
+        println!("top next tokens:");
+        for (id, l) in top.into_iter().take(10) {
+            let tok = ck.tokenizer.id_to_token(id as u32).unwrap_or_default();
+            println!("  {id:>8} {l:>10.4} {tok:?}");
+        }
+    }
+    Ok(())
+}
+
+fn generate(a: GenerateArgs) -> anyhow::Result<()> {
+    let (ck, prompt) = load_and_encode(&a.dir, &a.messages, a.tools.as_deref())?;
+    let stop_token_ids = ck.stop_token_ids();
+    let tokenizer = Arc::new(ck.tokenizer);
+    let max_context = ck.config.max_position_embeddings;
+    let engine = spawn_engine(
+        Arc::new(ck.model),
+        Some(tokenizer.clone()),
+        EngineOptions {
+            max_batch: 1,
+            max_context,
+        },
+    );
+    let params = SamplingParams {
+        temperature: a.temperature,
+        top_p: a.top_p,
+        top_k: a.top_k,
+        max_new_tokens: a.max_new_tokens,
+        stop_token_ids: stop_token_ids.clone(),
+        stop_strings: a.stop.clone(),
+        seed: a.seed,
+    };
+    let r = engine.generate_blocking(GenerationRequest {
+        prompt_ids: prompt.ids,
+        params,
+    })?;
+    // The text leaves out a final stop token and anything from a stop string on.
+    let mut ids: &[u32] = &r.response_ids;
+    if r.finish_reason == FinishReason::Stop {
+        ids = &ids[..ids.len() - 1];
+    }
+    let mut text = tokenizer
+        .decode(ids, false)
+        .map_err(|e| anyhow::anyhow!("decoding the response: {e}"))?;
+    if r.finish_reason == FinishReason::StopString {
+        if let Some(cut) = a.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+            text.truncate(cut);
+        }
+    }
+    let finish = serde_json::to_value(r.finish_reason)?;
+    if a.json {
+        println!(
+            "{}",
+            json!({"response_ids": r.response_ids, "text": text, "logprobs": r.logprobs,
+                   "finish_reason": finish})
+        );
+    } else {
+        println!("{text}");
+        eprintln!(
+            "[{} tokens, finish: {}]",
+            r.response_ids.len(),
+            finish.as_str().unwrap_or_default()
+        );
+    }
+    Ok(())
 }
