@@ -93,14 +93,34 @@ impl BulkConfig {
     }
 }
 
+/// Largest UDP payload the bulk plane lets QUIC MTU discovery probe for, and asks peers to
+/// send at most. Discovery only settles on what the path carries (1500-byte Ethernet stays at
+/// quinn's 1452), so this is safe everywhere; on loopback and jumbo-frame links it cuts the
+/// per-packet cost, about doubling throughput on loopback. It stays under 6 553 bytes because
+/// quinn batches up to 10 datagrams into one GSO send, which must fit a 64 KiB UDP datagram
+/// (larger MTUs make those sends fail and show up as heavy loss).
+pub const MAX_UDP_PAYLOAD: u16 = 6000;
+
 /// Transport settings for bulk traffic; the node should apply this to its endpoint's
 /// `TransportConfig` (client and server side). Large stream and connection windows keep a fast
-/// hop from waiting on acknowledgements; QUIC flow control still paces every hop, so a slow
-/// receiver holds the sender back instead of growing buffers.
+/// hop from waiting on acknowledgements (QUIC flow control still paces every hop, so a slow
+/// receiver holds its sender back instead of growing buffers), and MTU discovery may probe up
+/// to [`MAX_UDP_PAYLOAD`].
 pub fn tune_transport(cfg: &mut quinn::TransportConfig) {
+    let mut mtu = quinn::MtuDiscoveryConfig::default();
+    mtu.upper_bound(MAX_UDP_PAYLOAD);
     cfg.stream_receive_window(VarInt::from_u32(16 << 20))
         .receive_window(VarInt::from_u32(64 << 20))
-        .send_window(64 << 20);
+        .send_window(64 << 20)
+        .mtu_discovery_config(Some(mtu));
+}
+
+/// Endpoint settings for bulk traffic: accept UDP payloads up to [`MAX_UDP_PAYLOAD`] bytes
+/// (peers never send datagrams larger than this transport parameter allows). The node should
+/// apply this to the `EndpointConfig` it builds its endpoint with.
+pub fn tune_endpoint(cfg: &mut quinn::EndpointConfig) {
+    cfg.max_udp_payload_size(MAX_UDP_PAYLOAD)
+        .expect("MAX_UDP_PAYLOAD is within quinn's 1200..=65527");
 }
 
 /// Socket buffer size the bulk plane asks for (the kernel may cap it, e.g. `net.core.rmem_max`).

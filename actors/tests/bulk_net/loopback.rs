@@ -92,7 +92,8 @@ pub fn endpoint(ca: &TestCa, name: &str) -> quinn::Endpoint {
     let mut client = quinn::ClientConfig::new(Arc::new(client));
     client.transport_config(transport());
 
-    let endpoint_config = quinn::EndpointConfig::default();
+    let mut endpoint_config = quinn::EndpointConfig::default();
+    clawrl_actors::bulk::tune_endpoint(&mut endpoint_config);
     let socket = clawrl_actors::bulk::bind_udp("127.0.0.1:0".parse().unwrap()).unwrap();
     let mut ep = quinn::Endpoint::new(
         endpoint_config,
