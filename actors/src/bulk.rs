@@ -342,19 +342,22 @@ impl Source {
 struct Reservation {
     store: Arc<Mutex<Store>>,
     size: u64,
+    committed: bool,
 }
 
 impl Reservation {
-    fn commit(self, manifest: Arc<Manifest>, bytes: Bytes) {
-        let store = self.store.clone();
-        std::mem::forget(self);
-        lock(&store).commit(manifest, bytes);
+    /// Turns the reservation into the stored blob.
+    fn commit(mut self, manifest: Arc<Manifest>, bytes: Bytes) {
+        self.committed = true;
+        lock(&self.store).commit(manifest, bytes);
     }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        lock(&self.store).release(self.size);
+        if !self.committed {
+            lock(&self.store).release(self.size);
+        }
     }
 }
 
@@ -849,6 +852,7 @@ impl<C: PeerConnector> BulkPlane<C> {
         Ok(Reservation {
             store: self.inner.store.clone(),
             size,
+            committed: false,
         })
     }
 

@@ -309,3 +309,42 @@ async fn broken_relay_paths_are_retried_directly_and_dead_targets_reported() {
     assert!(nodes[0].plane.remove(&id));
     assert_eq!(nodes[0].plane.stats().stored_bytes, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receivers_store_is_bounded_evicting_old_blobs_and_refusing_oversized_ones() {
+    let ca = TestCa::new();
+    let book = Book::default();
+    let a = node(&ca, &book, "a", config());
+    let mut small = config();
+    small.capacity = 10 * MIB as u64;
+    let b = node(&ca, &book, "b", small);
+    let targets = vec!["b".to_string()];
+
+    let first = Bytes::from(random_bytes(6 * MIB, 9));
+    let second = Bytes::from(random_bytes(6 * MIB, 10));
+    let id1 = a.plane.publish(first).unwrap();
+    let id2 = a.plane.publish(second.clone()).unwrap();
+    a.plane.broadcast(id1, &targets).await.unwrap();
+    a.plane.broadcast(id2, &targets).await.unwrap();
+    // Both do not fit: the older one was evicted to make room for the newer.
+    assert!(b.plane.get(&id1).is_none());
+    assert!(b.plane.get(&id2).unwrap() == second);
+    assert_eq!(b.plane.stats().stored_bytes, 6 * MIB as u64);
+
+    let big = a
+        .plane
+        .publish(Bytes::from(random_bytes(11 * MIB, 11)))
+        .unwrap();
+    let err = a.plane.broadcast(big, &targets).await.unwrap_err();
+    let BroadcastError::Incomplete { failed, .. } = &err else {
+        panic!("expected Incomplete, got {err}");
+    };
+    assert_eq!(failed[0].0, "b");
+    assert!(
+        failed[0].1.contains("refused") && failed[0].1.contains("capacity"),
+        "{err}"
+    );
+    // The refusal left b's store as it was.
+    assert!(b.plane.get(&id2).is_some());
+    assert_eq!(b.plane.stats().reserved_bytes, 0);
+}
