@@ -206,7 +206,7 @@ impl Qwen3Config {
                 });
             }
         }
-        if self.num_attention_heads % self.num_kv_heads() != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_kv_heads()) {
             return Err(ConfigError::Invalid {
                 key: "num_key_value_heads",
                 reason: format!(
@@ -216,7 +216,7 @@ impl Qwen3Config {
                 ),
             });
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return Err(ConfigError::Invalid {
                 key: "head_dim",
                 reason: format!("{} is odd; RoPE needs an even head width", self.head_dim()),

@@ -271,6 +271,9 @@ pub fn hf_weight_shapes(cfg: &Qwen3Config) -> Vec<(String, Vec<usize>)> {
     out
 }
 
+/// Supplies one weight by Hugging Face name and shape (see [`Qwen3::build`]).
+pub type WeightGetter<'a, E> = dyn FnMut(&str, &[usize]) -> Result<Vec<f32>, E> + 'a;
+
 impl<B: Backend> Qwen3<B> {
     /// A randomly initialised model (normal weights with `initializer_range` std, unit norms).
     pub fn init(cfg: &Qwen3Config, device: &B::Device) -> Self {
@@ -291,7 +294,7 @@ impl<B: Backend> Qwen3<B> {
     pub fn build<E>(
         cfg: &Qwen3Config,
         device: &B::Device,
-        get: &mut dyn FnMut(&str, &[usize]) -> Result<Vec<f32>, E>,
+        get: &mut WeightGetter<'_, E>,
     ) -> Result<Self, E> {
         let (h, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
         let (nq, nkv) = (cfg.num_attention_heads, cfg.num_kv_heads());

@@ -154,11 +154,14 @@ fn tensor_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
         .expect("converted to f32")
 }
 
+/// A named f32 tensor: `(Hugging Face name, shape, row-major data)`.
+pub type HfTensor = (String, Vec<usize>, Vec<f32>);
+
 /// Every weight of `model` in Hugging Face names and layout (`[out, in]` for linear layers), f32.
 pub fn model_hf_tensors<B: Backend>(
     model: &Qwen3<B>,
     cfg: &Qwen3Config,
-) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>, SaveError> {
+) -> Result<Vec<HfTensor>, SaveError> {
     let mut have: HashMap<String, (Vec<usize>, Vec<f32>)> = HashMap::new();
     let mut put2 = |name: String, w: Tensor<B, 2>, transposed: bool| {
         let [r, c] = w.dims();
