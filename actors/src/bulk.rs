@@ -56,6 +56,10 @@ pub trait PeerConnector: Send + Sync + 'static {
     ) -> impl Future<Output = Result<quinn::Connection, ConnectError>> + Send;
 }
 
+/// Send priority of bulk streams: below quinn's default 0, so pending actor frames on the same
+/// connection go out before queued blob data.
+pub const BULK_PRIORITY: i32 = -1;
+
 /// Slowest relay rate (bytes/s) a pusher allows for when it bounds its wait for a report.
 pub const MIN_RELAY_RATE: u64 = 4 << 20;
 
@@ -102,15 +106,15 @@ impl BulkConfig {
 pub const MAX_UDP_PAYLOAD: u16 = 6000;
 
 /// Transport settings for bulk traffic; the node should apply this to its endpoint's
-/// `TransportConfig` (client and server side). Large stream and connection windows keep a fast
-/// hop from waiting on acknowledgements (QUIC flow control still paces every hop, so a slow
-/// receiver holds its sender back instead of growing buffers), and MTU discovery may probe up
-/// to [`MAX_UDP_PAYLOAD`].
+/// `TransportConfig` (client and server side). A large per-stream window keeps a fast hop from
+/// waiting on acknowledgements while QUIC flow control still paces every hop (a slow receiver
+/// holds its sender back instead of growing buffers). The connection-wide receive window stays
+/// unlimited (quinn's default) so bulk streams can never use up credit that actor traffic on
+/// the same connection needs. MTU discovery may probe up to [`MAX_UDP_PAYLOAD`].
 pub fn tune_transport(cfg: &mut quinn::TransportConfig) {
     let mut mtu = quinn::MtuDiscoveryConfig::default();
     mtu.upper_bound(MAX_UDP_PAYLOAD);
     cfg.stream_receive_window(VarInt::from_u32(16 << 20))
-        .receive_window(VarInt::from_u32(64 << 20))
         .send_window(64 << 20)
         .mtu_discovery_config(Some(mtu));
 }
@@ -567,6 +571,7 @@ impl<C: PeerConnector> BulkPlane<C> {
         mut send: SendStream,
         mut recv: RecvStream,
     ) -> Result<(), TransferError> {
+        let _ = send.set_priority(BULK_PRIORITY);
         let peer = "incoming stream";
         let request: Request = self
             .stall(peer, "request", wire::read_frame(&mut recv, "bulk request"))
@@ -833,6 +838,7 @@ impl<C: PeerConnector> BulkPlane<C> {
                 peer: peer.to_owned(),
                 source,
             })?;
+        let _ = send.set_priority(BULK_PRIORITY);
         self.stall(peer, "sending the tag", send.write_all(&[BULK_TAG]))
             .await?
             .map_err(|e| TransferError::Wire {
