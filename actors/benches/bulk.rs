@@ -2,6 +2,11 @@
 //! - blob throughput to one receiver vs a plain TCP stream copying the same bytes (target ≥ 0.7);
 //! - broadcast of the blob to 4 receivers vs to 1 receiver (target ≤ 1.3; a naive star is ~4).
 //!
+//! All nodes share one machine here, so the raw loopback figures are bound by its CPU (every
+//! receiver decrypts, every relay re-encrypts). A second part therefore caps each node's
+//! uplink (a token bucket on its UDP sends, `BULK_BENCH_UPLINK_MIB` MiB/s, default 40) to
+//! emulate separate machines, and compares the relay chain with a star (fan-out 4).
+//!
 //! `BULK_BENCH_MIB` (default 256) sets the blob size, `BULK_BENCH_CHUNK_KIB` (default 1024) the
 //! chunk size, `BULK_BENCH_FANOUT` (default 1, a chain) the relay fan-out.
 
@@ -12,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clawrl_actors::bulk::BulkConfig;
-use loopback::{node, random_bytes, Book, Node, TestCa};
+use loopback::{node_capped, random_bytes, Book, Node, TestCa};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn env(name: &str, default: usize) -> usize {
@@ -52,12 +57,13 @@ async fn broadcast(
     receivers: usize,
     seed: u64,
     config: &BulkConfig,
+    uplink: Option<f64>,
 ) -> (Duration, u64) {
     let ca = TestCa::new();
     let book = Book::default();
-    let source = node(&ca, &book, "src", config.clone());
+    let source = node_capped(&ca, &book, "src", config.clone(), uplink);
     let nodes: Vec<Node> = (0..receivers)
-        .map(|i| node(&ca, &book, &format!("r{i}"), config.clone()))
+        .map(|i| node_capped(&ca, &book, &format!("r{i}"), config.clone(), uplink))
         .collect();
     let targets: Vec<String> = nodes.iter().map(|n| n.name.clone()).collect();
     // Warm-up: handshakes along the relay path.
@@ -74,7 +80,8 @@ async fn broadcast(
     source.plane.broadcast(id, &targets).await.unwrap();
     let took = start.elapsed();
     println!(
-        "  broadcast to {receivers}: {:.3} s wall, {:.2} CPU-s used by this process",
+        "  broadcast to {receivers} (fan-out {}): {:.3} s wall, {:.2} CPU-s used by this process",
+        config.fanout,
         took.as_secs_f64(),
         cpu_seconds() - cpu
     );
@@ -136,8 +143,8 @@ fn main() {
             std::thread::available_parallelism().map_or(0, |n| n.get())
         );
         let tcp = tcp_copy(Bytes::from(random_bytes(len, 1))).await;
-        let (one, _) = broadcast(len, 1, 2, &config).await;
-        let (four, source_sent) = broadcast(len, 4, 3, &config).await;
+        let (one, _) = broadcast(len, 1, 2, &config, None).await;
+        let (four, source_sent) = broadcast(len, 4, 3, &config, None).await;
         println!(
             "plain TCP copy            : {:>8.3} s  {}",
             tcp.as_secs_f64(),
@@ -161,6 +168,34 @@ fn main() {
         println!(
             "ratio time 4 receivers / 1        : {:.2}  (target <= 1.3)",
             four.as_secs_f64() / one.as_secs_f64()
+        );
+
+        let uplink = env("BULK_BENCH_UPLINK_MIB", 40);
+        let cap = Some((uplink << 20) as f64);
+        println!("with every node's uplink capped at {uplink} MiB/s:");
+        let (c1, _) = broadcast(len, 1, 4, &config, cap).await;
+        let (c4, c4_sent) = broadcast(len, 4, 5, &config, cap).await;
+        let mut star = config.clone();
+        star.fanout = 4;
+        let (s4, s4_sent) = broadcast(len, 4, 6, &star, cap).await;
+        println!("capped, blob to 1 receiver             : {:>8.3} s  {}", c1.as_secs_f64(), rate(len, c1));
+        println!(
+            "capped, blob to 4 (fan-out {})          : {:>8.3} s  {}  (source sent {:.2} copies)",
+            config.fanout,
+            c4.as_secs_f64(),
+            rate(len, c4),
+            c4_sent as f64 / len as f64
+        );
+        println!(
+            "capped, blob to 4 (star, fan-out 4)    : {:>8.3} s  {}  (source sent {:.2} copies)",
+            s4.as_secs_f64(),
+            rate(len, s4),
+            s4_sent as f64 / len as f64
+        );
+        println!(
+            "ratio time 4 receivers / 1, capped uplinks: {:.2} relayed, {:.2} star  (target <= 1.3)",
+            c4.as_secs_f64() / c1.as_secs_f64(),
+            s4.as_secs_f64() / c1.as_secs_f64()
         );
     });
 }

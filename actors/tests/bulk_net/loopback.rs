@@ -61,6 +61,12 @@ fn transport() -> Arc<quinn::TransportConfig> {
 
 /// A quinn endpoint on 127.0.0.1 that requires and presents certificates from `ca`.
 pub fn endpoint(ca: &TestCa, name: &str) -> quinn::Endpoint {
+    endpoint_capped(ca, name, None)
+}
+
+/// Like [`endpoint`], with the node's outgoing bytes capped at `uplink` bytes/s when given
+/// (emulates each node having its own network link instead of one shared loopback).
+pub fn endpoint_capped(ca: &TestCa, name: &str, uplink: Option<f64>) -> quinn::Endpoint {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(ca.der()).unwrap();
     let roots = Arc::new(roots);
@@ -95,13 +101,15 @@ pub fn endpoint(ca: &TestCa, name: &str) -> quinn::Endpoint {
     let mut endpoint_config = quinn::EndpointConfig::default();
     clawrl_actors::bulk::tune_endpoint(&mut endpoint_config);
     let socket = clawrl_actors::bulk::bind_udp("127.0.0.1:0".parse().unwrap()).unwrap();
-    let mut ep = quinn::Endpoint::new(
-        endpoint_config,
-        Some(server),
-        socket,
-        Arc::new(quinn::TokioRuntime),
-    )
-    .unwrap();
+    let runtime: Arc<dyn quinn::Runtime> = Arc::new(quinn::TokioRuntime);
+    let socket = runtime.wrap_udp_socket(socket).unwrap();
+    let socket: Arc<dyn quinn::AsyncUdpSocket> = match uplink {
+        Some(rate) => Arc::new(capped::Capped::new(socket, rate)),
+        None => socket,
+    };
+    let mut ep =
+        quinn::Endpoint::new_with_abstract_socket(endpoint_config, Some(server), socket, runtime)
+            .unwrap();
     ep.set_default_client_config(client);
     ep
 }
@@ -152,9 +160,20 @@ pub struct Node {
 
 /// Starts a node named `name` with `config` (its `local_name` is overwritten) and registers
 /// it in `book`.
-pub fn node(ca: &TestCa, book: &Book, name: &str, mut config: BulkConfig) -> Node {
+pub fn node(ca: &TestCa, book: &Book, name: &str, config: BulkConfig) -> Node {
+    node_capped(ca, book, name, config, None)
+}
+
+/// Like [`node`], with the node's uplink capped at `uplink` bytes/s when given.
+pub fn node_capped(
+    ca: &TestCa,
+    book: &Book,
+    name: &str,
+    mut config: BulkConfig,
+    uplink: Option<f64>,
+) -> Node {
     config.local_name = name.to_string();
-    let endpoint = endpoint(ca, name);
+    let endpoint = endpoint_capped(ca, name, uplink);
     let addr = endpoint.local_addr().unwrap();
     book.lock().unwrap().insert(name.to_string(), addr);
     let connections = Arc::new(Mutex::new(HashMap::new()));
@@ -219,4 +238,143 @@ pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
     }
     out.truncate(len);
     out
+}
+
+/// A UDP socket whose sends are paced by a token bucket: a stand-in for a node's own network
+/// link, so that a benchmark on one machine can show what relaying saves at the source.
+mod capped {
+    use std::fmt;
+    use std::io::{self, IoSliceMut};
+    use std::pin::Pin;
+    use std::sync::{Arc, Mutex};
+    use std::task::{Context, Poll};
+    use std::time::{Duration, Instant};
+
+    use quinn::udp::{RecvMeta, Transmit};
+    use quinn::{AsyncUdpSocket, UdpPoller};
+
+    /// Most bytes the bucket holds (the largest burst).
+    const BURST: f64 = 256.0 * 1024.0;
+
+    struct Bucket {
+        tokens: f64,
+        last: Instant,
+    }
+
+    pub struct Capped {
+        inner: Arc<dyn AsyncUdpSocket>,
+        rate: f64,
+        bucket: Mutex<Bucket>,
+    }
+
+    impl fmt::Debug for Capped {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            write!(f, "Capped({} B/s)", self.rate)
+        }
+    }
+
+    impl Capped {
+        pub fn new(inner: Arc<dyn AsyncUdpSocket>, rate: f64) -> Capped {
+            Capped {
+                inner,
+                rate,
+                bucket: Mutex::new(Bucket {
+                    tokens: BURST,
+                    last: Instant::now(),
+                }),
+            }
+        }
+
+        /// Refills the bucket; returns how long until it holds a positive amount.
+        fn wait(&self) -> Duration {
+            let mut b = self.bucket.lock().unwrap();
+            let now = Instant::now();
+            b.tokens = (b.tokens + now.duration_since(b.last).as_secs_f64() * self.rate).min(BURST);
+            b.last = now;
+            if b.tokens > 0.0 {
+                Duration::ZERO
+            } else {
+                Duration::from_secs_f64(-b.tokens / self.rate) + Duration::from_micros(50)
+            }
+        }
+    }
+
+    impl AsyncUdpSocket for Capped {
+        fn create_io_poller(self: Arc<Self>) -> Pin<Box<dyn UdpPoller>> {
+            let inner = self.inner.clone().create_io_poller();
+            Box::pin(CappedPoller {
+                socket: self,
+                inner,
+                sleep: None,
+            })
+        }
+
+        fn try_send(&self, transmit: &Transmit) -> io::Result<()> {
+            if !self.wait().is_zero() {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            self.inner.try_send(transmit)?;
+            self.bucket.lock().unwrap().tokens -= transmit.contents.len() as f64;
+            Ok(())
+        }
+
+        fn poll_recv(
+            &self,
+            cx: &mut Context,
+            bufs: &mut [IoSliceMut<'_>],
+            meta: &mut [RecvMeta],
+        ) -> Poll<io::Result<usize>> {
+            self.inner.poll_recv(cx, bufs, meta)
+        }
+
+        fn local_addr(&self) -> io::Result<std::net::SocketAddr> {
+            self.inner.local_addr()
+        }
+
+        fn max_transmit_segments(&self) -> usize {
+            self.inner.max_transmit_segments()
+        }
+
+        fn max_receive_segments(&self) -> usize {
+            self.inner.max_receive_segments()
+        }
+
+        fn may_fragment(&self) -> bool {
+            self.inner.may_fragment()
+        }
+    }
+
+    struct CappedPoller {
+        socket: Arc<Capped>,
+        inner: Pin<Box<dyn UdpPoller>>,
+        sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+    }
+
+    impl fmt::Debug for CappedPoller {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("CappedPoller")
+        }
+    }
+
+    impl UdpPoller for CappedPoller {
+        fn poll_writable(mut self: Pin<&mut Self>, cx: &mut Context) -> Poll<io::Result<()>> {
+            loop {
+                let wait = self.socket.wait();
+                if wait.is_zero() {
+                    self.sleep = None;
+                    return self.inner.as_mut().poll_writable(cx);
+                }
+                let deadline = tokio::time::Instant::now() + wait;
+                let sleep = self
+                    .sleep
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                sleep.as_mut().reset(deadline);
+                if sleep.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+            }
+        }
+    }
+
+    use std::future::Future;
 }
