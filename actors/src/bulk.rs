@@ -26,6 +26,7 @@ mod buffer;
 mod plan;
 mod store;
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -532,23 +533,11 @@ impl<C: PeerConnector> BulkPlane<C> {
         let mut still_failed = Vec::new();
         if !failed.is_empty() {
             tracing::warn!(blob = %id.short(), failed = ?failed, "bulk relay path failed; retrying directly");
-            let mut tasks = JoinSet::new();
-            for (peer, _) in failed {
-                let this = self.clone();
-                let (m, s) = (manifest.clone(), source.clone());
-                tasks.spawn(async move {
-                    let r = this.push_group(&m, s, &peer, Vec::new()).await;
-                    (peer, r)
-                });
-            }
-            while let Some(joined) = tasks.join_next().await {
-                let (peer, (ok, bad)) = joined.expect("push task panicked");
-                if ok.contains(&peer) {
-                    retried.push(peer.clone());
-                }
-                delivered.extend(ok);
-                still_failed.extend(bad);
-            }
+            let groups = failed.into_iter().map(|(peer, _)| (peer, Vec::new()));
+            let (ok, bad) = self.run_groups(&manifest, &source, groups.collect()).await;
+            retried.extend(ok.iter().cloned());
+            delivered.extend(ok);
+            still_failed.extend(bad);
         }
         if !still_failed.is_empty() {
             return Err(BroadcastError::Incomplete {
@@ -686,7 +675,8 @@ impl<C: PeerConnector> BulkPlane<C> {
         let relay = {
             let this = self.clone();
             let m = manifest.clone();
-            tokio::spawn(async move { this.fan_out(&m, &source, &forward).await })
+            let targets = forward.clone();
+            tokio::spawn(async move { this.fan_out(&m, &source, &targets).await })
         };
 
         let mut own: Result<(), TransferError> = Ok(());
@@ -696,7 +686,19 @@ impl<C: PeerConnector> BulkPlane<C> {
                 Err(e) => own = Err(e),
             }
         }
-        let (mut delivered, mut failed) = relay.await.expect("relay task panicked");
+        let (mut delivered, mut failed) = match relay.await {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                let reason = format!("relay task died: {e}");
+                (
+                    Vec::new(),
+                    forward
+                        .iter()
+                        .map(|p| (p.clone(), reason.clone()))
+                        .collect(),
+                )
+            }
+        };
         let me = self.inner.config.local_name.clone();
         match &own {
             Ok(()) => delivered.insert(0, me),
@@ -722,15 +724,36 @@ impl<C: PeerConnector> BulkPlane<C> {
         source: &Source,
         targets: &[String],
     ) -> GroupOutcome {
+        let groups = plan::split(targets, self.inner.config.fanout);
+        self.run_groups(manifest, source, groups).await
+    }
+
+    /// Pushes to every (head, rest) group concurrently and merges the outcomes; a push task
+    /// that dies is reported as a failure of its whole group.
+    async fn run_groups(
+        &self,
+        manifest: &Arc<Manifest>,
+        source: &Source,
+        groups: Vec<(String, Vec<String>)>,
+    ) -> GroupOutcome {
         let mut tasks = JoinSet::new();
-        for (head, rest) in plan::split(targets, self.inner.config.fanout) {
+        let mut by_task = HashMap::new();
+        for (head, rest) in groups {
             let this = self.clone();
             let (m, s) = (manifest.clone(), source.clone());
-            tasks.spawn(async move { this.push_group(&m, s, &head, rest).await });
+            let (h, r) = (head.clone(), rest.clone());
+            let task = tasks.spawn(async move { this.push_group(&m, s, &h, r).await });
+            by_task.insert(task.id(), (head, rest));
         }
         let (mut delivered, mut failed) = (Vec::new(), Vec::new());
-        while let Some(joined) = tasks.join_next().await {
-            let (ok, bad) = joined.expect("push task panicked");
+        while let Some(joined) = tasks.join_next_with_id().await {
+            let (ok, bad) = match joined {
+                Ok((_, outcome)) => outcome,
+                Err(e) => match by_task.get(&e.id()) {
+                    Some((head, rest)) => group_failed(head, rest, &format!("push task died: {e}")),
+                    None => continue,
+                },
+            };
             delivered.extend(ok);
             failed.extend(bad);
         }
