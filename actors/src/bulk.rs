@@ -15,9 +15,14 @@
 //! - **Defensive.** All wire input is validated (see [`wire`]); a misbehaving peer gets an
 //!   error on its stream, never a crash, and stalled streams time out.
 //!
+//! - **Polite.** Bulk streams send at a lower priority than actor traffic on the same
+//!   connection, and never consume connection-wide flow-control credit.
+//!
 //! The node owns the QUIC endpoint: it calls [`BulkPlane::serve_stream`] for every incoming
 //! bidirectional stream whose first byte is [`wire::BULK_TAG`], and it lends its connections
-//! to the plane through [`PeerConnector`].
+//! to the plane through [`PeerConnector`]. For bulk throughput the node should build its
+//! endpoint on [`bind_udp`] (large socket buffers) and apply [`tune_transport`] and
+//! [`tune_endpoint`] to its configs.
 
 pub mod manifest;
 pub mod wire;
