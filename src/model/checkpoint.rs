@@ -144,10 +144,21 @@ impl<B: Backend> Checkpoint<B> {
         self.chat_template.encode(&self.tokenizer, messages, tools)
     }
 
-    /// Token ids that end generation: the config's `eos_token_id`s and the tokenizer config's
-    /// `eos_token`.
+    /// Token ids that end generation: the `eos_token_id`s of `config.json` and
+    /// `generation_config.json`, and the tokenizer config's `eos_token`.
     pub fn stop_token_ids(&self) -> Vec<u32> {
         let mut ids: BTreeSet<u32> = self.config.eos_token_ids().into_iter().collect();
+        if let Some(text) = &self.files.generation_config_json {
+            if let Ok(v) = serde_json::from_str::<Json>(text) {
+                match v.get("eos_token_id") {
+                    Some(Json::Number(n)) => ids.extend(n.as_u64().map(|x| x as u32)),
+                    Some(Json::Array(a)) => {
+                        ids.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32))
+                    }
+                    _ => {}
+                }
+            }
+        }
         for (k, v) in self.chat_template.special_tokens() {
             if k == "eos_token" {
                 if let Some(id) = self.tokenizer.token_to_id(v) {

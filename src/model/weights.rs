@@ -75,14 +75,15 @@ pub(crate) struct TensorSource<'a> {
 
 impl<'a> TensorSource<'a> {
     /// Parses each `(label, bytes)` buffer.
-    pub(crate) fn new(buffers: &'a [(String, Vec<u8>)]) -> Result<Self, LoadError> {
+    pub(crate) fn new<T: AsRef<[u8]>>(buffers: &'a [(String, T)]) -> Result<Self, LoadError> {
         let mut files = Vec::new();
         let mut index = HashMap::new();
         for (label, bytes) in buffers {
-            let st = SafeTensors::deserialize(bytes).map_err(|e| LoadError::SafeTensors {
-                file: label.clone(),
-                message: e.to_string(),
-            })?;
+            let st =
+                SafeTensors::deserialize(bytes.as_ref()).map_err(|e| LoadError::SafeTensors {
+                    file: label.clone(),
+                    message: e.to_string(),
+                })?;
             for name in st.names() {
                 index.insert(name.to_string(), files.len());
             }
@@ -143,7 +144,7 @@ pub fn model_from_safetensors<B: Backend>(
         file: "<config>".into(),
         source: e,
     })?;
-    let buffers = [("<safetensors blob>".to_string(), bytes.to_vec())];
+    let buffers = [("<safetensors blob>".to_string(), bytes)];
     TensorSource::new(&buffers)?.build(cfg, device)
 }
 
