@@ -3,7 +3,7 @@
 //! It owns the prompts ([`prompt`]), the exact parsing of judge text into votes and hints
 //! ([`parse`]), the backends that produce judge text ([`backend`]: scripted rules, any
 //! OpenAI-compatible endpoint, a local chat model), the concurrent vote runner that never stalls
-//! ([`votes`]), the judged-turn records, the pure part of OPD ([`opd`]) and its seams to the
+//! ([`votes`]), the judged-turn records and their JSONL writer ([`records`]), the pure part of OPD ([`opd`]) and its seams to the
 //! local policy of `crate::model` ([`local`]: the engine as a judge, teacher scoring). Aggregation and the
 //! advantage arithmetic live in [`crate::rl`].
 
@@ -14,6 +14,7 @@ pub mod opd;
 pub mod openai;
 pub mod parse;
 pub mod prompt;
+pub mod records;
 pub mod scripted;
 pub mod votes;
 
@@ -26,6 +27,7 @@ pub use local::{EngineGenerator, TeacherError, TeacherModel};
 pub use opd::{enhance_messages, OpdError, HINT_PREFIX};
 pub use parse::{last_boxed_digit, parse_hint, parse_vote, VoteError};
 pub use prompt::{Material, PromptKind, PromptOverrides, PromptSet, StepMaterial, TurnMaterial};
+pub use records::{RecordError, RecordWriter};
 pub use votes::{
     Judge, JudgedTurnRecord, StepJudgement, TurnJudgement, VoteKind, VoteRecord, VoteSettings,
 };
