@@ -199,13 +199,16 @@ pub fn endpoint(
     } else {
         None
     };
+    // Large kernel buffers and datagrams: bulk transfers share this endpoint.
     let socket =
-        std::net::UdpSocket::bind(addr).map_err(|source| EndpointError::Bind { addr, source })?;
+        crate::bulk::bind_udp(addr).map_err(|source| EndpointError::Bind { addr, source })?;
+    let mut endpoint_config = quinn::EndpointConfig::default();
+    crate::bulk::tune_endpoint(&mut endpoint_config);
     let runtime = quinn::default_runtime().ok_or_else(|| EndpointError::Bind {
         addr,
         source: std::io::Error::other("no async runtime"),
     })?;
-    let mut ep = quinn::Endpoint::new(quinn::EndpointConfig::default(), server, socket, runtime)
+    let mut ep = quinn::Endpoint::new(endpoint_config, server, socket, runtime)
         .map_err(|source| EndpointError::Bind { addr, source })?;
     ep.set_default_client_config(client_config(identity)?);
     Ok(ep)
