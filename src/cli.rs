@@ -2,6 +2,7 @@
 
 pub mod cluster;
 pub mod model;
+pub mod serve;
 pub mod train;
 
 /// Logs go to stderr through `tracing`; `RUST_LOG` filters them (default `info`).

@@ -20,6 +20,8 @@ enum Command {
     Model(cli::model::Commands),
     #[command(flatten)]
     Train(cli::train::Commands),
+    #[command(flatten)]
+    Serve(cli::serve::Commands),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -28,5 +30,6 @@ fn main() -> anyhow::Result<()> {
         Command::Cluster(c) => cli::cluster::run(c),
         Command::Model(c) => cli::model::run(c),
         Command::Train(c) => cli::train::run(c),
+        Command::Serve(c) => cli::serve::run(c),
     }
 }
