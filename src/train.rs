@@ -10,6 +10,7 @@ pub mod config;
 pub mod learner;
 pub mod loss;
 pub mod optim;
+pub mod samples;
 
 pub use batch::{BatchLayout, Sample, SampleError};
 pub use config::{ConfigError, TrainConfig};

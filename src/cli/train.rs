@@ -1,12 +1,205 @@
-//! `clawrl` subcommands of the train area.
+//! `clawrl` subcommands of the train area: `train-offline`, which trains a Hugging Face
+//! checkpoint on recorded samples (also the way to replay a run) and writes the updated
+//! checkpoint.
 
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use burn::module::AutodiffModule;
 use clap::Subcommand;
+use rand::seq::SliceRandom;
+
+use clawrl::model::{load_checkpoint, save_checkpoint_dir};
+use clawrl::train::learner::{Learner, StepMetrics};
+use clawrl::train::samples::read_samples;
+use clawrl::train::TrainConfig;
+use clawrl::CpuAutodiff;
 
 /// Subcommands of the train area.
 #[derive(Subcommand)]
-pub enum Commands {}
+pub enum Commands {
+    /// Train a checkpoint offline on recorded samples (JSONL), one optimizer step per batch.
+    TrainOffline {
+        /// Hugging Face checkpoint directory to start from.
+        #[arg(long)]
+        model: PathBuf,
+        /// JSONL samples: `{"prompt_ids","response_ids","advantages","old_logprobs"?,"ref_logprobs"?}`.
+        #[arg(long)]
+        samples: PathBuf,
+        /// TRAIN.toml (lr, betas, adam_eps, weight_decay, eps_clip, eps_clip_high, kl_coef,
+        /// grad_clip, batch_size); defaults from DESIGN §1 when omitted.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Directory for the updated Hugging Face checkpoint.
+        #[arg(long)]
+        out: PathBuf,
+        /// Passes over the samples.
+        #[arg(long, default_value_t = 1)]
+        epochs: usize,
+        /// Shuffle the samples at the start of every epoch (seeded by `--seed`).
+        #[arg(long)]
+        shuffle: bool,
+        /// Seed of the learner's RNG.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Print one JSON object per step instead of a text line.
+        #[arg(long)]
+        json: bool,
+    },
+}
 
 /// Runs one subcommand of this area.
 pub fn run(cmd: Commands) -> anyhow::Result<()> {
-    match cmd {}
+    match cmd {
+        Commands::TrainOffline {
+            model,
+            samples,
+            config,
+            out,
+            epochs,
+            shuffle,
+            seed,
+            json,
+        } => train_offline(
+            &model,
+            &samples,
+            config.as_deref(),
+            &out,
+            epochs,
+            shuffle,
+            seed,
+            json,
+        ),
+    }
+}
+
+fn print_step(m: &StepMetrics, json: bool) -> anyhow::Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    if json {
+        let mut v = serde_json::json!({
+            "step": m.step,
+            "loss": m.loss,
+            "pg_loss": m.pg_loss,
+            "kl": m.kl,
+            "clip_fraction": m.clip_fraction,
+            "grad_norm": m.grad_norm,
+        });
+        if let Some(why) = &m.skipped {
+            v["skipped"] = serde_json::Value::String(why.clone());
+        }
+        writeln!(stdout, "{v}")?;
+    } else if let Some(why) = &m.skipped {
+        writeln!(stdout, "step {} skipped: {why}", m.step)?;
+    } else {
+        writeln!(
+            stdout,
+            "step {:>4}  loss {:+.6}  pg {:+.6}  kl {:.6}  clip {:.3}  grad_norm {:.4}  tokens {}",
+            m.step, m.loss, m.pg_loss, m.kl, m.clip_fraction, m.grad_norm, m.tokens
+        )?;
+    }
+    stdout.flush()?;
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn train_offline(
+    model_dir: &Path,
+    samples_path: &Path,
+    config: Option<&Path>,
+    out: &Path,
+    epochs: usize,
+    shuffle: bool,
+    seed: u64,
+    json: bool,
+) -> anyhow::Result<()> {
+    if epochs == 0 {
+        bail!("--epochs must be at least 1");
+    }
+    let train = match config {
+        Some(p) => TrainConfig::from_file(p)?,
+        None => TrainConfig::default(),
+    };
+    let device = Default::default();
+    let ckpt = load_checkpoint::<CpuAutodiff>(model_dir, &device)
+        .with_context(|| format!("loading model {}", model_dir.display()))?;
+    let mut samples = read_samples(samples_path, Some(ckpt.config.vocab_size))?;
+    let max = ckpt.config.max_position_embeddings;
+    if let Some((i, s)) = samples.iter().enumerate().find(|(_, s)| s.len() > max) {
+        bail!(
+            "{}: sample {} has {} tokens, more than the model's {max} positions",
+            samples_path.display(),
+            i + 1,
+            s.len()
+        );
+    }
+    tracing::info!(
+        samples = samples.len(),
+        batch_size = train.batch_size,
+        epochs,
+        "training offline"
+    );
+    let batch_size = train.batch_size;
+    let mut learner = Learner::new(ckpt.config.clone(), ckpt.model, train, device, seed);
+    let mut skipped = 0usize;
+    for _ in 0..epochs {
+        if shuffle {
+            samples.shuffle(learner.rng());
+        }
+        for batch in samples.chunks(batch_size) {
+            let m = learner.step(batch)?;
+            if m.skipped.is_some() {
+                skipped += 1;
+                tracing::warn!(reason = m.skipped.as_deref().unwrap_or(""), "step skipped");
+            }
+            print_step(&m, json)?;
+        }
+    }
+    write_checkpoint(out, &learner, &ckpt.files)?;
+    tracing::info!(
+        out = %out.display(),
+        steps = learner.steps(),
+        skipped,
+        version = learner.version(),
+        "wrote updated checkpoint"
+    );
+    Ok(())
+}
+
+/// Writes the checkpoint into a temporary sibling directory, then renames it into place.
+fn write_checkpoint(
+    out: &Path,
+    learner: &Learner,
+    files: &clawrl::model::TokenizerFiles,
+) -> anyhow::Result<()> {
+    let name = out
+        .file_name()
+        .with_context(|| format!("--out {} has no directory name", out.display()))?
+        .to_string_lossy()
+        .into_owned();
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent).with_context(|| format!("creating {}", parent.display()))?;
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp)?;
+    }
+    save_checkpoint_dir(
+        &tmp,
+        learner.model_config(),
+        &learner.policy().valid(),
+        files,
+    )
+    .with_context(|| format!("writing checkpoint to {}", tmp.display()))?;
+    if out.exists() {
+        let trash = parent.join(format!(".{name}.old-{}", std::process::id()));
+        std::fs::rename(out, &trash).with_context(|| format!("moving aside {}", out.display()))?;
+        std::fs::rename(&tmp, out).with_context(|| format!("renaming into {}", out.display()))?;
+        std::fs::remove_dir_all(&trash)?;
+    } else {
+        std::fs::rename(&tmp, out).with_context(|| format!("renaming into {}", out.display()))?;
+    }
+    Ok(())
 }

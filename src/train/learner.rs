@@ -15,6 +15,7 @@ use super::batch::{BatchLayout, LayoutError, Sample};
 use super::config::TrainConfig;
 use super::loss::{policy_loss, token_logprobs, LossParams};
 use super::optim::{clip_coefficient, global_grad_norm, AdamW, AdamWParams};
+use crate::model::qwen3::rope_inv_freq;
 use crate::model::{model_to_safetensors, Qwen3, Qwen3Config, SaveError};
 
 /// Token id used to right-pad batches (any id works: padding is after every real token and
@@ -124,16 +125,48 @@ pub(crate) fn adamw_params(t: &TrainConfig) -> AdamWParams {
     }
 }
 
+/// The learner computes in float32 whatever dtype the checkpoint was stored in, exactly as a
+/// float32 PyTorch model does: the config it keeps (and writes into checkpoints, and hands to
+/// replicas through [`Learner::model_config`]) declares `float32`, and the RoPE inverse
+/// frequencies are the unrounded float32 ones. (`transformers` rounds that buffer to the
+/// checkpoint dtype only when the model is loaded in that dtype; the reference training step of
+/// `train_step_expected.json` runs in float32 and uses the unrounded buffer.)
+pub fn float32_config(cfg: &Qwen3Config) -> Qwen3Config {
+    let mut cfg = cfg.clone();
+    let mut declared = false;
+    for key in ["dtype", "torch_dtype"] {
+        if cfg.extra.contains_key(key) {
+            cfg.extra
+                .insert(key.to_string(), serde_json::Value::String("float32".into()));
+            declared = true;
+        }
+    }
+    if !declared {
+        cfg.extra.insert(
+            "torch_dtype".into(),
+            serde_json::Value::String("float32".into()),
+        );
+    }
+    cfg
+}
+
 impl<B: AutodiffBackend> Learner<B> {
     /// A learner starting from `policy` at version 0. When `train.kl_coef > 0`, a frozen copy of
-    /// `policy` becomes the reference model. `seed` seeds the learner's RNG.
+    /// `policy` becomes the reference model. `seed` seeds the learner's RNG. The model is used
+    /// in float32 (see [`float32_config`]).
     pub fn new(
         model_config: Qwen3Config,
-        policy: Qwen3<B>,
+        mut policy: Qwen3<B>,
         train: TrainConfig,
         device: B::Device,
         seed: u64,
     ) -> Self {
+        let model_config = float32_config(&model_config);
+        policy.rope_inv_freq = rope_inv_freq(
+            model_config.head_dim(),
+            model_config.rope_theta(),
+            model_config.storage_dtype(),
+        );
         let reference = (train.kl_coef > 0.0).then(|| policy.valid());
         Self {
             optim: AdamW::new(adamw_params(&train)),
