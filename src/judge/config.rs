@@ -16,10 +16,12 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use super::backend::{ChatGenerator, JudgeBackend, ModelBackend};
+use super::local::EngineGenerator;
 use super::openai::{OpenAiBackend, OpenAiConfig, OpenAiConfigError};
 use super::prompt::{PromptError, PromptOverrides, PromptSet};
 use super::scripted::{ScriptedBackend, ScriptedConfig, ScriptedError};
 use super::votes::{Judge, VoteSettings, VoteSettingsError};
+use crate::model::EngineOptions;
 use crate::rl::AdvantageWeights;
 
 /// Where a `model` judge's weights come from.
@@ -132,14 +134,24 @@ pub enum JudgeConfigError {
         "judge.backend kind = \"model\" needs a local chat generator ({0:?}); none was supplied"
     )]
     NoGenerator(ModelSource),
+    /// The judge checkpoint could not be loaded.
+    #[error("judge.backend: cannot load the judge model from {path}: {message}")]
+    Load {
+        /// The checkpoint directory.
+        path: PathBuf,
+        /// The load error.
+        message: String,
+    },
     /// An OPD weight is not finite.
     #[error("judge.opd.{0} must be finite")]
     BadWeight(&'static str),
 }
 
 impl JudgeConfig {
-    /// Validates everything and builds the judge. `generator` serves a `model` backend (the
-    /// caller loads the weights named by [`ModelSource`]); it is ignored by other backends.
+    /// Validates everything and builds the judge. `generator` serves a `model` backend; without
+    /// one, a `checkpoint` source is loaded here (CPU backend, default engine options) and a
+    /// `frozen_initial` source is an error (the caller owns the initial policy and must pass its
+    /// generator). Other backends ignore `generator`.
     pub fn build(
         &self,
         generator: Option<Arc<dyn ChatGenerator>>,
@@ -154,9 +166,21 @@ impl JudgeConfig {
         let backend: Arc<dyn JudgeBackend> = match &self.backend {
             BackendConfig::Scripted(c) => Arc::new(ScriptedBackend::new(c)?),
             BackendConfig::Openai(c) => Arc::new(OpenAiBackend::new(c.clone())?),
-            BackendConfig::Model { source } => match generator {
-                Some(g) => Arc::new(ModelBackend::new(g)),
-                None => return Err(JudgeConfigError::NoGenerator(source.clone())),
+            BackendConfig::Model { source } => match (generator, source) {
+                (Some(g), _) => Arc::new(ModelBackend::new(g)),
+                (None, ModelSource::Checkpoint { path }) => {
+                    let g =
+                        EngineGenerator::load(path, EngineOptions::default(), 0).map_err(|e| {
+                            JudgeConfigError::Load {
+                                path: path.clone(),
+                                message: e.to_string(),
+                            }
+                        })?;
+                    Arc::new(ModelBackend::new(Arc::new(g)))
+                }
+                (None, ModelSource::FrozenInitial) => {
+                    return Err(JudgeConfigError::NoGenerator(source.clone()))
+                }
             },
         };
         Ok(Judge::new(backend, prompts, self.votes.clone())?)
@@ -200,20 +224,31 @@ mod tests {
         assert_eq!(c.build(None).unwrap().backend_name(), "openai");
 
         let c: JudgeConfig = toml::from_str(
-            r#"backend = { kind = "model", source = "checkpoint", path = "/ckpt" }"#,
+            r#"backend = { kind = "model", source = "checkpoint", path = "/no/such/ckpt" }"#,
         )
         .unwrap();
         assert_eq!(
             c.backend,
             BackendConfig::Model {
                 source: ModelSource::Checkpoint {
-                    path: "/ckpt".into()
+                    path: "/no/such/ckpt".into()
                 }
             }
         );
+        let e = c.build(None).unwrap_err();
+        assert!(matches!(e, JudgeConfigError::Load { .. }), "{e}");
+        assert!(e.to_string().contains("/no/such/ckpt"), "{e}");
+        let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3-tiny");
+        let c: JudgeConfig = toml::from_str(&format!(
+            "backend = {{ kind = \"model\", source = \"checkpoint\", path = \"{fixture}\" }}"
+        ))
+        .unwrap();
+        assert_eq!(c.build(None).unwrap().backend_name(), "model");
+        let c: JudgeConfig =
+            toml::from_str(r#"backend = { kind = "model", source = "frozen_initial" }"#).unwrap();
         assert!(matches!(
             c.build(None),
-            Err(JudgeConfigError::NoGenerator(_))
+            Err(JudgeConfigError::NoGenerator(ModelSource::FrozenInitial))
         ));
     }
 

@@ -13,7 +13,8 @@ use thiserror::Error;
 use super::backend::{ChatGenerator, ChatMessage, GenerateError, SamplingParams};
 use super::opd::{enhance_messages, OpdError};
 use crate::model::{
-    score_response, ChatError, ChatTemplate, EngineHandle, GenerationRequest, Qwen3,
+    load_checkpoint, score_response, spawn_engine, ChatError, ChatTemplate, EngineHandle,
+    EngineOptions, GenerationRequest, LoadError, Qwen3,
 };
 use crate::rl::{combine, AdvantageError, AdvantageWeights, CombinedSample};
 
@@ -46,6 +47,22 @@ impl EngineGenerator {
             stop_token_ids,
             next_seed: AtomicU64::new(seed),
         }
+    }
+}
+
+impl EngineGenerator {
+    /// Loads a Hugging Face checkpoint directory on the CPU backend and starts a generation
+    /// engine over it: a `model` judge from any checkpoint (or the frozen initial policy's).
+    pub fn load(
+        dir: &std::path::Path,
+        options: EngineOptions,
+        seed: u64,
+    ) -> Result<Self, LoadError> {
+        let ck = load_checkpoint::<crate::CpuBackend>(dir, &Default::default())?;
+        let stop = ck.stop_token_ids();
+        let tokenizer = Arc::new(ck.tokenizer);
+        let engine = spawn_engine(Arc::new(ck.model), Some(tokenizer.clone()), options);
+        Ok(Self::new(engine, ck.chat_template, tokenizer, stop, seed))
     }
 }
 
