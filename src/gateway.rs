@@ -1,0 +1,232 @@
+//! The personal-agent gateway (DESIGN §4, issue 7): an OpenAI-compatible HTTP endpoint that
+//! serves the policy and records every main-line turn, with its exact token ids, log-probs and
+//! next state, for training.
+//!
+//! Layout: [`server`] (axum routes, auth, limits, OpenAI wire format, SSE streaming),
+//! [`generate`] (the token-by-token batching scheduler), [`text`] (ids → served text, tool-call
+//! splitting; pure), [`session`] (the clock-free session table), [`sink`] (the JSONL turn
+//! writer), [`metrics`] (Prometheus text) and [`GatewayConfig`] here.
+
+pub mod generate;
+pub mod metrics;
+pub mod server;
+pub mod session;
+pub mod sink;
+pub mod text;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+pub use server::{Gateway, GatewayError};
+pub use session::{EndPolicy, SessionConfig, SessionTable, TurnEnd, TurnType};
+pub use sink::{TurnRecord, TurnSink};
+
+/// Gateway settings (`clawrl serve --config FILE`, TOML; every key optional).
+///
+/// ```toml
+/// listen = "127.0.0.1:8000"
+/// model_name = "my-agent"          # default: the checkpoint directory's name
+/// api_keys = ["sk-local-1"]        # bearer keys; none configured = open
+/// api_keys_env = "CLAWRL_API_KEYS" # also read comma-separated keys from this variable
+/// max_body_bytes = 4194304         # larger request bodies get 413
+/// default_turn_type = "main"       # for requests naming neither a session nor a turn type
+/// idle_timeout_secs = 300.0        # a session idle this long ends
+/// on_session_end = "keep"          # last turn: "keep" (no next state) or "drop"
+/// data_dir = "data/gateway"        # turns-v<version>.jsonl go here
+/// record_queue = 1024              # records waiting for the writer
+/// max_batch = 16                   # sequences decoded together
+/// max_context = 4096               # prompt + response positions per sequence
+/// default_max_tokens = 256         # when a request gives none
+/// max_tokens_limit = 4096          # the most a request may ask for
+/// version = 0                      # weight version recorded with each turn
+/// ```
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GatewayConfig {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// The model id clients must name; `None` = the checkpoint directory's name.
+    pub model_name: Option<String>,
+    /// Accepted bearer API keys.
+    pub api_keys: Vec<String>,
+    /// Environment variable with more comma-separated keys (empty string = none).
+    pub api_keys_env: String,
+    /// Request body limit in bytes.
+    pub max_body_bytes: usize,
+    /// Turn type of requests that name neither a session nor a turn type.
+    pub default_turn_type: TurnType,
+    /// Seconds without a request after which a session ends.
+    pub idle_timeout_secs: f64,
+    /// What happens to a session's last turn when it ends.
+    pub on_session_end: EndPolicy,
+    /// Directory of the recorded turns.
+    pub data_dir: PathBuf,
+    /// Capacity of the record queue.
+    pub record_queue: usize,
+    /// Most sequences decoded together.
+    pub max_batch: usize,
+    /// Most positions (prompt + response) per sequence.
+    pub max_context: usize,
+    /// `max_tokens` when a request gives none.
+    pub default_max_tokens: usize,
+    /// The largest `max_tokens` a request may ask for.
+    pub max_tokens_limit: usize,
+    /// The weight version recorded with each turn.
+    pub version: u64,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            model_name: None,
+            api_keys: Vec::new(),
+            api_keys_env: "CLAWRL_API_KEYS".into(),
+            max_body_bytes: 4 << 20,
+            default_turn_type: TurnType::Main,
+            idle_timeout_secs: 300.0,
+            on_session_end: EndPolicy::Keep,
+            data_dir: PathBuf::from("data/gateway"),
+            record_queue: 1024,
+            max_batch: 16,
+            max_context: 4096,
+            default_max_tokens: 256,
+            max_tokens_limit: 4096,
+            version: 0,
+        }
+    }
+}
+
+/// A bad gateway config.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file cannot be read.
+    #[error("cannot read gateway config {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The file does not parse (the message names the key).
+    #[error("gateway config {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message.
+        message: String,
+    },
+    /// A value is out of range.
+    #[error("gateway config: {key} {reason}")]
+    Invalid {
+        /// The key.
+        key: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+impl GatewayConfig {
+    /// Reads and validates a TOML file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+        let cfg: Self = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks ranges.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |key, reason: &str| {
+            Err(ConfigError::Invalid {
+                key,
+                reason: reason.to_string(),
+            })
+        };
+        if !(self.idle_timeout_secs.is_finite() && self.idle_timeout_secs > 0.0) {
+            return bad("idle_timeout_secs", "must be a positive number of seconds");
+        }
+        if self.max_body_bytes == 0 {
+            return bad("max_body_bytes", "must be at least 1");
+        }
+        if self.record_queue == 0 {
+            return bad("record_queue", "must be at least 1");
+        }
+        if self.max_batch == 0 {
+            return bad("max_batch", "must be at least 1");
+        }
+        if self.max_context < 2 {
+            return bad("max_context", "must be at least 2");
+        }
+        if self.default_max_tokens == 0 || self.default_max_tokens > self.max_tokens_limit {
+            return bad(
+                "default_max_tokens",
+                "must be at least 1 and at most max_tokens_limit",
+            );
+        }
+        if self.api_keys.iter().any(|k| k.trim().is_empty()) {
+            return bad("api_keys", "must not contain empty keys");
+        }
+        if matches!(&self.model_name, Some(n) if n.trim().is_empty()) {
+            return bad("model_name", "must not be empty");
+        }
+        Ok(())
+    }
+
+    /// The session rules of this config.
+    pub fn session_config(&self) -> SessionConfig {
+        SessionConfig {
+            default_turn_type: self.default_turn_type,
+            idle_timeout: Duration::from_secs_f64(self.idle_timeout_secs),
+            on_end: self.on_session_end,
+        }
+    }
+
+    /// Configured keys plus those of `api_keys_env` (read now).
+    pub fn resolved_api_keys(&self) -> Vec<String> {
+        let mut keys = self.api_keys.clone();
+        if !self.api_keys_env.is_empty() {
+            if let Ok(v) = std::env::var(&self.api_keys_env) {
+                keys.extend(
+                    v.split(',')
+                        .map(|k| k.trim().to_string())
+                        .filter(|k| !k.is_empty()),
+                );
+            }
+        }
+        keys
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_keys_are_checked() {
+        let c: GatewayConfig =
+            toml::from_str("on_session_end = \"drop\"\ndefault_turn_type = \"side\"").unwrap();
+        assert_eq!(c.on_session_end, EndPolicy::Drop);
+        assert_eq!(c.default_turn_type, TurnType::Side);
+        let e = toml::from_str::<GatewayConfig>("idle_timeout = 3").unwrap_err();
+        assert!(e.to_string().contains("idle_timeout"), "{e}");
+        let c = GatewayConfig {
+            idle_timeout_secs: 0.0,
+            ..Default::default()
+        };
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("idle_timeout_secs"));
+    }
+}

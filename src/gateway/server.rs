@@ -1,0 +1,1154 @@
+//! The HTTP side of the gateway: axum routes speaking the OpenAI chat-completions wire format.
+//!
+//! - `POST /v1/chat/completions`: non-streaming, or SSE with one chunk per piece of new text as
+//!   tokens are sampled (`stream: true`), `tool_calls` deltas for `<tool_call>` blocks;
+//! - `GET /v1/models`, `GET /v1/models/{id}`, `GET /healthz`, `GET /metrics`.
+//!
+//! `/v1/*` needs `Authorization: Bearer <key>` when keys are configured (401 otherwise). Bodies
+//! over the limit get 413, malformed JSON 400, an unknown model 404; every error is OpenAI's
+//! `{"error": {"message", "type", "param", "code"}}`. Each answer carries `session_id` (body
+//! field and `X-Session-Id` header); see [`super::session`] for what is recorded.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Path as AxPath, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use burn::tensor::backend::Backend;
+use serde::Deserialize;
+use serde_json::{json, Value as Json_};
+use tokio::sync::mpsc;
+
+use super::generate::{StreamingEngine, TokenEvent};
+use super::metrics::Metrics;
+use super::session::{Finished, SessionTable, TurnType};
+use super::sink::{SinkError, TurnRecord, TurnSink};
+use super::text::{split_all, Piece, TextStream, ToolCallSplitter};
+use super::GatewayConfig;
+use crate::model::chat::{encode_text, validate_messages, validate_tools, ChatTemplate};
+use crate::model::engine::{EngineError, EngineOptions, FinishReason};
+use crate::model::qwen3::Qwen3;
+use crate::model::sampling::SamplingParams;
+use crate::model::tool_call::ToolCall;
+use crate::model::Checkpoint;
+
+/// The gateway could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// The config is invalid.
+    #[error(transparent)]
+    Config(#[from] super::ConfigError),
+    /// The record sink could not start.
+    #[error(transparent)]
+    Sink(#[from] SinkError),
+    /// Serving failed.
+    #[error("serving: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+struct AppState {
+    cfg: GatewayConfig,
+    model_name: String,
+    keys: Vec<String>,
+    engine: StreamingEngine,
+    tokenizer: Arc<tokenizers::Tokenizer>,
+    template: ChatTemplate,
+    stop_ids: Vec<u32>,
+    sessions: Mutex<SessionTable<TurnRecord>>,
+    sink: TurnSink,
+    metrics: Metrics,
+    created: u64,
+}
+
+/// A built gateway: the model loaded, the generation thread and the turn writer running.
+pub struct Gateway {
+    state: Arc<AppState>,
+    writer: std::thread::JoinHandle<()>,
+}
+
+impl Gateway {
+    /// Builds the gateway over a loaded checkpoint. `default_name` is the model id used when the
+    /// config names none.
+    pub fn new<B: Backend>(
+        ck: Checkpoint<B>,
+        cfg: GatewayConfig,
+        default_name: &str,
+    ) -> Result<Self, GatewayError>
+    where
+        Qwen3<B>: Send + Sync,
+    {
+        cfg.validate()?;
+        let stop_ids = ck.stop_token_ids();
+        let Checkpoint {
+            model,
+            tokenizer,
+            chat_template,
+            ..
+        } = ck;
+        let tokenizer = Arc::new(tokenizer);
+        let engine = StreamingEngine::spawn(
+            Arc::new(model),
+            Some(tokenizer.clone()),
+            EngineOptions {
+                max_batch: cfg.max_batch,
+                max_context: cfg.max_context,
+            },
+        );
+        let (sink, writer) = TurnSink::start(&cfg.data_dir, cfg.record_queue)?;
+        let state = AppState {
+            model_name: cfg
+                .model_name
+                .clone()
+                .unwrap_or_else(|| default_name.to_string()),
+            keys: cfg.resolved_api_keys(),
+            engine,
+            tokenizer,
+            template: chat_template,
+            stop_ids,
+            sessions: Mutex::new(SessionTable::new(cfg.session_config())),
+            sink,
+            metrics: Metrics::default(),
+            created: unix_now(),
+            cfg,
+        };
+        Ok(Self {
+            state: Arc::new(state),
+            writer,
+        })
+    }
+
+    /// The model id clients must name.
+    pub fn model_name(&self) -> &str {
+        &self.state.model_name
+    }
+
+    /// The file turns of `version` are written to.
+    pub fn turns_path(&self, version: u64) -> std::path::PathBuf {
+        self.state.sink.path(version)
+    }
+
+    /// The routes.
+    pub fn router(&self) -> Router {
+        let s = self.state.clone();
+        Router::new()
+            .route("/v1/chat/completions", post(chat_completions))
+            .route("/v1/models", get(list_models))
+            .route("/v1/models/{id}", get(get_model))
+            .route("/healthz", get(healthz))
+            .route("/metrics", get(metrics))
+            .fallback(not_found)
+            .layer(DefaultBodyLimit::max(s.cfg.max_body_bytes))
+            .layer(axum::middleware::from_fn_with_state(s.clone(), track))
+            .with_state(s)
+    }
+
+    /// Serves on `listener` until `shutdown` resolves; sessions idle past the timeout are ended
+    /// as they expire. At shutdown every open session ends (its last turn kept or dropped as
+    /// configured) and every queued record is written before this returns.
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), GatewayError> {
+        let router = self.router();
+        let sweeper = {
+            let s = self.state.clone();
+            let period = (s.cfg.idle_timeout_secs / 4.0).clamp(0.01, 1.0);
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(std::time::Duration::from_secs_f64(period));
+                loop {
+                    tick.tick().await;
+                    let out = s.sessions.lock().unwrap().expire(Instant::now());
+                    record_all(&s, out).await;
+                }
+            })
+        };
+        let result = axum::serve(listener, router)
+            .with_graceful_shutdown(shutdown)
+            .await;
+        sweeper.abort();
+        let _ = sweeper.await;
+        let out = self.state.sessions.lock().unwrap().end_all();
+        record_all(&self.state, out).await;
+        let Self { state, writer } = self;
+        drop(state);
+        // The writer ends once every sink handle is gone (handlers that still hold the state
+        // finish first); wait for it off the async threads.
+        let _ = tokio::task::spawn_blocking(move || writer.join()).await;
+        result.map_err(GatewayError::Io)
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn random_hex(n: usize) -> String {
+    use rand::Rng;
+    let mut rng = rand::rng();
+    (0..n)
+        .map(|_| format!("{:x}", rng.random_range(0..16u8)))
+        .collect()
+}
+
+async fn record_all(s: &AppState, out: Vec<Finished<TurnRecord>>) {
+    for f in out {
+        let mut rec = f.turn;
+        rec.next_state = f.next_state;
+        rec.end = Some(f.end);
+        if let Err(e) = s.sink.send(rec).await {
+            tracing::error!(error = %e, "turn not recorded");
+            s.metrics.count_error("record_failed");
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+
+/// An OpenAI-style error answer.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    code: &'static str,
+    param: Option<&'static str>,
+    message: String,
+}
+
+impl ApiError {
+    fn bad(code: &'static str, param: Option<&'static str>, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            code,
+            param,
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }});
+        let mut r = (self.status, Json(body)).into_response();
+        r.extensions_mut().insert(ErrorCode(self.code));
+        r
+    }
+}
+
+#[derive(Clone, Copy)]
+struct ErrorCode(&'static str);
+
+fn engine_error(e: EngineError) -> ApiError {
+    match e {
+        EngineError::Sampling(s) => ApiError::bad("invalid_sampling", None, s.to_string()),
+        EngineError::PromptTooLong { .. } => {
+            ApiError::bad("context_length_exceeded", Some("messages"), e.to_string())
+        }
+        EngineError::EmptyPrompt | EngineError::BadToken { .. } => {
+            ApiError::bad("invalid_prompt", Some("messages"), e.to_string())
+        }
+        EngineError::NoTokenizer | EngineError::Closed => ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            kind: "server_error",
+            code: "generation_failed",
+            param: None,
+            message: e.to_string(),
+        },
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Middleware and small routes
+
+async fn track(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "unmatched".into());
+    let t0 = Instant::now();
+    let resp = next.run(req).await;
+    s.metrics
+        .count_request(&route, resp.status().as_u16(), t0.elapsed().as_secs_f64());
+    if let Some(ErrorCode(code)) = resp.extensions().get::<ErrorCode>() {
+        s.metrics.count_error(code);
+    } else if resp.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        s.metrics.count_error("payload_too_large");
+    }
+    resp
+}
+
+fn check_auth(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    if s.keys.is_empty() {
+        return Ok(());
+    }
+    let given = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match given {
+        Some(k) if s.keys.iter().any(|x| x == k) => Ok(()),
+        _ => Err(ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            kind: "invalid_request_error",
+            code: "invalid_api_key",
+            param: None,
+            message: "missing or invalid API key: send Authorization: Bearer <key>".into(),
+        }),
+    }
+}
+
+fn model_json(s: &AppState) -> Json_ {
+    json!({"id": s.model_name, "object": "model", "created": s.created, "owned_by": "clawrl"})
+}
+
+async fn list_models(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(e) = check_auth(&s, &headers) {
+        return e.into_response();
+    }
+    Json(json!({"object": "list", "data": [model_json(&s)]})).into_response()
+}
+
+async fn get_model(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    AxPath(id): AxPath<String>,
+) -> Response {
+    if let Err(e) = check_auth(&s, &headers) {
+        return e.into_response();
+    }
+    if id != s.model_name {
+        return unknown_model(&id, &s).into_response();
+    }
+    Json(model_json(&s)).into_response()
+}
+
+fn unknown_model(id: &str, s: &AppState) -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        kind: "invalid_request_error",
+        code: "model_not_found",
+        param: Some("model"),
+        message: format!(
+            "the model {id:?} does not exist; this gateway serves {:?}",
+            s.model_name
+        ),
+    }
+}
+
+async fn healthz(State(s): State<Arc<AppState>>) -> Response {
+    Json(json!({"status": "ok", "model": s.model_name, "version": s.cfg.version})).into_response()
+}
+
+async fn not_found() -> Response {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        kind: "invalid_request_error",
+        code: "not_found",
+        param: None,
+        message: "no such route".into(),
+    }
+    .into_response()
+}
+
+async fn metrics(State(s): State<Arc<AppState>>) -> Response {
+    let (st, open) = {
+        let t = s.sessions.lock().unwrap();
+        (t.stats(), t.open_sessions())
+    };
+    let sk = s.sink.stats();
+    let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
+    let extra = [
+        (
+            "clawrl_gateway_sessions_open",
+            "gauge",
+            "Open sessions.",
+            open as f64,
+        ),
+        (
+            "clawrl_gateway_sessions_started_total",
+            "counter",
+            "Sessions opened.",
+            st.started as f64,
+        ),
+        (
+            "clawrl_gateway_sessions_ended_done_total",
+            "counter",
+            "Sessions ended by X-Session-Done.",
+            st.ended_done as f64,
+        ),
+        (
+            "clawrl_gateway_sessions_ended_idle_total",
+            "counter",
+            "Sessions ended by the idle timeout (or shutdown).",
+            st.ended_idle as f64,
+        ),
+        (
+            "clawrl_gateway_main_turns_total",
+            "counter",
+            "Main-line turns served.",
+            st.main_turns as f64,
+        ),
+        (
+            "clawrl_gateway_side_turns_total",
+            "counter",
+            "Side turns served (never recorded).",
+            st.side_turns as f64,
+        ),
+        (
+            "clawrl_gateway_turns_with_next_state_total",
+            "counter",
+            "Turns completed with a next state.",
+            st.with_next_state as f64,
+        ),
+        (
+            "clawrl_gateway_last_turns_kept_total",
+            "counter",
+            "Last turns recorded without a next state.",
+            st.kept_without_next_state as f64,
+        ),
+        (
+            "clawrl_gateway_last_turns_dropped_total",
+            "counter",
+            "Last turns dropped at session end.",
+            st.dropped as f64,
+        ),
+        (
+            "clawrl_gateway_records_queued_total",
+            "counter",
+            "Turn records queued for writing.",
+            ld(&sk.queued),
+        ),
+        (
+            "clawrl_gateway_records_written_total",
+            "counter",
+            "Turn records written.",
+            ld(&sk.written),
+        ),
+        (
+            "clawrl_gateway_record_queue_full_total",
+            "counter",
+            "Times the record queue was full and serving waited.",
+            ld(&sk.queue_full),
+        ),
+        (
+            "clawrl_gateway_record_write_errors_total",
+            "counter",
+            "Turn record write errors.",
+            ld(&sk.write_errors),
+        ),
+    ];
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        s.metrics.render(&extra),
+    )
+        .into_response()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chat completions: request
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize, Default)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+#[derive(Deserialize)]
+struct ChatRequest {
+    model: String,
+    messages: minijinja::Value,
+    #[serde(default)]
+    tools: Option<minijinja::Value>,
+    #[serde(default)]
+    tool_choice: Option<Json_>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    temperature: Option<f32>,
+    #[serde(default)]
+    top_p: Option<f32>,
+    #[serde(default)]
+    top_k: Option<usize>,
+    #[serde(default)]
+    max_tokens: Option<usize>,
+    #[serde(default)]
+    max_completion_tokens: Option<usize>,
+    #[serde(default)]
+    stop: Option<Stop>,
+    #[serde(default)]
+    seed: Option<u64>,
+    #[serde(default)]
+    n: Option<u32>,
+    #[serde(default)]
+    session_id: Option<String>,
+    #[serde(default)]
+    turn_type: Option<String>,
+    #[serde(default)]
+    session_done: Option<bool>,
+}
+
+fn parse_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize::<_, ChatRequest>(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let msg = if inner.is_syntax() || inner.is_eof() {
+            format!("malformed JSON body: {inner}")
+        } else if path == "." {
+            format!("invalid request body: {inner}")
+        } else {
+            format!("invalid request body at {path}: {inner}")
+        };
+        ApiError::bad("invalid_json", None, msg)
+    })
+}
+
+fn sampling_params(s: &AppState, r: &ChatRequest) -> Result<SamplingParams, ApiError> {
+    if let Some(n) = r.n {
+        if n != 1 {
+            return Err(ApiError::bad(
+                "unsupported",
+                Some("n"),
+                "only n = 1 is supported",
+            ));
+        }
+    }
+    let temperature = r.temperature.unwrap_or(1.0);
+    if !(temperature.is_finite() && (0.0..=2.0).contains(&temperature)) {
+        return Err(ApiError::bad(
+            "invalid_value",
+            Some("temperature"),
+            format!("temperature must be in [0, 2], got {temperature}"),
+        ));
+    }
+    let top_p = r.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::bad(
+            "invalid_value",
+            Some("top_p"),
+            format!("top_p must be in (0, 1], got {top_p}"),
+        ));
+    }
+    let max = r
+        .max_completion_tokens
+        .or(r.max_tokens)
+        .unwrap_or(s.cfg.default_max_tokens);
+    if max == 0 || max > s.cfg.max_tokens_limit {
+        return Err(ApiError::bad(
+            "invalid_value",
+            Some("max_tokens"),
+            format!(
+                "max_tokens must be in [1, {}], got {max}",
+                s.cfg.max_tokens_limit
+            ),
+        ));
+    }
+    let stop = match &r.stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s.clone()],
+        Some(Stop::Many(v)) => v.clone(),
+    };
+    if stop.len() > 4 || stop.iter().any(|s| s.is_empty()) {
+        return Err(ApiError::bad(
+            "invalid_value",
+            Some("stop"),
+            "stop must be at most 4 non-empty strings",
+        ));
+    }
+    let seed = r.seed.unwrap_or_else(|| rand::random());
+    Ok(SamplingParams {
+        temperature,
+        top_p,
+        top_k: r.top_k.unwrap_or(0),
+        max_new_tokens: max,
+        stop_token_ids: s.stop_ids.clone(),
+        stop_strings: stop,
+        seed,
+    })
+}
+
+/// OpenAI messages → what the chat template expects: text-part lists joined, a missing or null
+/// `content` made `""`, and tool-call `arguments` given as a JSON string decoded to the object the
+/// model wrote (key order kept).
+fn normalize_messages(messages: &minijinja::Value) -> Result<minijinja::Value, ApiError> {
+    use minijinja::value::ValueKind;
+    validate_messages(messages, "messages")
+        .map_err(|e| ApiError::bad("invalid_messages", Some("messages"), e.to_string()))?;
+    let mut out = Vec::new();
+    for (i, m) in messages.try_iter().expect("validated list").enumerate() {
+        let mut pairs: Vec<(minijinja::Value, minijinja::Value)> = Vec::new();
+        let mut has_content = false;
+        for k in m.try_iter().expect("validated map") {
+            let v = m.get_item(&k).unwrap_or_default();
+            let v = match k.as_str() {
+                Some("content") => {
+                    has_content = true;
+                    content_text(&v).map_err(|e| {
+                        ApiError::bad(
+                            "invalid_messages",
+                            Some("messages"),
+                            format!("message {i}: {e}"),
+                        )
+                    })?
+                }
+                Some("tool_calls") if v.kind() == ValueKind::Seq => decode_arguments(&v),
+                _ => v,
+            };
+            pairs.push((k, v));
+        }
+        if !has_content {
+            pairs.push((
+                minijinja::Value::from("content"),
+                minijinja::Value::from(""),
+            ));
+        }
+        out.push(pairs.into_iter().collect::<minijinja::Value>());
+    }
+    Ok(minijinja::Value::from(out))
+}
+
+fn content_text(v: &minijinja::Value) -> Result<minijinja::Value, String> {
+    use minijinja::value::ValueKind;
+    match v.kind() {
+        ValueKind::String => Ok(v.clone()),
+        ValueKind::None | ValueKind::Undefined => Ok(minijinja::Value::from("")),
+        ValueKind::Seq => {
+            let mut text = String::new();
+            for part in v.try_iter().map_err(|e| e.to_string())? {
+                let ty = part.get_attr("type").unwrap_or_default();
+                match ty.as_str() {
+                    Some("text") => {
+                        let t = part.get_attr("text").unwrap_or_default();
+                        text.push_str(t.as_str().ok_or("a text part has no string \"text\"")?)
+                    }
+                    other => {
+                        return Err(format!(
+                            "content part of type {other:?} is not supported (text only)"
+                        ))
+                    }
+                }
+            }
+            Ok(minijinja::Value::from(text))
+        }
+        _ => Err("content must be a string, a list of text parts or null".into()),
+    }
+}
+
+fn decode_arguments(calls: &minijinja::Value) -> minijinja::Value {
+    let calls: Vec<minijinja::Value> = calls
+        .try_iter()
+        .map(|it| {
+            it.map(|c| {
+                let Some(f) = c.get_attr("function").ok().filter(|f| !f.is_undefined()) else {
+                    return c;
+                };
+                let args = f.get_attr("arguments").unwrap_or_default();
+                let Some(text) = args.as_str() else {
+                    return c;
+                };
+                let Ok(obj) = serde_json::from_str::<minijinja::Value>(text) else {
+                    return c;
+                };
+                if obj.kind() != minijinja::value::ValueKind::Map {
+                    return c;
+                }
+                let f2 = rebuild(&f, "arguments", obj);
+                rebuild(&c, "function", f2)
+            })
+            .collect()
+        })
+        .unwrap_or_default();
+    minijinja::Value::from(calls)
+}
+
+/// `map` with `key` set to `value`, key order kept.
+fn rebuild(map: &minijinja::Value, key: &str, value: minijinja::Value) -> minijinja::Value {
+    let mut value = Some(value);
+    map.try_iter()
+        .map(|it| {
+            it.map(|k| {
+                let v = if k.as_str() == Some(key) {
+                    value.take().unwrap_or_default()
+                } else {
+                    map.get_item(&k).unwrap_or_default()
+                };
+                (k, v)
+            })
+            .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Everything a request resolved to before generation.
+struct Prepared {
+    session_id: String,
+    turn_type: TurnType,
+    done: bool,
+    messages: minijinja::Value,
+    tools: Option<minijinja::Value>,
+    prompt_text: String,
+    prompt_ids: Vec<u32>,
+    params: SamplingParams,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn prepare(s: &AppState, headers: &HeaderMap, r: ChatRequest) -> Result<Prepared, ApiError> {
+    if r.model != s.model_name {
+        return Err(unknown_model(&r.model, s));
+    }
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(|v| v.trim().to_string())
+    };
+    let named = header("x-session-id")
+        .or(r.session_id.clone())
+        .filter(|x| !x.is_empty());
+    if matches!(&named, Some(id) if id.len() > 256) {
+        return Err(ApiError::bad(
+            "invalid_value",
+            Some("session_id"),
+            "session_id is longer than 256 bytes",
+        ));
+    }
+    let explicit = match header("x-turn-type").or(r.turn_type.clone()) {
+        None => None,
+        Some(t) => Some(
+            t.parse::<TurnType>()
+                .map_err(|e| ApiError::bad("invalid_value", Some("turn_type"), e))?,
+        ),
+    };
+    let done = match header("x-session-done") {
+        Some(v) => !matches!(v.to_ascii_lowercase().as_str(), "0" | "false" | "no"),
+        None => r.session_done.unwrap_or(false),
+    };
+    let turn_type = s
+        .sessions
+        .lock()
+        .unwrap()
+        .resolve_turn_type(explicit, named.is_some());
+    let session_id = named.unwrap_or_else(|| format!("sess-{}", random_hex(24)));
+    let params = sampling_params(s, &r)?;
+    let messages = normalize_messages(&r.messages)?;
+    let use_tools = !matches!(&r.tool_choice, Some(Json_::String(c)) if c == "none");
+    let tools = match r.tools {
+        Some(t) if !t.is_none() && !t.is_undefined() => {
+            validate_tools(&t, "tools")
+                .map_err(|e| ApiError::bad("invalid_tools", Some("tools"), e.to_string()))?;
+            (use_tools && t.len().unwrap_or(0) > 0).then_some(t)
+        }
+        _ => None,
+    };
+    let prompt_text = s
+        .template
+        .render(&messages, tools.as_ref(), true, &[])
+        .map_err(|e| ApiError::bad("invalid_messages", Some("messages"), e.to_string()))?;
+    let prompt_ids = encode_text(&s.tokenizer, &prompt_text).map_err(|e| ApiError {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        kind: "server_error",
+        code: "tokenizer",
+        param: None,
+        message: e.to_string(),
+    })?;
+    Ok(Prepared {
+        session_id,
+        turn_type,
+        done,
+        messages,
+        tools,
+        prompt_text,
+        prompt_ids,
+        params,
+        stream: r.stream.unwrap_or(false),
+        include_usage: r.stream_options.unwrap_or_default().include_usage,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chat completions: response
+
+fn openai_tool_call(c: &ToolCall) -> Json_ {
+    json!({
+        "id": format!("call_{}", random_hex(24)),
+        "type": "function",
+        "function": {"name": c.name, "arguments": c.arguments.to_string()},
+    })
+}
+
+fn finish_reason(reason: FinishReason, tool_calls: bool) -> &'static str {
+    if tool_calls {
+        return "tool_calls";
+    }
+    match reason {
+        FinishReason::Stop | FinishReason::StopString => "stop",
+        FinishReason::Length | FinishReason::ContextFull => "length",
+    }
+}
+
+/// The decoding of `ids` as served: a final stop token excluded, special tokens kept (so
+/// `<tool_call>` tags survive).
+fn decode(s: &AppState, ids: &[u32]) -> String {
+    let ids = match ids.last() {
+        Some(last) if s.stop_ids.contains(last) => &ids[..ids.len() - 1],
+        _ => ids,
+    };
+    s.tokenizer.decode(ids, false).unwrap_or_default()
+}
+
+async fn chat_completions(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    if let Err(e) = check_auth(&s, &headers) {
+        return e.into_response();
+    }
+    let body = match body {
+        Ok(b) => b,
+        Err(rej) => {
+            let status = rej.status();
+            let (code, kind) = if status == StatusCode::PAYLOAD_TOO_LARGE {
+                ("payload_too_large", "invalid_request_error")
+            } else {
+                ("invalid_body", "invalid_request_error")
+            };
+            return ApiError {
+                status,
+                kind,
+                code,
+                param: None,
+                message: if status == StatusCode::PAYLOAD_TOO_LARGE {
+                    format!(
+                        "request body exceeds the limit of {} bytes",
+                        s.cfg.max_body_bytes
+                    )
+                } else {
+                    rej.body_text()
+                },
+            }
+            .into_response();
+        }
+    };
+    let t0 = Instant::now();
+    let prepared = match parse_request(&body).and_then(|r| prepare(&s, &headers, r)) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    // The request's last message completes the session's pending main turn.
+    let last = prepared
+        .messages
+        .get_item_by_index(prepared.messages.len().unwrap_or(1) - 1)
+        .ok()
+        .and_then(|m| serde_json::to_value(&m).ok());
+    let out = s.sessions.lock().unwrap().on_request(
+        &prepared.session_id,
+        prepared.turn_type,
+        last.as_ref(),
+        Instant::now(),
+    );
+    record_all(&s, out).await;
+
+    s.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
+    let mut rx = s
+        .engine
+        .submit(prepared.prompt_ids.clone(), prepared.params.clone());
+    // Wait for the first event so refusals are proper HTTP errors, streaming or not.
+    let first = rx.recv().await;
+    let first = match first {
+        Some(TokenEvent::Failed(e)) => {
+            s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+            if prepared.done {
+                let out = s.sessions.lock().unwrap().end_session(&prepared.session_id);
+                record_all(&s, out).await;
+            }
+            return engine_error(e).into_response();
+        }
+        None => {
+            s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+            return engine_error(EngineError::Closed).into_response();
+        }
+        Some(ev) => ev,
+    };
+    s.metrics
+        .first_token_seconds
+        .observe(t0.elapsed().as_secs_f64());
+    s.metrics
+        .prompt_tokens
+        .fetch_add(prepared.prompt_ids.len() as u64, Ordering::Relaxed);
+    let id = format!("chatcmpl-{}", random_hex(24));
+    let sid = HeaderValue::from_str(&prepared.session_id).ok();
+    let mut resp = if prepared.stream {
+        stream_response(s.clone(), prepared, rx, first, id, t0).into_response()
+    } else {
+        complete_response(&s, prepared, rx, first, id, t0)
+            .await
+            .into_response()
+    };
+    if let Some(v) = sid {
+        resp.headers_mut().insert("x-session-id", v);
+    }
+    resp
+}
+
+/// Collects the events of one request.
+struct Collected {
+    ids: Vec<u32>,
+    logprobs: Vec<f32>,
+    reason: Option<FinishReason>,
+}
+
+impl Collected {
+    fn new() -> Self {
+        Self {
+            ids: Vec::new(),
+            logprobs: Vec::new(),
+            reason: None,
+        }
+    }
+
+    /// Applies one event; `Err` when the request failed.
+    fn apply(&mut self, ev: TokenEvent) -> Result<(), EngineError> {
+        match ev {
+            TokenEvent::Token { id, logprob } => {
+                self.ids.push(id);
+                self.logprobs.push(logprob);
+            }
+            TokenEvent::Done(r) => self.reason = Some(r),
+            TokenEvent::Failed(e) => return Err(e),
+        }
+        Ok(())
+    }
+}
+
+/// Builds the record of a served turn and hands it to the session table.
+async fn finish_turn(
+    s: &AppState,
+    p: Prepared,
+    c: Collected,
+    message: Json_,
+    finish: &str,
+    t0: Instant,
+) {
+    s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+    s.metrics
+        .generation_seconds
+        .observe(t0.elapsed().as_secs_f64());
+    s.metrics
+        .completion_tokens
+        .fetch_add(c.ids.len() as u64, Ordering::Relaxed);
+    let record = TurnRecord {
+        session_id: p.session_id.clone(),
+        version: s.cfg.version,
+        model: s.model_name.clone(),
+        messages: p.messages,
+        tools: p.tools,
+        prompt_text: p.prompt_text,
+        prompt_ids: p.prompt_ids,
+        response_ids: c.ids,
+        logprobs: c.logprobs,
+        response: message,
+        finish_reason: finish.to_string(),
+        created: unix_now(),
+        next_state: None,
+        end: None,
+    };
+    let out = s.sessions.lock().unwrap().on_served(
+        &p.session_id,
+        p.turn_type,
+        record,
+        p.done,
+        Instant::now(),
+    );
+    record_all(s, out).await;
+}
+
+fn usage(prompt: usize, completion: usize) -> Json_ {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+async fn complete_response(
+    s: &AppState,
+    p: Prepared,
+    mut rx: mpsc::UnboundedReceiver<TokenEvent>,
+    first: TokenEvent,
+    id: String,
+    t0: Instant,
+) -> Response {
+    let mut c = Collected::new();
+    let mut ev = Some(first);
+    while c.reason.is_none() {
+        let Some(e) = ev.take().or(rx.recv().await) else {
+            s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+            return engine_error(EngineError::Closed).into_response();
+        };
+        if let Err(e) = c.apply(e) {
+            s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+            return engine_error(e).into_response();
+        }
+    }
+    let decoded = decode(s, &c.ids);
+    let visible = super::text::cut_at_stop(&decoded, &p.params.stop_strings);
+    let (content, calls) = split_all(visible);
+    let reason = finish_reason(c.reason.expect("loop ends on a reason"), !calls.is_empty());
+    let mut message = json!({"role": "assistant", "content": content});
+    if !calls.is_empty() {
+        if content.is_empty() {
+            message["content"] = Json_::Null;
+        }
+        message["tool_calls"] = calls.iter().map(openai_tool_call).collect();
+    }
+    let body = json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": unix_now(),
+        "model": s.model_name,
+        "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": null}],
+        "usage": usage(p.prompt_ids.len(), c.ids.len()),
+        "session_id": p.session_id,
+        "turn_type": p.turn_type,
+        "version": s.cfg.version,
+    });
+    finish_turn(s, p, c, message, reason, t0).await;
+    Json(body).into_response()
+}
+
+fn stream_response(
+    s: Arc<AppState>,
+    p: Prepared,
+    mut rx: mpsc::UnboundedReceiver<TokenEvent>,
+    first: TokenEvent,
+    id: String,
+    t0: Instant,
+) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
+    let (tx, out) = mpsc::channel::<Event>(64);
+    tokio::spawn(async move {
+        let created = unix_now();
+        let chunk = |delta: Json_, finish: Option<&str>| {
+            let v = json!({
+                "id": id, "object": "chat.completion.chunk", "created": created,
+                "model": s.model_name, "session_id": p.session_id,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}],
+            });
+            Event::default().data(v.to_string())
+        };
+        let mut c = Collected::new();
+        let mut text = TextStream::new(p.params.stop_strings.clone());
+        let mut splitter = ToolCallSplitter::default();
+        let mut content = String::new();
+        let mut calls: Vec<Json_> = Vec::new();
+        let mut ok = tx
+            .send(chunk(json!({"role": "assistant", "content": ""}), None))
+            .await
+            .is_ok();
+        let mut ev = Some(first);
+        let mut failed = false;
+        while ok && c.reason.is_none() {
+            let Some(e) = ev.take().or(rx.recv().await) else {
+                failed = true;
+                break;
+            };
+            if c.apply(e).is_err() {
+                failed = true;
+                break;
+            }
+            let decoded = decode(&s, &c.ids);
+            let piece = text.push(&decoded, c.reason.is_some());
+            let mut pieces = splitter.push(&piece);
+            if c.reason.is_some() {
+                pieces.extend(splitter.finish());
+            }
+            for pc in pieces {
+                let delta = match pc {
+                    Piece::Content(t) => {
+                        content.push_str(&t);
+                        json!({"content": t})
+                    }
+                    Piece::ToolCall(tc) => {
+                        let mut j = openai_tool_call(&tc);
+                        j["index"] = json!(calls.len());
+                        calls.push(j.clone());
+                        json!({"tool_calls": [j]})
+                    }
+                };
+                if tx.send(chunk(delta, None)).await.is_err() {
+                    ok = false;
+                    break;
+                }
+            }
+        }
+        if !ok || failed {
+            // The client left (or the engine died): the turn was not served whole; it is
+            // neither recorded nor counted as served.
+            drop(rx);
+            s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+            if failed {
+                s.metrics.count_error("generation_failed");
+            } else {
+                s.metrics.streams_aborted.fetch_add(1, Ordering::Relaxed);
+            }
+            return;
+        }
+        let reason = finish_reason(c.reason.expect("loop ends on a reason"), !calls.is_empty());
+        let _ = tx.send(chunk(json!({}), Some(reason))).await;
+        if p.include_usage {
+            let v = json!({
+                "id": id, "object": "chat.completion.chunk", "created": created,
+                "model": s.model_name, "session_id": p.session_id, "choices": [],
+                "usage": usage(p.prompt_ids.len(), c.ids.len()),
+            });
+            let _ = tx.send(Event::default().data(v.to_string())).await;
+        }
+        let _ = tx.send(Event::default().data("[DONE]")).await;
+        let mut message = json!({"role": "assistant", "content": content});
+        if !calls.is_empty() {
+            if content.is_empty() {
+                message["content"] = Json_::Null;
+            }
+            for c in calls.iter_mut() {
+                c.as_object_mut().map(|o| o.remove("index"));
+            }
+            message["tool_calls"] = Json_::Array(calls);
+        }
+        finish_turn(&s, p, c, message, reason, t0).await;
+    });
+    let stream = futures::stream::unfold(out, |mut out| async move {
+        out.recv().await.map(|e| (Ok::<_, Infallible>(e), out))
+    });
+    Sse::new(stream)
+}
