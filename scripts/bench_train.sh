@@ -18,7 +18,7 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import torch, transfo
   "$VENV/bin/pip" install -q torch transformers
 fi
 
-ours=$(RAYON_NUM_THREADS="$THREADS" BENCH_STEPS="$STEPS" cargo bench -q --bench train_step 2>/dev/null | tail -1)
+ours=$(RAYON_NUM_THREADS="$THREADS" BENCH_STEPS="$STEPS" cargo bench -q --bench train_step | tail -1)
 theirs=$(OMP_NUM_THREADS="$THREADS" "$VENV/bin/python" - "$THREADS" "$STEPS" <<'PY'
 import json, resource, sys, time
 import torch
