@@ -1,0 +1,121 @@
+//! The loops of DESIGN §2 as actors that know no LLM: a [`rollout::RolloutWorker`] serves
+//! generate requests from a policy replica and swaps weight versions without pausing, and a
+//! [`recorder::Recorder`] writes JSONL records off the hot path.
+//!
+//! The root crate plugs its model in through the small traits here: [`PolicyReplica`] (load a
+//! version from weight bytes; generate on a loaded version) and [`WeightSource`] (fetch the bytes
+//! a [`WeightAnnounce`] names, e.g. from the bulk plane). The worker, not the trait, owns the
+//! version rules: loads run beside the serving version, new requests go to the newest loaded
+//! version, requests in flight finish on the version they started with, and versions never go
+//! backwards.
+
+pub mod recorder;
+pub mod rollout;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::bulk::{BlobId, BulkPlane, PeerConnector};
+
+pub use recorder::{Recorder, RecorderConfig, RecorderHandle, RecorderMsg, RecorderStats};
+pub use rollout::{
+    Generated, RolloutArgs, RolloutError, RolloutMsg, RolloutStats, RolloutWorker, UpdateOutcome,
+};
+
+/// A policy replica: the root crate's model behind the [`rollout::RolloutWorker`].
+///
+/// A loaded version ([`PolicyReplica::Loaded`]) is immutable and shared: every request holds an
+/// `Arc` to the version it started on, so an old version lives exactly as long as its last
+/// request in flight.
+pub trait PolicyReplica: Send + Sync + 'static {
+    /// One generate request.
+    type Request: Send + 'static;
+    /// Its result.
+    type Output: Send + 'static;
+    /// Why a request failed.
+    type GenerateError: std::error::Error + Send + 'static;
+    /// One loaded, servable weight version.
+    type Loaded: Send + Sync + 'static;
+    /// Why weight bytes could not be loaded.
+    type LoadError: std::error::Error + Send + Sync + 'static;
+
+    /// Builds a servable version from a weight blob. Blocking and possibly slow: the worker
+    /// calls it on a blocking thread, never on its message loop.
+    fn load(&self, version: u64, weights: &[u8]) -> Result<Self::Loaded, Self::LoadError>;
+
+    /// Generates `request` on `loaded`.
+    fn generate(
+        &self,
+        loaded: Arc<Self::Loaded>,
+        request: Self::Request,
+    ) -> impl Future<Output = Result<Self::Output, Self::GenerateError>> + Send;
+}
+
+/// A new weight version, announced by the trainer: a small message; the bytes travel on the
+/// bulk plane.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WeightAnnounce {
+    /// The version (strictly increasing per job).
+    pub version: u64,
+    /// The bulk-plane blob holding the weights.
+    pub blob: BlobId,
+    /// Size of the blob in bytes.
+    pub size: u64,
+    /// blake3 of the blob's bytes, 64 lowercase hex digits.
+    pub hash: String,
+    /// The node to fetch the blob from when it is not already local.
+    pub source: String,
+}
+
+/// Why the bytes of a version could not be obtained.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("fetching blob {blob} (version {version}) from {source_node}: {reason}")]
+pub struct FetchError {
+    /// The version announced.
+    pub version: u64,
+    /// The blob.
+    pub blob: BlobId,
+    /// The node asked.
+    pub source_node: String,
+    /// What went wrong.
+    pub reason: String,
+}
+
+/// A boxed fetch in progress.
+pub type FetchFuture<'a> = Pin<Box<dyn Future<Output = Result<Bytes, FetchError>> + Send + 'a>>;
+
+/// Where a rollout worker gets the bytes of an announced version.
+pub trait WeightSource: Send + Sync + 'static {
+    /// The blob `announce` names. The worker verifies size and hash itself.
+    fn fetch_weights<'a>(&'a self, announce: &'a WeightAnnounce) -> FetchFuture<'a>;
+}
+
+impl<C: PeerConnector> WeightSource for BulkPlane<C> {
+    fn fetch_weights<'a>(&'a self, announce: &'a WeightAnnounce) -> FetchFuture<'a> {
+        Box::pin(async move {
+            BulkPlane::fetch(self, announce.blob, &announce.source)
+                .await
+                .map_err(|e| FetchError {
+                    version: announce.version,
+                    blob: announce.blob,
+                    source_node: announce.source.clone(),
+                    reason: e.to_string(),
+                })
+        })
+    }
+}
+
+impl<S: WeightSource> WeightSource for Arc<S> {
+    fn fetch_weights<'a>(&'a self, announce: &'a WeightAnnounce) -> FetchFuture<'a> {
+        S::fetch_weights(self, announce)
+    }
+}
+
+/// blake3 of `bytes` as 64 lowercase hex digits (the form [`WeightAnnounce::hash`] uses).
+pub fn content_hash(bytes: &[u8]) -> String {
+    blake3::hash(bytes).to_hex().to_string()
+}

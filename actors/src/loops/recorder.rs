@@ -1,0 +1,493 @@
+//! The `Recorder`: JSONL records (turns, judge results, trainer steps) written by a background
+//! thread, never by the code that produces them.
+//!
+//! - **Files.** One file per job prefix and weight version: `<dir>/<prefix>.v<version:08>.jsonl`,
+//!   opened in append mode. A record goes to the file of the version it names, so the stream
+//!   rotates as versions advance, and a late record of an older version still lands beside its
+//!   peers. Each line is `{"version":V,"kind":K,"record":R}`.
+//! - **Order.** One writer drains one FIFO queue: within a file, lines appear in the order the
+//!   records were accepted.
+//! - **Backpressure, never silent drops.** The queue is bounded. [`RecorderHandle::try_record`]
+//!   never waits: on a full queue it returns [`RecordError::Full`] (the record is *not*
+//!   accepted) and counts it in [`RecorderStats::rejected_full`], so the caller decides and the
+//!   metric shows it. [`RecorderHandle::record`] waits for room instead and counts each wait in
+//!   [`RecorderStats::waited_full`]. Serving and judging use `try_record`.
+//! - **Nothing accepted is lost.** Stopping the actor closes the queue (later records get
+//!   [`RecordError::Closed`]), drains every record already accepted, flushes and closes the
+//!   files. A record the disk refused is counted in [`RecorderStats::write_errors`] with the
+//!   error kept in [`RecorderStats::last_error`].
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+
+/// Where and how a [`Recorder`] writes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecorderConfig {
+    /// Directory of the JSONL files (created if missing).
+    pub dir: PathBuf,
+    /// File name prefix, e.g. the job id (letters, digits, `-`, `_`, `.`).
+    pub prefix: String,
+    /// Records the queue holds before it pushes back.
+    pub capacity: usize,
+    /// Version files kept open at once (the oldest is closed first).
+    pub max_open: usize,
+}
+
+impl RecorderConfig {
+    /// Defaults: a queue of 4096 records, 4 open files.
+    pub fn new(dir: impl Into<PathBuf>, prefix: impl Into<String>) -> Self {
+        RecorderConfig {
+            dir: dir.into(),
+            prefix: prefix.into(),
+            capacity: 4096,
+            max_open: 4,
+        }
+    }
+
+    /// The file that records of `version` go to.
+    pub fn path(&self, version: u64) -> PathBuf {
+        version_path(&self.dir, &self.prefix, version)
+    }
+}
+
+fn version_path(dir: &Path, prefix: &str, version: u64) -> PathBuf {
+    dir.join(format!("{prefix}.v{version:08}.jsonl"))
+}
+
+/// Why a recorder could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum RecorderStartError {
+    /// A bad setting.
+    #[error("recorder config: {0}")]
+    Config(String),
+    /// The directory could not be created.
+    #[error("creating the record directory {dir}: {source}")]
+    Dir {
+        /// The directory.
+        dir: PathBuf,
+        /// The IO error.
+        source: std::io::Error,
+    },
+}
+
+/// Why a record was not accepted.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    /// The queue is full (counted in [`RecorderStats::rejected_full`]).
+    #[error("the record queue is full ({capacity} records)")]
+    Full {
+        /// The queue's capacity.
+        capacity: usize,
+    },
+    /// The recorder has stopped (counted in [`RecorderStats::rejected_closed`]).
+    #[error("the recorder has stopped")]
+    Closed,
+    /// The record could not be serialized.
+    #[error("serializing a {kind:?} record: {source}")]
+    Serialize {
+        /// The record's kind.
+        kind: String,
+        /// The serde error.
+        source: serde_json::Error,
+    },
+}
+
+/// Counters of one recorder (a snapshot).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecorderStats {
+    /// Records accepted into the queue.
+    pub accepted: u64,
+    /// Records written to their file.
+    pub written: u64,
+    /// Records refused because the queue was full.
+    pub rejected_full: u64,
+    /// Records refused because the recorder had stopped.
+    pub rejected_closed: u64,
+    /// Times [`RecorderHandle::record`] had to wait for room.
+    pub waited_full: u64,
+    /// Accepted records the disk refused.
+    pub write_errors: u64,
+    /// Files opened (a new version, or an evicted one reopened).
+    pub files_opened: u64,
+    /// The last write error.
+    pub last_error: Option<String>,
+}
+
+impl RecorderStats {
+    /// Records accepted but not yet written nor failed.
+    pub fn queued(&self) -> u64 {
+        self.accepted - self.written - self.write_errors
+    }
+}
+
+#[derive(Default)]
+struct Counters {
+    accepted: AtomicU64,
+    written: AtomicU64,
+    rejected_full: AtomicU64,
+    rejected_closed: AtomicU64,
+    waited_full: AtomicU64,
+    write_errors: AtomicU64,
+    files_opened: AtomicU64,
+    last_error: Mutex<Option<String>>,
+}
+
+impl Counters {
+    fn snapshot(&self) -> RecorderStats {
+        RecorderStats {
+            accepted: self.accepted.load(Ordering::Acquire),
+            written: self.written.load(Ordering::Acquire),
+            rejected_full: self.rejected_full.load(Ordering::Relaxed),
+            rejected_closed: self.rejected_closed.load(Ordering::Relaxed),
+            waited_full: self.waited_full.load(Ordering::Relaxed),
+            write_errors: self.write_errors.load(Ordering::Acquire),
+            files_opened: self.files_opened.load(Ordering::Relaxed),
+            last_error: self
+                .last_error
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+        }
+    }
+}
+
+enum Item {
+    Line { version: u64, text: String },
+    Flush(oneshot::Sender<()>),
+    Close,
+}
+
+#[derive(Serialize)]
+struct Envelope<'a, T: ?Sized> {
+    version: u64,
+    kind: &'a str,
+    record: &'a T,
+}
+
+/// A cheap, cloneable sender of records to a running recorder.
+#[derive(Clone)]
+pub struct RecorderHandle {
+    tx: mpsc::Sender<Item>,
+    capacity: usize,
+    counters: Arc<Counters>,
+}
+
+impl RecorderHandle {
+    fn line<T: Serialize + ?Sized>(
+        version: u64,
+        kind: &str,
+        record: &T,
+    ) -> Result<Item, RecordError> {
+        let text = serde_json::to_string(&Envelope {
+            version,
+            kind,
+            record,
+        })
+        .map_err(|source| RecordError::Serialize {
+            kind: kind.to_string(),
+            source,
+        })?;
+        Ok(Item::Line { version, text })
+    }
+
+    /// Queues a record without waiting; a full queue is an explicit, counted refusal.
+    pub fn try_record<T: Serialize + ?Sized>(
+        &self,
+        version: u64,
+        kind: &str,
+        record: &T,
+    ) -> Result<(), RecordError> {
+        let item = Self::line(version, kind, record)?;
+        match self.tx.try_send(item) {
+            Ok(()) => {
+                self.counters.accepted.fetch_add(1, Ordering::AcqRel);
+                Ok(())
+            }
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                self.counters.rejected_full.fetch_add(1, Ordering::Relaxed);
+                Err(RecordError::Full {
+                    capacity: self.capacity,
+                })
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                self.counters
+                    .rejected_closed
+                    .fetch_add(1, Ordering::Relaxed);
+                Err(RecordError::Closed)
+            }
+        }
+    }
+
+    /// Queues a record, waiting for room when the queue is full (each wait is counted).
+    pub async fn record<T: Serialize + ?Sized>(
+        &self,
+        version: u64,
+        kind: &str,
+        record: &T,
+    ) -> Result<(), RecordError> {
+        let item = Self::line(version, kind, record)?;
+        let item = match self.tx.try_send(item) {
+            Ok(()) => {
+                self.counters.accepted.fetch_add(1, Ordering::AcqRel);
+                return Ok(());
+            }
+            Err(mpsc::error::TrySendError::Full(item)) => {
+                self.counters.waited_full.fetch_add(1, Ordering::Relaxed);
+                item
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                self.counters
+                    .rejected_closed
+                    .fetch_add(1, Ordering::Relaxed);
+                return Err(RecordError::Closed);
+            }
+        };
+        match self.tx.send(item).await {
+            Ok(()) => {
+                self.counters.accepted.fetch_add(1, Ordering::AcqRel);
+                Ok(())
+            }
+            Err(_) => {
+                self.counters
+                    .rejected_closed
+                    .fetch_add(1, Ordering::Relaxed);
+                Err(RecordError::Closed)
+            }
+        }
+    }
+
+    /// Waits until every record accepted before this call is written and flushed to its file.
+    pub async fn flush(&self) -> Result<(), RecordError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(Item::Flush(tx))
+            .await
+            .map_err(|_| RecordError::Closed)?;
+        rx.await.map_err(|_| RecordError::Closed)
+    }
+
+    /// The counters now.
+    pub fn stats(&self) -> RecorderStats {
+        self.counters.snapshot()
+    }
+}
+
+/// The writer: owns the open files; runs on a blocking thread.
+struct Writer {
+    dir: PathBuf,
+    prefix: String,
+    max_open: usize,
+    open: BTreeMap<u64, BufWriter<File>>,
+    counters: Arc<Counters>,
+}
+
+impl Writer {
+    fn fail(&self, lines: u64, error: String) {
+        self.counters
+            .write_errors
+            .fetch_add(lines, Ordering::AcqRel);
+        tracing::error!("recorder: {error}");
+        *self
+            .counters
+            .last_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(error);
+    }
+
+    fn file(&mut self, version: u64) -> Result<&mut BufWriter<File>, String> {
+        if !self.open.contains_key(&version) {
+            while self.open.len() >= self.max_open {
+                let (v, mut f) = self.open.pop_first().expect("non-empty");
+                if let Err(e) = f.flush() {
+                    let path = version_path(&self.dir, &self.prefix, v);
+                    self.fail(0, format!("flushing {}: {e}", path.display()));
+                }
+            }
+            let path = version_path(&self.dir, &self.prefix, version);
+            let f = OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path)
+                .map_err(|e| format!("opening {}: {e}", path.display()))?;
+            self.counters.files_opened.fetch_add(1, Ordering::Relaxed);
+            self.open.insert(version, BufWriter::new(f));
+        }
+        Ok(self.open.get_mut(&version).expect("just opened"))
+    }
+
+    fn write(&mut self, version: u64, text: &str) {
+        let path = version_path(&self.dir, &self.prefix, version);
+        let result = self.file(version).and_then(|f| {
+            f.write_all(text.as_bytes())
+                .and_then(|()| f.write_all(b"\n"))
+                .map_err(|e| format!("writing {}: {e}", path.display()))
+        });
+        match result {
+            Ok(()) => {
+                self.counters.written.fetch_add(1, Ordering::AcqRel);
+            }
+            Err(e) => self.fail(1, e),
+        }
+    }
+
+    /// Flushes every open file to the OS; with `sync`, to the disk too.
+    fn flush_all(&mut self, sync: bool) {
+        let mut errors = Vec::new();
+        for (v, f) in &mut self.open {
+            let result = f.flush().and_then(|()| {
+                if sync {
+                    f.get_ref().sync_data()
+                } else {
+                    Ok(())
+                }
+            });
+            if let Err(e) = result {
+                let path = version_path(&self.dir, &self.prefix, *v);
+                errors.push(format!("flushing {}: {e}", path.display()));
+            }
+        }
+        for e in errors {
+            self.fail(0, e);
+        }
+    }
+
+    fn handle(&mut self, item: Item, rx: &mut mpsc::Receiver<Item>) {
+        match item {
+            Item::Line { version, text } => self.write(version, &text),
+            Item::Flush(done) => {
+                self.flush_all(true);
+                let _ = done.send(());
+            }
+            // Refuse new records; the loop still drains every one already accepted.
+            Item::Close => rx.close(),
+        }
+    }
+
+    fn run(mut self, mut rx: mpsc::Receiver<Item>) {
+        while let Some(item) = rx.blocking_recv() {
+            self.handle(item, &mut rx);
+            // Write whatever is already queued, then flush once the queue is idle.
+            while let Ok(item) = rx.try_recv() {
+                self.handle(item, &mut rx);
+            }
+            self.flush_all(false);
+        }
+        self.flush_all(true);
+        self.open.clear();
+    }
+}
+
+/// Messages of the [`Recorder`].
+pub enum RecorderMsg {
+    /// A handle to send records with.
+    Handle(RpcReplyPort<RecorderHandle>),
+    /// The counters.
+    Stats(RpcReplyPort<RecorderStats>),
+}
+
+impl ractor::Message for RecorderMsg {}
+
+/// The recorder actor (one per node). Stopping it drains and flushes every accepted record
+/// before `post_stop` returns.
+pub struct Recorder;
+
+/// The recorder's state.
+pub struct RecorderState {
+    handle: RecorderHandle,
+    writer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Actor for Recorder {
+    type Msg = RecorderMsg;
+    type State = RecorderState;
+    type Arguments = RecorderConfig;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<RecorderMsg>,
+        config: RecorderConfig,
+    ) -> Result<RecorderState, ActorProcessingErr> {
+        if config.capacity == 0 || config.max_open == 0 {
+            return Err(RecorderStartError::Config(
+                "capacity and max_open must be at least 1".into(),
+            )
+            .into());
+        }
+        let prefix_ok = !config.prefix.is_empty()
+            && config
+                .prefix
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        if !prefix_ok {
+            return Err(RecorderStartError::Config(format!(
+                "prefix {:?} must be non-empty letters, digits, '-', '_' or '.'",
+                config.prefix
+            ))
+            .into());
+        }
+        std::fs::create_dir_all(&config.dir).map_err(|source| RecorderStartError::Dir {
+            dir: config.dir.clone(),
+            source,
+        })?;
+        let (tx, rx) = mpsc::channel(config.capacity);
+        let counters = Arc::new(Counters::default());
+        let writer = Writer {
+            dir: config.dir.clone(),
+            prefix: config.prefix.clone(),
+            max_open: config.max_open,
+            open: BTreeMap::new(),
+            counters: counters.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name("clawrl-recorder".into())
+            .spawn(move || writer.run(rx))?;
+        Ok(RecorderState {
+            handle: RecorderHandle {
+                tx,
+                capacity: config.capacity,
+                counters,
+            },
+            writer: Some(thread),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<RecorderMsg>,
+        msg: RecorderMsg,
+        state: &mut RecorderState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            RecorderMsg::Handle(port) => {
+                let _ = port.send(state.handle.clone());
+            }
+            RecorderMsg::Stats(port) => {
+                let _ = port.send(state.handle.stats());
+            }
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<RecorderMsg>,
+        state: &mut RecorderState,
+    ) -> Result<(), ActorProcessingErr> {
+        // Queue the close behind every accepted record; the writer then drains the rest.
+        let _ = state.handle.tx.send(Item::Close).await;
+        if let Some(thread) = state.writer.take() {
+            tokio::task::spawn_blocking(move || thread.join())
+                .await?
+                .map_err(|_| "the recorder's writer thread panicked")?;
+        }
+        Ok(())
+    }
+}
