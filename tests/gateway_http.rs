@@ -1,0 +1,586 @@
+//! The gateway over real HTTP on 127.0.0.1 with the qwen3-tiny fixture: OpenAI wire format,
+//! token-by-token SSE, sessions and the JSONL records (exact ids), auth, limits and errors.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clawrl::gateway::{EndPolicy, Gateway, GatewayConfig, TurnRecord, TurnType};
+use clawrl::model::load_checkpoint;
+use clawrl::CpuBackend;
+use serde_json::{json, Value};
+
+const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3-tiny");
+
+struct Server {
+    base: String,
+    turns: PathBuf,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    async fn start(mut cfg: GatewayConfig) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        cfg.data_dir = dir.path().join("data");
+        let ck = load_checkpoint::<CpuBackend>(Path::new(FIXTURE), &Default::default()).unwrap();
+        let gw = Gateway::new(ck, cfg, "qwen3-tiny").unwrap();
+        let turns = gw.turns_path(0);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            gw.serve(listener, async {
+                let _ = rx.await;
+            })
+            .await
+            .unwrap();
+        });
+        Self {
+            base,
+            turns,
+            stop: Some(stop),
+            task: Some(task),
+            _dir: dir,
+        }
+    }
+
+    /// Stops the server; every open session ends and every record is written.
+    async fn shutdown(&mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.task.take().unwrap().await.unwrap();
+    }
+
+    fn records(&self) -> Vec<TurnRecord> {
+        match std::fs::read_to_string(&self.turns) {
+            Ok(t) => t
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// Waits until at least `n` records are on disk.
+    async fn wait_records(&self, n: usize) -> Vec<TurnRecord> {
+        for _ in 0..200 {
+            let r = self.records();
+            if r.len() >= n {
+                return r;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("expected {n} records, have {:?}", self.records().len());
+    }
+}
+
+fn tokenizer() -> tokenizers::Tokenizer {
+    tokenizers::Tokenizer::from_file(format!("{FIXTURE}/tokenizer.json")).unwrap()
+}
+
+/// The served text of a record: its ids decoded, a final stop token (`<|im_end|>` = 2) excluded.
+fn decode_record(r: &TurnRecord) -> String {
+    let ids = match r.response_ids.last() {
+        Some(2) => &r.response_ids[..r.response_ids.len() - 1],
+        _ => &r.response_ids[..],
+    };
+    tokenizer().decode(ids, false).unwrap()
+}
+
+fn body(extra: Value) -> Value {
+    let mut b = json!({
+        "model": "qwen3-tiny",
+        "messages": [{"role": "user", "content": "Hello there"}],
+        "max_tokens": 12,
+        "temperature": 0.8,
+        "seed": 7,
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        b[k] = v.clone();
+    }
+    b
+}
+
+async fn post(base: &str, b: &Value, headers: &[(&str, &str)]) -> reqwest::Response {
+    let mut rq = reqwest::Client::new()
+        .post(format!("{base}/v1/chat/completions"))
+        .json(b);
+    for (k, v) in headers {
+        rq = rq.header(*k, *v);
+    }
+    rq.send().await.unwrap()
+}
+
+/// Reads an SSE body into its `data:` payloads.
+async fn sse_events(mut resp: reqwest::Response) -> Vec<String> {
+    let mut buf = String::new();
+    while let Some(c) = resp.chunk().await.unwrap() {
+        buf.push_str(std::str::from_utf8(&c).unwrap());
+    }
+    buf.split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: ").map(|d| d.to_string()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_record_exact_tokens_and_next_states() {
+    let mut s = Server::start(GatewayConfig::default()).await;
+    let h = [("X-Session-Id", "alice")];
+    let r = post(&s.base, &body(json!({})), &h).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-session-id"], "alice");
+    let a1: Value = r.json().await.unwrap();
+    assert_eq!(a1["session_id"], "alice");
+    assert_eq!(a1["turn_type"], "main");
+    assert_eq!(a1["object"], "chat.completion");
+    let msg1 = a1["choices"][0]["message"].clone();
+    assert_eq!(msg1["role"], "assistant");
+    let served1 = msg1["content"].as_str().unwrap().to_string();
+    assert!(a1["usage"]["completion_tokens"].as_u64().unwrap() >= 1);
+
+    // A side turn in between: served, never recorded.
+    let side = post(
+        &s.base,
+        &body(json!({"turn_type": "side", "session_id": "alice"})),
+        &[],
+    )
+    .await;
+    assert_eq!(side.status(), 200);
+    let side: Value = side.json().await.unwrap();
+    assert_eq!(side["turn_type"], "side");
+
+    // The next main request's last message is the next state of turn 1; it also ends the session.
+    let next = json!({"role": "user", "content": "No, shorter please."});
+    let b2 = body(json!({"messages": [
+        {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": served1},
+        next,
+    ]}));
+    let r = post(
+        &s.base,
+        &b2,
+        &[("X-Session-Id", "alice"), ("X-Session-Done", "1")],
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let a2: Value = r.json().await.unwrap();
+    let recs = s.wait_records(2).await;
+    assert_eq!(recs.len(), 2, "the side turn is not recorded");
+    let (t1, t2) = (&recs[0], &recs[1]);
+    assert_eq!(t1.next_state.as_ref(), Some(&next));
+    assert_eq!(
+        t2.next_state, None,
+        "the last turn is kept without next state"
+    );
+    // Exact tokens: the recorded ids decode to the text served, and the prompt ids are the
+    // tokenization of the rendered prompt.
+    assert_eq!(decode_record(t1), served1);
+    assert_eq!(
+        decode_record(t2),
+        a2["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+    let tk = tokenizer();
+    for t in [t1, t2] {
+        assert_eq!(t.logprobs.len(), t.response_ids.len());
+        assert!(t.logprobs.iter().all(|l| l.is_finite() && *l <= 0.0));
+        assert_eq!(tk.decode(&t.prompt_ids, false).unwrap(), t.prompt_text);
+        assert_eq!(
+            tk.encode(t.prompt_text.as_str(), false).unwrap().get_ids(),
+            &t.prompt_ids[..]
+        );
+        assert!(t.prompt_text.ends_with("<|im_start|>assistant\n"));
+        assert_eq!(t.session_id, "alice");
+    }
+    assert!(t2.prompt_text.contains("No, shorter please."));
+
+    let m = reqwest::get(format!("{}/metrics", s.base))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "clawrl_gateway_main_turns_total 2",
+        "clawrl_gateway_side_turns_total 1",
+        "clawrl_gateway_turns_with_next_state_total 1",
+        "clawrl_gateway_last_turns_kept_total 1",
+        "clawrl_gateway_sessions_ended_done_total 1",
+        "clawrl_gateway_requests_total{route=\"/v1/chat/completions\",status=\"200\"} 3",
+    ] {
+        assert!(m.contains(line), "{line} missing from\n{m}");
+    }
+    assert!(m.contains("clawrl_gateway_request_seconds_bucket"));
+    s.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_is_token_by_token_and_matches_the_full_answer() {
+    let mut s = Server::start(GatewayConfig::default()).await;
+    let b = body(json!({"max_tokens": 16, "seed": 3}));
+    let full: Value = post(&s.base, &b, &[("X-Session-Id", "full")])
+        .await
+        .json()
+        .await
+        .unwrap();
+    let full_text = full["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    let mut sb = b.clone();
+    sb["stream"] = json!(true);
+    sb["stream_options"] = json!({"include_usage": true});
+    let r = post(&s.base, &sb, &[("X-Session-Id", "streamed")]).await;
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    assert_eq!(r.headers()["x-session-id"], "streamed");
+    let events = sse_events(r).await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let mut text = String::new();
+    let mut content_chunks = 0;
+    for c in &chunks {
+        assert_eq!(c["session_id"], "streamed");
+        assert_eq!(c["object"], "chat.completion.chunk");
+        if let Some(t) = c["choices"][0]["delta"]["content"].as_str() {
+            if !t.is_empty() {
+                content_chunks += 1;
+            }
+            text.push_str(t);
+        }
+    }
+    assert_eq!(text, full_text, "same seed, same text, streamed or not");
+    assert!(
+        content_chunks > 2,
+        "{content_chunks} content chunks: not token by token"
+    );
+    let fin = chunks
+        .iter()
+        .find(|c| !c["choices"][0]["finish_reason"].is_null())
+        .unwrap();
+    assert!(["stop", "length"].contains(&fin["choices"][0]["finish_reason"].as_str().unwrap()));
+    let usage = chunks.last().unwrap();
+    assert_eq!(
+        usage["usage"]["completion_tokens"],
+        full["usage"]["completion_tokens"]
+    );
+
+    s.shutdown().await;
+    let recs = s.records();
+    assert_eq!(
+        recs.len(),
+        2,
+        "both sessions' last turns are kept at shutdown"
+    );
+    let streamed = recs.iter().find(|r| r.session_id == "streamed").unwrap();
+    assert_eq!(decode_record(streamed), text);
+    let f = recs.iter().find(|r| r.session_id == "full").unwrap();
+    assert_eq!(f.response_ids, streamed.response_ids);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_cut_the_served_text() {
+    let mut s = Server::start(GatewayConfig::default()).await;
+    let b = body(json!({"max_tokens": 24, "seed": 11}));
+    let full: Value = post(&s.base, &b, &[]).await.json().await.unwrap();
+    let text = full["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() > 8, "{text:?}");
+    let stop: String = chars[5..8].iter().collect();
+    let expect = &text[..text.find(&stop).unwrap()];
+    for stream in [false, true] {
+        let mut sb = b.clone();
+        sb["stop"] = json!([stop]);
+        sb["stream"] = json!(stream);
+        let r = post(&s.base, &sb, &[]).await;
+        let got = if stream {
+            sse_events(r)
+                .await
+                .iter()
+                .filter(|e| *e != "[DONE]")
+                .filter_map(|e| {
+                    let v: Value = serde_json::from_str(e).unwrap();
+                    v["choices"][0]["delta"]["content"]
+                        .as_str()
+                        .map(String::from)
+                })
+                .collect::<String>()
+        } else {
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(v["choices"][0]["finish_reason"], "stop");
+            v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        };
+        assert_eq!(got, expect, "stream={stream} stop={stop:?}");
+    }
+    s.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sessions_end_and_the_last_turn_is_dropped_when_configured() {
+    let mut s = Server::start(GatewayConfig {
+        idle_timeout_secs: 0.2,
+        on_session_end: EndPolicy::Drop,
+        default_turn_type: TurnType::Side,
+        ..Default::default()
+    })
+    .await;
+    // Named session, no turn type: main even though the default is side.
+    let a: Value = post(&s.base, &body(json!({"session_id": "bob"})), &[])
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(a["turn_type"], "main");
+    // No session, no turn type: the configured default, with a fresh session id.
+    let b: Value = post(&s.base, &body(json!({})), &[])
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(b["turn_type"], "side");
+    assert!(b["session_id"].as_str().unwrap().starts_with("sess-"));
+    let mut dropped = false;
+    for _ in 0..200 {
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        let m = reqwest::get(format!("{}/metrics", s.base))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if m.contains("clawrl_gateway_last_turns_dropped_total 1")
+            && m.contains("clawrl_gateway_sessions_open 0")
+        {
+            dropped = true;
+            break;
+        }
+    }
+    assert!(dropped, "the idle session's last turn was not dropped");
+    s.shutdown().await;
+    assert!(s.records().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_histories_render_arguments_as_the_model_wrote_them() {
+    let mut s = Server::start(GatewayConfig::default()).await;
+    // Raw text: key order as a client sends it (serde_json's `json!` would sort keys).
+    let b = r#"{"model": "qwen3-tiny", "max_tokens": 4, "seed": 1,
+        "tools": [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Show "}, {"type": "text", "text": "a.txt"}]},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "read_file", "arguments": "{\"path\": \"a.txt\", \"limit\": 3}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "hello"}]}"#;
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", s.base))
+        .header("content-type", "application/json")
+        .header("X-Session-Id", "tools")
+        .header("X-Session-Done", "true")
+        .body(b)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let recs = s.wait_records(1).await;
+    let p = &recs[0].prompt_text;
+    assert!(p.contains("<|im_start|>user\nShow a.txt<|im_end|>"), "{p}");
+    assert!(
+        p.contains("{\"name\": \"read_file\", \"arguments\": {\"path\": \"a.txt\", \"limit\": 3}}"),
+        "{p}"
+    );
+    assert!(
+        p.contains("<tool_response>\nhello\n</tool_response>"),
+        "{p}"
+    );
+    assert!(
+        p.contains("{\"type\": \"function\", \"function\": {\"name\": \"read_file\", \"description\": \"Read a file\""),
+        "{p}"
+    );
+    s.shutdown().await;
+}
+
+async fn error_of(r: reqwest::Response, status: u16) -> String {
+    assert_eq!(r.status().as_u16(), status);
+    let v: Value = r.json().await.unwrap();
+    let e = &v["error"];
+    assert!(e["type"].is_string() && e["code"].is_string(), "{v}");
+    e["message"].as_str().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auth_limits_and_bad_requests() {
+    std::env::set_var("CLAWRL_GATEWAY_TEST_KEYS", "env-key-1, env-key-2");
+    let mut s = Server::start(GatewayConfig {
+        api_keys: vec!["cfg-key".into()],
+        api_keys_env: "CLAWRL_GATEWAY_TEST_KEYS".into(),
+        max_body_bytes: 2048,
+        ..Default::default()
+    })
+    .await;
+    let ok = body(json!({"max_tokens": 2}));
+    let c = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", s.base);
+
+    // 401 without a key, with a wrong one, and on /v1/models; both key sources work.
+    let m = error_of(c.post(&url).json(&ok).send().await.unwrap(), 401).await;
+    assert!(m.contains("API key"), "{m}");
+    error_of(
+        c.post(&url)
+            .bearer_auth("nope")
+            .json(&ok)
+            .send()
+            .await
+            .unwrap(),
+        401,
+    )
+    .await;
+    error_of(
+        c.get(format!("{}/v1/models", s.base)).send().await.unwrap(),
+        401,
+    )
+    .await;
+    for key in ["cfg-key", "env-key-2"] {
+        let r = c
+            .post(&url)
+            .bearer_auth(key)
+            .json(&ok)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{key}");
+    }
+    let models: Value = c
+        .get(format!("{}/v1/models", s.base))
+        .bearer_auth("cfg-key")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "qwen3-tiny");
+    // healthz and metrics stay open.
+    let h: Value = reqwest::get(format!("{}/healthz", s.base))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(h["status"], "ok");
+
+    let authed = |b: reqwest::RequestBuilder| b.bearer_auth("cfg-key");
+    // 413 over the body limit.
+    let big = body(json!({"messages": [{"role": "user", "content": "x".repeat(4096)}]}));
+    let m = error_of(authed(c.post(&url)).json(&big).send().await.unwrap(), 413).await;
+    assert!(m.contains("2048"), "{m}");
+    // 400 with a message for malformed JSON and for a wrong shape.
+    let m = error_of(
+        authed(c.post(&url))
+            .header("content-type", "application/json")
+            .body("{\"model\": \"qwen3-tiny\", \"messages\": [")
+            .send()
+            .await
+            .unwrap(),
+        400,
+    )
+    .await;
+    assert!(m.contains("malformed JSON"), "{m}");
+    let m = error_of(
+        authed(c.post(&url))
+            .json(&json!({"model": "qwen3-tiny", "messages": [{"content": "no role"}]}))
+            .send()
+            .await
+            .unwrap(),
+        400,
+    )
+    .await;
+    assert!(m.contains("role"), "{m}");
+    let m = error_of(
+        authed(c.post(&url))
+            .json(&json!({"messages": []}))
+            .send()
+            .await
+            .unwrap(),
+        400,
+    )
+    .await;
+    assert!(m.contains("model"), "{m}");
+    // 404 for an unknown model (chat and models/{id}).
+    let m = error_of(
+        authed(c.post(&url))
+            .json(&body(json!({"model": "gpt-9"})))
+            .send()
+            .await
+            .unwrap(),
+        404,
+    )
+    .await;
+    assert!(m.contains("gpt-9"), "{m}");
+    error_of(
+        authed(c.get(format!("{}/v1/models/gpt-9", s.base)))
+            .send()
+            .await
+            .unwrap(),
+        404,
+    )
+    .await;
+    // Sampling parameters are validated.
+    for (bad, param) in [
+        (json!({"temperature": 3.0}), "temperature"),
+        (json!({"top_p": 0.0}), "top_p"),
+        (json!({"max_tokens": 0}), "max_tokens"),
+        (json!({"stop": ["a", "b", "c", "d", "e"]}), "stop"),
+        (json!({"n": 2}), "n"),
+        (json!({"turn_type": "sideways"}), "turn"),
+    ] {
+        let m = error_of(
+            authed(c.post(&url))
+                .json(&body(bad.clone()))
+                .send()
+                .await
+                .unwrap(),
+            400,
+        )
+        .await;
+        assert!(m.contains(param), "{bad}: {m}");
+    }
+    // A prompt longer than the context is a 400, streaming or not.
+    for stream in [false, true] {
+        let long = body(
+            json!({"stream": stream, "messages": [{"role": "user", "content": "word ".repeat(300)}]}),
+        );
+        let r = authed(c.post(&url)).json(&long).send().await.unwrap();
+        // 300 words fit in the 2048-byte body but not in 512 positions.
+        let m = error_of(r, 400).await;
+        assert!(m.contains("maximum context"), "{m}");
+    }
+    let m = c
+        .get(format!("{}/metrics", s.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        m.contains("clawrl_gateway_errors_total{kind=\"invalid_api_key\"} 3"),
+        "{m}"
+    );
+    assert!(m.contains("clawrl_gateway_errors_total{kind=\"payload_too_large\"} 1"));
+    assert!(m.contains("clawrl_gateway_errors_total{kind=\"model_not_found\"} 2"));
+    s.shutdown().await;
+}
