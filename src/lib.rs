@@ -9,6 +9,7 @@ pub mod gateway;
 pub mod judge;
 pub mod model;
 pub mod rl;
+pub mod serve;
 pub mod train;
 
 /// The default CPU backend (Burn's pure-Rust Flex backend).

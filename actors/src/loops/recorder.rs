@@ -124,7 +124,9 @@ pub struct RecorderStats {
 impl RecorderStats {
     /// Records accepted but not yet written nor failed.
     pub fn queued(&self) -> u64 {
-        self.accepted - self.written - self.write_errors
+        self.accepted
+            .saturating_sub(self.written)
+            .saturating_sub(self.write_errors)
     }
 }
 

@@ -1,0 +1,137 @@
+//! Serving: the generation engine as a [`PolicyReplica`] for the `clawrl-actors`
+//! [`RolloutWorker`](clawrl_actors::loops::RolloutWorker), and the trainer-side helpers that turn
+//! a learner's [`VersionedWeights`] into a weight announcement.
+//!
+//! Each loaded version is its own engine (its own scheduler thread over its own weights). A
+//! request holds an `Arc` to the version it started on, so an old version's engine finishes the
+//! sequences it is running and stops when its last request is done; the new version's engine
+//! serves every request that arrives after the switch.
+
+use std::sync::Arc;
+
+use burn::tensor::backend::Backend;
+use bytes::Bytes;
+use clawrl_actors::bulk::{
+    BulkConfig, BulkPlane, Manifest, ManifestError, PeerConnector, PublishError,
+};
+use clawrl_actors::loops::{PolicyReplica, WeightAnnounce};
+
+use crate::model::{
+    model_from_safetensors, spawn_engine, EngineError, EngineHandle, EngineOptions,
+    GenerationRequest, GenerationResult, LoadError, Qwen3Config,
+};
+use crate::train::learner::VersionedWeights;
+
+/// One loaded weight version: an engine over those weights.
+pub struct ServedVersion {
+    version: u64,
+    engine: EngineHandle,
+}
+
+impl ServedVersion {
+    /// The weight version.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// The engine serving it.
+    pub fn engine(&self) -> &EngineHandle {
+        &self.engine
+    }
+}
+
+/// A policy replica over the Qwen3 generation engine. Weight blobs are safetensors with Hugging
+/// Face names (any of bf16/f16/f32), as [`crate::train::learner::Learner::export_weights`]
+/// writes them; `config` must be the config they were exported under (the learner's
+/// [`model_config`](crate::train::learner::Learner::model_config)).
+pub struct EnginePolicy<B: Backend = crate::CpuBackend> {
+    config: Qwen3Config,
+    tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+    options: EngineOptions,
+    device: B::Device,
+}
+
+impl<B: Backend> EnginePolicy<B> {
+    /// A replica building engines with `options` on `device`; `tokenizer` is needed only for
+    /// stop strings.
+    pub fn new(
+        config: Qwen3Config,
+        tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+        options: EngineOptions,
+        device: B::Device,
+    ) -> Self {
+        EnginePolicy {
+            config,
+            tokenizer,
+            options,
+            device,
+        }
+    }
+
+    /// The model config weight blobs are read with.
+    pub fn config(&self) -> &Qwen3Config {
+        &self.config
+    }
+}
+
+impl<B: Backend> PolicyReplica for EnginePolicy<B>
+where
+    crate::model::Qwen3<B>: Send + Sync,
+    B::Device: Send + Sync,
+{
+    type Request = GenerationRequest;
+    type Output = GenerationResult;
+    type GenerateError = EngineError;
+    type Loaded = ServedVersion;
+    type LoadError = LoadError;
+
+    fn load(&self, version: u64, weights: &[u8]) -> Result<ServedVersion, LoadError> {
+        let model = model_from_safetensors::<B>(&self.config, weights, &self.device)?;
+        let engine = spawn_engine(Arc::new(model), self.tokenizer.clone(), self.options);
+        Ok(ServedVersion { version, engine })
+    }
+
+    async fn generate(
+        &self,
+        loaded: Arc<ServedVersion>,
+        request: GenerationRequest,
+    ) -> Result<GenerationResult, EngineError> {
+        loaded.engine.generate(request).await
+    }
+}
+
+/// The announcement of `weights` as held by node `source`, with the blob id the bulk plane
+/// gives it under its default chunk size (for in-process installs, where no plane is involved).
+pub fn local_announce(
+    weights: &VersionedWeights,
+    source: &str,
+) -> Result<(WeightAnnounce, Bytes), ManifestError> {
+    let manifest = Manifest::build(&weights.bytes, BulkConfig::new(source).chunk_size)?;
+    Ok((
+        announce(weights, manifest.id(), source),
+        Bytes::from(weights.bytes.clone()),
+    ))
+}
+
+/// Publishes `weights` on this node's bulk plane and returns the announcement to broadcast.
+pub fn publish_version<C: PeerConnector>(
+    plane: &BulkPlane<C>,
+    weights: &VersionedWeights,
+) -> Result<WeightAnnounce, PublishError> {
+    let blob = plane.publish(Bytes::from(weights.bytes.clone()))?;
+    Ok(announce(weights, blob, &plane.config().local_name))
+}
+
+fn announce(
+    weights: &VersionedWeights,
+    blob: clawrl_actors::bulk::BlobId,
+    source: &str,
+) -> WeightAnnounce {
+    WeightAnnounce {
+        version: weights.version,
+        blob,
+        size: weights.bytes.len() as u64,
+        hash: weights.hash.clone(),
+        source: source.to_string(),
+    }
+}
