@@ -1,24 +1,25 @@
 //! `clawrl` subcommands of the model area: `model inspect` (config summary and parameter
 //! count), `model logits` (prompt text, ids and last-position logits for a message list) and
 //! `generate` (one reply through the generation engine), for anyone checking a checkpoint.
+//! `logits` and `generate` run on the `--device` they are given (CPU by default).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context;
 use burn::module::Module;
+use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use clap::{Args, Subcommand};
 use serde_json::json;
 
+use clawrl::device::{Device, InferenceTask};
 use clawrl::model::chat::{parse_json_value, validate_messages, validate_tools};
 use clawrl::model::{
     load_checkpoint, load_model, spawn_engine, Checkpoint, EngineOptions, FinishReason,
-    GenerationRequest, SamplingParams,
+    GenerationRequest, Qwen3, SamplingParams,
 };
 use clawrl::CpuBackend;
-
-type B = CpuBackend;
 
 /// Subcommands of the model area.
 #[derive(Subcommand)]
@@ -56,6 +57,9 @@ pub enum ModelCommand {
         /// Print `{"prompt_text","input_ids","last_logits"}`.
         #[arg(long)]
         json: bool,
+        /// Compute device: `cpu` or `cuda:N` (needs a build with `--features cuda`).
+        #[arg(long, default_value_t = Device::Cpu)]
+        device: Device,
     },
 }
 
@@ -91,6 +95,9 @@ pub struct GenerateArgs {
     /// Print `{"response_ids","text","logprobs","finish_reason"}`.
     #[arg(long)]
     json: bool,
+    /// Compute device: `cpu` or `cuda:N` (needs a build with `--features cuda`).
+    #[arg(long, default_value_t = Device::Cpu)]
+    device: Device,
 }
 
 /// Runs one subcommand of this area.
@@ -106,14 +113,51 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
                     messages,
                     tools,
                     json,
+                    device,
                 },
-        } => logits(&dir, &messages, tools.as_deref(), json),
-        Commands::Generate(args) => generate(args),
+        } => device.run_inference(LogitsTask {
+            dir: &dir,
+            messages: &messages,
+            tools: tools.as_deref(),
+            json,
+        })?,
+        Commands::Generate(args) => args.device.run_inference(GenerateTask(args))?,
+    }
+}
+
+/// `model logits` as backend-generic work.
+struct LogitsTask<'a> {
+    dir: &'a Path,
+    messages: &'a Path,
+    tools: Option<&'a Path>,
+    json: bool,
+}
+
+impl InferenceTask for LogitsTask<'_> {
+    type Output = anyhow::Result<()>;
+    fn run<B: Backend>(self, device: B::Device) -> anyhow::Result<()>
+    where
+        Qwen3<B>: Send + Sync,
+    {
+        logits::<B>(self.dir, self.messages, self.tools, self.json, &device)
+    }
+}
+
+/// `generate` as backend-generic work.
+struct GenerateTask(GenerateArgs);
+
+impl InferenceTask for GenerateTask {
+    type Output = anyhow::Result<()>;
+    fn run<B: Backend>(self, device: B::Device) -> anyhow::Result<()>
+    where
+        Qwen3<B>: Send + Sync,
+    {
+        generate::<B>(self.0, &device)
     }
 }
 
 fn inspect(dir: &Path, as_json: bool) -> anyhow::Result<()> {
-    let (cfg, model) = load_model::<B>(dir, &Default::default())
+    let (cfg, model) = load_model::<CpuBackend>(dir, &Default::default())
         .with_context(|| format!("loading {}", dir.display()))?;
     let params = model.num_params();
     let summary = json!({
@@ -148,13 +192,14 @@ fn inspect(dir: &Path, as_json: bool) -> anyhow::Result<()> {
 }
 
 /// Loads the checkpoint and renders + tokenizes the messages (and tools) files.
-fn load_and_encode(
+fn load_and_encode<B: Backend>(
     dir: &Path,
     messages: &Path,
     tools: Option<&Path>,
+    device: &B::Device,
 ) -> anyhow::Result<(Checkpoint<B>, clawrl::model::Prompt)> {
-    let ck = load_checkpoint::<B>(dir, &Default::default())
-        .with_context(|| format!("loading {}", dir.display()))?;
+    let ck =
+        load_checkpoint::<B>(dir, device).with_context(|| format!("loading {}", dir.display()))?;
     let what = messages.display().to_string();
     let text = std::fs::read_to_string(messages).with_context(|| format!("reading {what}"))?;
     let msgs = parse_json_value(&text, &what)?;
@@ -173,13 +218,19 @@ fn load_and_encode(
     Ok((ck, prompt))
 }
 
-fn logits(dir: &Path, messages: &Path, tools: Option<&Path>, as_json: bool) -> anyhow::Result<()> {
-    let (ck, prompt) = load_and_encode(dir, messages, tools)?;
+fn logits<B: Backend>(
+    dir: &Path,
+    messages: &Path,
+    tools: Option<&Path>,
+    as_json: bool,
+    device: &B::Device,
+) -> anyhow::Result<()> {
+    let (ck, prompt) = load_and_encode::<B>(dir, messages, tools, device)?;
     let n = prompt.ids.len();
     anyhow::ensure!(n > 0, "the rendered prompt is empty");
     let input = Tensor::<B, 2, Int>::from_data(
         TensorData::new(prompt.ids.iter().map(|&t| t as i64).collect(), [1, n]),
-        &Default::default(),
+        device,
     );
     let hidden = ck.model.forward_hidden(input).narrow(1, n - 1, 1);
     let last: Vec<f32> = ck
@@ -207,8 +258,11 @@ fn logits(dir: &Path, messages: &Path, tools: Option<&Path>, as_json: bool) -> a
     Ok(())
 }
 
-fn generate(a: GenerateArgs) -> anyhow::Result<()> {
-    let (ck, prompt) = load_and_encode(&a.dir, &a.messages, a.tools.as_deref())?;
+fn generate<B: Backend>(a: GenerateArgs, device: &B::Device) -> anyhow::Result<()>
+where
+    Qwen3<B>: Send + Sync,
+{
+    let (ck, prompt) = load_and_encode::<B>(&a.dir, &a.messages, a.tools.as_deref(), device)?;
     let stop_token_ids = ck.stop_token_ids();
     let tokenizer = Arc::new(ck.tokenizer);
     let max_context = ck.config.max_position_embeddings;

@@ -1,20 +1,22 @@
 //! `clawrl` subcommands of the train area: `train-offline`, which trains a Hugging Face
 //! checkpoint on recorded samples (also the way to replay a run) and writes the updated
-//! checkpoint.
+//! checkpoint. It trains on the device of `--device` or of the `device` key of TRAIN.toml
+//! (CPU by default).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use burn::module::AutodiffModule;
+use burn::tensor::backend::AutodiffBackend;
 use clap::Subcommand;
 use rand::seq::SliceRandom;
 
+use clawrl::device::{take_device_key, Device, TrainingTask};
 use clawrl::model::{load_checkpoint, save_checkpoint_dir};
 use clawrl::train::learner::{Learner, StepMetrics};
 use clawrl::train::samples::read_samples;
 use clawrl::train::TrainConfig;
-use clawrl::CpuAutodiff;
 
 /// Subcommands of the train area.
 #[derive(Subcommand)]
@@ -28,9 +30,13 @@ pub enum Commands {
         #[arg(long)]
         samples: PathBuf,
         /// TRAIN.toml (lr, betas, adam_eps, weight_decay, eps_clip, eps_clip_high, kl_coef,
-        /// grad_clip, batch_size); defaults from DESIGN §1 when omitted.
+        /// grad_clip, batch_size, device); defaults from DESIGN §1 when omitted.
         #[arg(long)]
         config: Option<PathBuf>,
+        /// Compute device, `cpu` or `cuda:N` (CUDA needs a build with `--features cuda`);
+        /// overrides the `device` key of TRAIN.toml; `cpu` when neither is given.
+        #[arg(long)]
+        device: Option<Device>,
         /// Directory for the updated Hugging Face checkpoint.
         #[arg(long)]
         out: PathBuf,
@@ -61,6 +67,7 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
             shuffle,
             seed,
             json,
+            device,
         } => train_offline(
             &model,
             &samples,
@@ -70,6 +77,7 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
             shuffle,
             seed,
             json,
+            device,
         ),
     }
 }
@@ -112,16 +120,71 @@ fn train_offline(
     shuffle: bool,
     seed: u64,
     json: bool,
+    device: Option<Device>,
 ) -> anyhow::Result<()> {
     if epochs == 0 {
         bail!("--epochs must be at least 1");
     }
-    let train = match config {
-        Some(p) => TrainConfig::from_file(p)?,
-        None => TrainConfig::default(),
+    let (train, config_device) = match config {
+        Some(p) => read_train_config(p)?,
+        None => (TrainConfig::default(), None),
     };
-    let device = Default::default();
-    let ckpt = load_checkpoint::<CpuAutodiff>(model_dir, &device)
+    let device = device.or(config_device).unwrap_or_default();
+    device.run_training(OfflineRun {
+        model_dir,
+        samples_path,
+        out,
+        epochs,
+        shuffle,
+        seed,
+        json,
+        train,
+    })?
+}
+
+/// Reads TRAIN.toml: its `device` key, then the rest through the learner's strict parser.
+fn read_train_config(path: &Path) -> anyhow::Result<(TrainConfig, Option<Device>)> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read training config {}", path.display()))?;
+    let origin = path.display().to_string();
+    let (device, rest) = take_device_key(&text, &origin)?;
+    Ok((TrainConfig::from_toml_str(&rest, &origin)?, device))
+}
+
+/// `train-offline` after its arguments are checked, as backend-generic work.
+struct OfflineRun<'a> {
+    model_dir: &'a Path,
+    samples_path: &'a Path,
+    out: &'a Path,
+    epochs: usize,
+    shuffle: bool,
+    seed: u64,
+    json: bool,
+    train: TrainConfig,
+}
+
+impl TrainingTask for OfflineRun<'_> {
+    type Output = anyhow::Result<()>;
+    fn run<B: AutodiffBackend>(self, device: B::Device) -> anyhow::Result<()> {
+        train_offline_on::<B>(self, device)
+    }
+}
+
+fn train_offline_on<B: AutodiffBackend>(
+    r: OfflineRun<'_>,
+    device: B::Device,
+) -> anyhow::Result<()> {
+    let OfflineRun {
+        model_dir,
+        samples_path,
+        out,
+        epochs,
+        shuffle,
+        seed,
+        json,
+        train,
+    } = r;
+    let ckpt = load_checkpoint::<B>(model_dir, &device)
         .with_context(|| format!("loading model {}", model_dir.display()))?;
     let mut samples = read_samples(samples_path, Some(ckpt.config.vocab_size))?;
     let max = ckpt.config.max_position_embeddings;
@@ -167,9 +230,9 @@ fn train_offline(
 }
 
 /// Writes the checkpoint into a temporary sibling directory, then renames it into place.
-fn write_checkpoint(
+fn write_checkpoint<B: AutodiffBackend>(
     out: &Path,
-    learner: &Learner,
+    learner: &Learner<B>,
     files: &clawrl::model::TokenizerFiles,
 ) -> anyhow::Result<()> {
     let name = out
