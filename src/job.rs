@@ -13,7 +13,7 @@
 //! [policy]
 //! checkpoint = "tests/fixtures/qwen3-tiny"
 //! [judge]
-//! backend = "rules"          # local | openai | rules
+//! backend = "scripted"       # model | openai | scripted
 //! votes = 3
 //! [method]
 //! kind = "combined"          # binary | opd | combined | stepwise
@@ -59,12 +59,12 @@ pub struct PolicySpec {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum JudgeBackend {
-    /// A local model served by judge workers.
-    Local,
-    /// An OpenAI-compatible endpoint.
+    /// A local Burn model served by judge workers (`model`).
+    Model,
+    /// An OpenAI-compatible endpoint (`openai`).
     Openai,
-    /// Scripted rules.
-    Rules,
+    /// Scripted rules from the job config (`scripted`), for simulations and tests.
+    Scripted,
 }
 
 /// The judge.
@@ -77,7 +77,7 @@ pub struct JudgeSpec {
     pub votes: u32,
     /// The endpoint URL (required for `openai`).
     pub endpoint: Option<String>,
-    /// The model name or checkpoint (for `local` / `openai`).
+    /// The model name or checkpoint (for `model` / `openai`).
     pub model: Option<String>,
 }
 
@@ -113,6 +113,10 @@ pub struct MethodSpec {
     pub w_opd: f64,
 }
 
+fn default_clip_high() -> f64 {
+    0.28
+}
+
 /// Optimiser and sampling settings.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -123,8 +127,9 @@ pub struct OptimSpec {
     pub lr: f64,
     /// PPO clip ε (lower side).
     pub clip: f64,
-    /// PPO clip ε_high (default: `clip`).
-    pub clip_high: Option<f64>,
+    /// PPO clip ε_high, the upper side (default 0.28, DESIGN §1).
+    #[serde(default = "default_clip_high")]
+    pub clip_high: f64,
     /// KL coefficient β (0 disables the reference model).
     pub kl: f64,
     /// Largest allowed policy-version lag of a sample.
@@ -256,13 +261,12 @@ impl JobSpec {
         if !(o.clip.is_finite() && o.clip > 0.0 && o.clip < 1.0) {
             return bad("optim.clip", format!("{} must be in (0, 1)", o.clip));
         }
-        if let Some(h) = o.clip_high {
-            if !(h.is_finite() && h >= o.clip && h < 10.0) {
-                return bad(
-                    "optim.clip_high",
-                    format!("{h} must be in [optim.clip, 10)"),
-                );
-            }
+        let h = o.clip_high;
+        if !(h.is_finite() && h >= o.clip && h < 10.0) {
+            return bad(
+                "optim.clip_high",
+                format!("{h} must be in [optim.clip, 10)"),
+            );
         }
         if !(o.kl.is_finite() && o.kl >= 0.0) {
             return bad("optim.kl", format!("{} must be a finite number >= 0", o.kl));
@@ -340,7 +344,7 @@ name = "demo"
 [policy]
 checkpoint = "tests/fixtures/qwen3-tiny"
 [judge]
-backend = "rules"
+backend = "scripted"
 votes = 3
 [method]
 kind = "combined"
@@ -410,7 +414,7 @@ max_steps = 100
         );
         assert!(err(&GOOD.replace("max_steps = 100", "")).contains("`stop`"));
         assert!(
-            err(&GOOD.replace(r#"backend = "rules""#, r#"backend = "openai""#))
+            err(&GOOD.replace(r#"backend = "scripted""#, r#"backend = "openai""#))
                 .contains("judge.endpoint")
         );
     }

@@ -188,7 +188,7 @@ name = "terminal-demo"
 [policy]
 checkpoint = "tests/fixtures/qwen3-tiny"
 [judge]
-backend = "rules"
+backend = "scripted"
 votes = 3
 [method]
 kind = "combined"
