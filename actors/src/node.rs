@@ -1266,9 +1266,10 @@ impl Actor for NodeSupervisor {
         }
         state.restarts.push(now);
         tracing::warn!("{} {why}; restarting it", child.label());
-        // The old actor's registered name is released once it has stopped; retry briefly.
+        // The old actor's registered name is released once it has stopped, which can take a
+        // while on a loaded machine; retry for up to ~5 s before giving up on the node.
         let mut last = None;
-        for _ in 0..10 {
+        for _ in 0..50 {
             match start_child(myself.get_cell(), &child).await {
                 Ok(new) => {
                     state.children.insert(new.get_id(), child);
@@ -1276,7 +1277,7 @@ impl Actor for NodeSupervisor {
                 }
                 Err(e) => {
                     last = Some(e);
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             }
         }
