@@ -112,6 +112,16 @@ async fn generation_never_pauses_while_five_weight_versions_land() {
         })
         .collect();
 
+    // Version 0 serves every client before the first update lands.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while log.lock().unwrap().len() < CLIENTS {
+        assert!(
+            Instant::now() < deadline,
+            "no rollout completed on version 0"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+
     for version in 1..=UPDATES {
         // Train on the latest rollouts with a scripted reward (favour even token ids).
         let samples: Vec<Sample> = {
