@@ -4,9 +4,9 @@
 //! ([`rl`]), the judge ([`judge`]) and the learner ([`train`]). The actor system and the QUIC
 //! cluster runtime live in the `clawrl-actors` crate, which knows no LLM.
 
-pub mod job;
 pub mod device;
 pub mod gateway;
+pub mod job;
 pub mod judge;
 pub mod model;
 pub mod rl;
