@@ -47,7 +47,7 @@ async fn twenty_sessions_for_ten_seconds_without_5xx() {
             let mut i = 0u64;
             // At least one turn per session, then until the deadline.
             loop {
-                let stream = (s + i) % 2 == 0;
+                let stream = (s + i).is_multiple_of(2);
                 let r = client
                     .post(format!("{base}/v1/chat/completions"))
                     .header("X-Session-Id", format!("load-{s}"))

@@ -185,10 +185,10 @@ async fn generation_never_pauses_while_five_weight_versions_land() {
         c.await.unwrap();
     }
 
+    let stats = ractor::call!(worker, RolloutMsg::Stats).unwrap();
     let failures = failures.lock().unwrap();
     assert!(failures.is_empty(), "failed requests: {failures:?}");
     let log = log.lock().unwrap();
-    let stats = ractor::call!(worker, RolloutMsg::Stats).unwrap();
     assert_eq!(stats.completed, log.len() as u64);
     assert_eq!(
         (stats.failed, stats.in_flight, stats.switches),

@@ -589,7 +589,7 @@ fn sampling_params(s: &AppState, r: &ChatRequest) -> Result<SamplingParams, ApiE
             "stop must be at most 4 non-empty strings",
         ));
     }
-    let seed = r.seed.unwrap_or_else(|| rand::random());
+    let seed = r.seed.unwrap_or_else(rand::random);
     Ok(SamplingParams {
         temperature,
         top_p,

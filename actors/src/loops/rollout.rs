@@ -110,13 +110,16 @@ pub struct RolloutStats {
     pub last_update_error: Option<String>,
 }
 
+/// What a generate request is answered with.
+pub type GenerateReply<P> = Result<
+    Generated<<P as PolicyReplica>::Output>,
+    RolloutError<<P as PolicyReplica>::GenerateError>,
+>;
+
 /// Messages of a [`RolloutWorker`].
 pub enum RolloutMsg<P: PolicyReplica> {
     /// Generate on the current version.
-    Generate(
-        P::Request,
-        RpcReplyPort<Result<Generated<P::Output>, RolloutError<P::GenerateError>>>,
-    ),
+    Generate(P::Request, RpcReplyPort<GenerateReply<P>>),
     /// A new version was published: fetch it through the worker's [`WeightSource`], verify,
     /// load beside the current one, switch. The port, if any, gets the outcome.
     Announce(WeightAnnounce, Option<RpcReplyPort<UpdateOutcome>>),
@@ -275,11 +278,7 @@ impl<P: PolicyReplica> RolloutState<P> {
         }
     }
 
-    fn generate(
-        &mut self,
-        request: P::Request,
-        port: RpcReplyPort<Result<Generated<P::Output>, RolloutError<P::GenerateError>>>,
-    ) {
+    fn generate(&mut self, request: P::Request, port: RpcReplyPort<GenerateReply<P>>) {
         self.stats.requests += 1;
         let Some((version, loaded)) = self.current.clone() else {
             self.shared.failed.fetch_add(1, Ordering::Relaxed);
