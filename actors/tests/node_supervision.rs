@@ -78,7 +78,7 @@ async fn killed_workers_and_control_are_restarted_and_control_keeps_its_jobs() {
     let old_id = worker.get_id();
     worker.kill();
     assert!(
-        wait_until(Duration::from_secs(5), || {
+        wait_until(Duration::from_secs(15), || {
             ractor::registry::where_is("sup/env.terminal.0").is_some_and(|w| w.get_id() != old_id)
                 && ractor::pg::get_members(&group).len() == 2
         })
@@ -119,7 +119,7 @@ async fn killed_workers_and_control_are_restarted_and_control_keeps_its_jobs() {
     let old_id = ctl.get_id();
     ctl.kill();
     assert!(
-        wait_until(Duration::from_secs(5), || {
+        wait_until(Duration::from_secs(15), || {
             ractor::registry::where_is("sup/control").is_some_and(|c| c.get_id() != old_id)
         })
         .await,
