@@ -9,8 +9,13 @@
 //! version, requests in flight finish on the version they started with, and versions never go
 //! backwards.
 
+pub mod env;
+pub mod job;
 pub mod recorder;
 pub mod rollout;
+pub mod session;
+pub mod trainer;
+pub mod voter;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -21,9 +26,27 @@ use serde::{Deserialize, Serialize};
 
 use crate::bulk::{BlobId, BulkPlane, PeerConnector};
 
+pub use env::{
+    Action, BoxFuture, EnvError, Environment, Episode, Observation, StepOutcome, ToolCallAction,
+};
+pub use job::{
+    spawn_job, Built, EpisodeTurns, JobArgs, JobCounts, JobMsg, JobPhase, JobSettings,
+    JobSupervisor, ProgressReport, SampleBuilder, StopCondition, TrainerCounts, TrainerLink,
+};
+pub use session::{
+    EndReason, EnvSession, PolicyError, PolicyTurn, SessionArgs, SessionEvent, SessionMsg,
+    SessionReport, Turn, TurnPolicy,
+};
+pub use voter::{JudgedTurn, Judgement, PrmVoter, TurnJudge, VoterArgs, VoterMsg, VoterStats};
 pub use recorder::{Recorder, RecorderConfig, RecorderHandle, RecorderMsg, RecorderStats};
 pub use rollout::{
     Generated, RolloutArgs, RolloutError, RolloutMsg, RolloutStats, RolloutWorker, UpdateOutcome,
+};
+pub use trainer::{
+    rollout_subscriber, Delivery, ExportedWeights, Importance, ImportanceSummary, Learner,
+    LocalPublisher, PublishFailed, SampleLimits, StalenessMode, StepEvent, StepReport,
+    Subscriber, TrainSample, Trainer, TrainerArgs, TrainerConfig, TrainerEvent, TrainerMsg,
+    TrainerStartError, TrainerStats, WeightPublisher,
 };
 
 /// A policy replica: the root crate's model behind the [`rollout::RolloutWorker`].
