@@ -1,0 +1,1227 @@
+//! The `Trainer`: one per job. It collects samples, enforces the staleness bound, runs optimizer
+//! steps on a dedicated learner thread, publishes every new weight version on the bulk plane,
+//! announces it to the job's subscribers (rollout workers, records), checkpoints, and resumes
+//! from the last checkpoint with the version counting on.
+//!
+//! - **Never blocks on the learner.** The [`Learner`] lives on its own OS thread for the whole
+//!   life of the actor; steps, exports, publishes and checkpoints run there. The message loop
+//!   keeps accepting samples while a step runs.
+//! - **Batching.** A step fires as soon as `batch_size` samples pass the staleness check (or on
+//!   [`TrainerMsg::Flush`], with fewer). One step runs at a time.
+//! - **Staleness** is checked when a batch is formed, against the trainer's version then: a
+//!   sample whose tokens are more than `max_lag` versions behind is dropped and counted
+//!   ([`StalenessMode::Drop`]), or trained with truncated importance weights
+//!   ([`StalenessMode::Importance`]; the learner computes `min(exp(trainer − rollout), cap)` per
+//!   token from the sample's rollout log-probs, and a stale sample without them is dropped).
+//! - **Counts balance.** `produced = trained + dropped_stale + failed + pending`, where
+//!   `pending` includes the samples of the step in flight. A failed step puts its samples back at
+//!   the head of the queue; after `max_step_attempts` failures of the same batch (or at once
+//!   when the learner skips the update, e.g. on a non-finite loss) they are counted as `failed`
+//!   with the reason kept in [`TrainerStats::last_error`]. Samples refused on arrival (invalid,
+//!   or claiming a version newer than the trainer's) are never accepted: they are counted in
+//!   `rejected`, not in `produced`.
+//! - **Versions only grow.** On start the learner resumes from the newest checkpoint under the
+//!   configured directory. Versions published after that checkpoint (recorded in
+//!   `<dir>/published`) were served but are lost with the old trainer: the resumed weights are
+//!   then re-published as the next version above them, so replicas (which ignore versions that
+//!   are not newer) switch to the trainer's lineage and versions keep counting up.
+//!
+//! Samples waiting in memory when the trainer process dies are lost with it; the job sees this
+//! as `produced` of the new incarnation restarting at 0 (see the job's own counts).
+
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc as std_mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use serde::{Deserialize, Serialize};
+use tokio::sync::oneshot;
+
+use super::rollout::RolloutMsg;
+use super::{content_hash, PolicyReplica, WeightAnnounce};
+use crate::bulk::{BulkConfig, BulkPlane, Manifest, PeerConnector};
+
+/// One training sample as the job produces it: token ids exactly as served and sampled, one
+/// advantage per response token, and the weight version that produced every response token.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainSample {
+    /// The job it belongs to.
+    pub job: String,
+    /// The session it came from.
+    pub session_id: String,
+    /// The turn (or step) index within the session.
+    pub turn: u32,
+    /// The weight version that produced every response token.
+    pub version: u64,
+    /// The full prompt as token ids.
+    pub prompt_ids: Vec<u32>,
+    /// The response as token ids.
+    pub response_ids: Vec<u32>,
+    /// One advantage per response token (binary/OPD/combined already applied).
+    pub advantages: Vec<f32>,
+    /// The rollout worker's log-prob of each response token, when known.
+    pub rollout_logprobs: Option<Vec<f32>>,
+}
+
+/// How a sample of a batch is corrected for being off-policy.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum Importance {
+    /// Trained as is.
+    None,
+    /// Per-token truncated importance weights `min(exp(trainer − rollout), cap)` multiply the
+    /// sample's policy-gradient term (the sample carries rollout log-probs).
+    Truncated {
+        /// The cap `C`.
+        cap: f32,
+    },
+}
+
+/// Summary of the importance weights a step applied.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ImportanceSummary {
+    /// Tokens weighted.
+    pub tokens: usize,
+    /// Mean weight.
+    pub mean: f64,
+    /// Tokens whose weight was truncated at the cap.
+    pub truncated: usize,
+}
+
+/// What the learner reports for one step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepReport {
+    /// Weight version after the step.
+    pub version: u64,
+    /// Optimizer steps applied so far.
+    pub steps: u64,
+    /// Why the update was not applied (e.g. a non-finite loss); `None` when it was.
+    pub skipped: Option<String>,
+    /// The loss.
+    pub loss: f64,
+    /// Global gradient norm before clipping (NaN when not computed).
+    pub grad_norm: f64,
+    /// Mean |rollout − trainer| log-prob per token over tokens with rollout log-probs.
+    pub logprob_gap: Option<f64>,
+    /// Response tokens in the batch.
+    pub tokens: usize,
+    /// Importance weights applied, when any sample was weighted.
+    pub importance: Option<ImportanceSummary>,
+}
+
+/// One exported weight version.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExportedWeights {
+    /// The version.
+    pub version: u64,
+    /// The weight blob (the format the job's policy replicas load).
+    pub bytes: Bytes,
+    /// blake3 of `bytes`, 64 lowercase hex digits ([`content_hash`]).
+    pub hash: String,
+}
+
+/// Bounds the actor checks on arrival, from the learner.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SampleLimits {
+    /// Token ids must be below this.
+    pub vocab: Option<usize>,
+    /// Prompt plus response must not be longer than this.
+    pub max_tokens: Option<usize>,
+}
+
+/// The learner behind a [`Trainer`], implemented by the root crate (and by small deterministic
+/// learners in tests). Every method runs on the trainer's learner thread.
+pub trait Learner: Send + 'static {
+    /// Why an operation failed.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// The current weight version (grows by one per applied step).
+    fn version(&self) -> u64;
+    /// Optimizer steps applied so far.
+    fn steps(&self) -> u64;
+    /// What a sample must satisfy to be accepted.
+    fn limits(&self) -> SampleLimits;
+    /// One optimizer step on `batch`; `importance[i]` says how to weight sample `i`.
+    fn step(
+        &mut self,
+        batch: &[TrainSample],
+        importance: &[Importance],
+    ) -> Result<StepReport, Self::Error>;
+    /// The current weights.
+    fn export(&self) -> Result<ExportedWeights, Self::Error>;
+    /// Saves a checkpoint under `root` atomically (a crash leaves the previous one valid) and
+    /// makes it the one [`Learner::resume`] finds; returns its directory.
+    fn save_checkpoint(&mut self, root: &Path) -> Result<PathBuf, Self::Error>;
+    /// Replaces the learner's state with the newest checkpoint under `root`; `Ok(false)` when
+    /// `root` holds none.
+    fn resume(&mut self, root: &Path) -> Result<bool, Self::Error>;
+    /// Sets the version to `to` (> the current one) without touching the weights.
+    fn advance_version(&mut self, to: u64) -> Result<(), Self::Error>;
+}
+
+/// Where the trainer puts a new version's bytes: the bulk plane, or nowhere (in-process
+/// installs only).
+pub trait WeightPublisher: Send + Sync + 'static {
+    /// Makes `weights` fetchable and returns the announcement that names them.
+    fn publish(&self, weights: &ExportedWeights) -> Result<WeightAnnounce, PublishFailed>;
+    /// Frees an older version nobody should fetch any more.
+    fn retire(&self, _announce: &WeightAnnounce) {}
+}
+
+/// Why a version could not be published.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("publishing weight version {version}: {reason}")]
+pub struct PublishFailed {
+    /// The version.
+    pub version: u64,
+    /// What went wrong.
+    pub reason: String,
+}
+
+impl<C: PeerConnector> WeightPublisher for BulkPlane<C> {
+    fn publish(&self, weights: &ExportedWeights) -> Result<WeightAnnounce, PublishFailed> {
+        let blob = BulkPlane::publish(self, weights.bytes.clone()).map_err(|e| PublishFailed {
+            version: weights.version,
+            reason: e.to_string(),
+        })?;
+        Ok(WeightAnnounce {
+            version: weights.version,
+            blob,
+            size: weights.bytes.len() as u64,
+            hash: weights.hash.clone(),
+            source: self.config().local_name.clone(),
+        })
+    }
+
+    fn retire(&self, announce: &WeightAnnounce) {
+        self.remove(&announce.blob);
+    }
+}
+
+/// A publisher without a bulk plane: the announcement names the blob id the plane would give
+/// the bytes (default chunk size) and node `source`; subscribers get the bytes in-process.
+#[derive(Debug, Clone)]
+pub struct LocalPublisher {
+    /// The node named as the source.
+    pub source: String,
+}
+
+impl WeightPublisher for LocalPublisher {
+    fn publish(&self, weights: &ExportedWeights) -> Result<WeightAnnounce, PublishFailed> {
+        let manifest = Manifest::build(&weights.bytes, BulkConfig::new(&self.source).chunk_size)
+            .map_err(|e| PublishFailed {
+                version: weights.version,
+                reason: e.to_string(),
+            })?;
+        Ok(WeightAnnounce {
+            version: weights.version,
+            blob: manifest.id(),
+            size: weights.bytes.len() as u64,
+            hash: weights.hash.clone(),
+            source: self.source.clone(),
+        })
+    }
+}
+
+/// What the trainer does with a sample that is too stale.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "mode")]
+pub enum StalenessMode {
+    /// Drop it and count it in [`TrainerStats::dropped_stale`].
+    Drop,
+    /// Train it with truncated importance weights capped at `cap` (needs rollout log-probs;
+    /// a stale sample without them is dropped).
+    Importance {
+        /// The cap `C` (finite, > 0).
+        cap: f32,
+    },
+}
+
+/// How a [`Trainer`] runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainerConfig {
+    /// The job; samples naming another job are refused (empty: any).
+    pub job: String,
+    /// Samples per step.
+    pub batch_size: usize,
+    /// Largest lag in versions (`trainer version − sample version`) trained as is.
+    pub max_lag: u64,
+    /// What happens to samples beyond `max_lag`.
+    pub staleness: StalenessMode,
+    /// Checkpoint every this many applied steps (0: never).
+    pub checkpoint_every: u64,
+    /// Where checkpoints live and are resumed from (`None`: no checkpoints, no resume).
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Attempts of one batch before its samples are counted as failed (≥ 1).
+    pub max_step_attempts: u32,
+    /// Versions kept on the publisher (older ones are retired; ≥ 1).
+    pub keep_published: usize,
+}
+
+impl TrainerConfig {
+    /// Defaults for `job`: batches of 16, lag ≤ 2 versions dropped beyond, checkpoint every
+    /// step when a directory is set, 3 attempts, the last 2 versions kept.
+    pub fn new(job: impl Into<String>) -> Self {
+        TrainerConfig {
+            job: job.into(),
+            batch_size: 16,
+            max_lag: 2,
+            staleness: StalenessMode::Drop,
+            checkpoint_every: 1,
+            checkpoint_dir: None,
+            max_step_attempts: 3,
+            keep_published: 2,
+        }
+    }
+
+    /// Checks every value.
+    pub fn validate(&self) -> Result<(), TrainerStartError> {
+        let bad = |key: &'static str, reason: String| TrainerStartError::Config { key, reason };
+        if self.batch_size == 0 {
+            return Err(bad("batch_size", "must be at least 1".into()));
+        }
+        if let StalenessMode::Importance { cap } = self.staleness {
+            if !(cap.is_finite() && cap > 0.0) {
+                return Err(bad(
+                    "staleness.cap",
+                    format!("must be finite and > 0, got {cap}"),
+                ));
+            }
+        }
+        if self.max_step_attempts == 0 {
+            return Err(bad("max_step_attempts", "must be at least 1".into()));
+        }
+        if self.keep_published == 0 {
+            return Err(bad("keep_published", "must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Why a trainer could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainerStartError {
+    /// A bad setting.
+    #[error("trainer config: `{key}` {reason}")]
+    Config {
+        /// The setting.
+        key: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Resuming, exporting or publishing the initial version failed.
+    #[error("trainer start: {0}")]
+    Init(String),
+}
+
+/// Counters of one trainer incarnation. `produced = trained + dropped_stale + failed + pending`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TrainerStats {
+    /// Samples accepted.
+    pub produced: u64,
+    /// Samples in applied steps.
+    pub trained: u64,
+    /// Samples dropped as too stale.
+    pub dropped_stale: u64,
+    /// Samples given up on (their step failed `max_step_attempts` times, or was skipped).
+    pub failed: u64,
+    /// Samples waiting, including those of the step in flight.
+    pub pending: u64,
+    /// Of `pending`, those in the step in flight.
+    pub in_step: u64,
+    /// Samples refused on arrival (never accepted, not in `produced`).
+    pub rejected: u64,
+    /// Samples trained with importance weights.
+    pub importance_weighted: u64,
+    /// The trainer's weight version.
+    pub version: u64,
+    /// Optimizer steps applied (over the learner's life, checkpoints included).
+    pub steps: u64,
+    /// The newest version published.
+    pub published: Option<u64>,
+    /// Step attempts that failed.
+    pub failed_attempts: u64,
+    /// Checkpoints written by this incarnation.
+    pub checkpoints: u64,
+    /// The version of the newest checkpoint written or resumed from.
+    pub checkpoint_version: Option<u64>,
+    /// The version resumed from at start, if any.
+    pub resumed_from: Option<u64>,
+    /// The last step, publish or checkpoint error.
+    pub last_error: Option<String>,
+    /// Why the last refused sample was refused.
+    pub last_rejection: Option<String>,
+}
+
+impl TrainerStats {
+    /// True when `produced = trained + dropped_stale + failed + pending`.
+    pub fn balanced(&self) -> bool {
+        self.produced == self.trained + self.dropped_stale + self.failed + self.pending
+    }
+}
+
+/// Metrics of one step, for the job's records.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepEvent {
+    /// The job.
+    pub job: String,
+    /// Optimizer steps applied after this one.
+    pub step: u64,
+    /// The weight version after the step.
+    pub version: u64,
+    /// The loss.
+    pub loss: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Mean |rollout − trainer| log-prob per token, when samples carried rollout log-probs.
+    pub logprob_gap: Option<f64>,
+    /// Samples trained in this step.
+    pub kept: usize,
+    /// Of those, samples trained with importance weights.
+    pub importance_weighted: usize,
+    /// Importance weights applied.
+    pub importance: Option<ImportanceSummary>,
+    /// Samples dropped as stale while this batch was formed.
+    pub dropped_stale: usize,
+    /// Oldest sample version in the batch.
+    pub oldest_version: u64,
+    /// Response tokens.
+    pub tokens: usize,
+    /// Milliseconds of the optimizer step.
+    pub step_ms: f64,
+    /// Milliseconds exporting the weights.
+    pub export_ms: f64,
+    /// Milliseconds publishing them.
+    pub publish_ms: f64,
+    /// Counters after the step.
+    pub stats: TrainerStats,
+}
+
+/// What subscribers hear.
+#[derive(Debug, Clone)]
+pub enum TrainerEvent {
+    /// A version was published (also sent to each new subscriber for the newest version).
+    Published {
+        /// Its announcement.
+        announce: WeightAnnounce,
+        /// Its bytes (for in-process installs).
+        bytes: Bytes,
+        /// When the step that made it ended (`None` for the version at start).
+        step_finished: Option<Instant>,
+    },
+    /// A step was applied (sent before its version's `Published`).
+    Step(Box<StepEvent>),
+    /// A step failed.
+    StepFailed {
+        /// Samples in the batch.
+        samples: usize,
+        /// Which attempt this was.
+        attempt: u32,
+        /// Whether the samples were given up on (counted as failed) or put back.
+        gave_up: bool,
+        /// Why.
+        error: String,
+    },
+    /// A checkpoint was written.
+    Checkpointed {
+        /// Its version.
+        version: u64,
+        /// Its directory.
+        path: PathBuf,
+    },
+}
+
+/// A subscriber: called on the trainer's message loop for every event, so it must be quick
+/// (cast, push to a channel). Returning `false` unsubscribes it.
+pub type Subscriber = Arc<dyn Fn(&TrainerEvent) -> bool + Send + Sync>;
+
+/// How a rollout worker subscriber receives new versions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// [`RolloutMsg::Announce`]: the worker fetches the bytes through its weight source.
+    Announce,
+    /// [`RolloutMsg::Install`]: the bytes handed over in-process.
+    Install,
+}
+
+/// A subscriber forwarding every published version to `worker`; it unsubscribes when the
+/// worker is gone.
+pub fn rollout_subscriber<P: PolicyReplica>(
+    worker: ActorRef<RolloutMsg<P>>,
+    delivery: Delivery,
+) -> Subscriber {
+    Arc::new(move |event| match event {
+        TrainerEvent::Published {
+            announce, bytes, ..
+        } => {
+            let msg = match delivery {
+                Delivery::Announce => RolloutMsg::Announce(announce.clone(), None),
+                Delivery::Install => RolloutMsg::Install(announce.clone(), bytes.clone(), None),
+            };
+            worker.cast(msg).is_ok()
+        }
+        _ => true,
+    })
+}
+
+/// Messages of a [`Trainer`].
+pub enum TrainerMsg {
+    /// New samples (cast). Accepted ones are never lost silently; refused ones are counted.
+    Samples(Vec<TrainSample>),
+    /// The counters.
+    Stats(RpcReplyPort<TrainerStats>),
+    /// Adds a subscriber; it first hears the newest published version. Replies its id.
+    Subscribe(Subscriber, Option<RpcReplyPort<u64>>),
+    /// Removes a subscriber.
+    Unsubscribe(u64),
+    /// Steps on the samples pending now even if fewer than a batch (e.g. at the job's end).
+    Flush,
+    /// Replies once no step is running and no full batch is waiting.
+    Idle(RpcReplyPort<TrainerStats>),
+    /// Writes a checkpoint now (after the step in flight); replies its directory.
+    Checkpoint(RpcReplyPort<Result<PathBuf, String>>),
+    /// Internal: the learner thread finished a step.
+    #[doc(hidden)]
+    StepDone(Box<StepDone>),
+    /// Internal: the learner thread finished a checkpoint.
+    #[doc(hidden)]
+    CheckpointDone(Result<(u64, PathBuf), String>),
+    /// Internal: the learner thread is gone (it panicked).
+    #[doc(hidden)]
+    LearnerLost(String),
+}
+
+impl ractor::Message for TrainerMsg {}
+
+/// Internal: the outcome of one step on the learner thread.
+#[doc(hidden)]
+pub struct StepDone {
+    result: Result<StepReport, String>,
+    published: Option<Result<(WeightAnnounce, Bytes), String>>,
+    step_finished: Instant,
+    step_ms: f64,
+    export_ms: f64,
+    publish_ms: f64,
+}
+
+/// How a [`Trainer`] starts.
+pub struct TrainerArgs<L: Learner> {
+    /// Settings.
+    pub config: TrainerConfig,
+    /// The learner, at its initial weights (replaced by the newest checkpoint if there is one).
+    pub learner: L,
+    /// Where versions are published.
+    pub publisher: Arc<dyn WeightPublisher>,
+    /// Subscribers from the start (they hear the version at start).
+    pub subscribers: Vec<Subscriber>,
+}
+
+/// The trainer actor (behaviour only; see the module docs).
+pub struct Trainer<L>(std::marker::PhantomData<fn() -> L>);
+
+impl<L> Trainer<L> {
+    /// The actor value to spawn.
+    pub fn new() -> Self {
+        Trainer(std::marker::PhantomData)
+    }
+}
+
+impl<L> Default for Trainer<L> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Work for the learner thread.
+enum Job {
+    Step {
+        batch: Arc<Vec<TrainSample>>,
+        importance: Vec<Importance>,
+        checkpoint: Option<PathBuf>,
+    },
+    Checkpoint(PathBuf),
+}
+
+struct InStep {
+    batch: Arc<Vec<TrainSample>>,
+    importance: Vec<Importance>,
+    attempt: u32,
+    dropped: usize,
+}
+
+/// The trainer's state.
+pub struct TrainerState {
+    config: TrainerConfig,
+    limits: SampleLimits,
+    jobs: std_mpsc::Sender<Job>,
+    queue: VecDeque<TrainSample>,
+    in_step: Option<InStep>,
+    /// Samples dropped since the last batch was sent.
+    dropped_since: usize,
+    /// Attempts of the batch at the head of the queue (after a failure).
+    head_attempts: u32,
+    flush: bool,
+    stats: TrainerStats,
+    subscribers: Vec<(u64, Subscriber)>,
+    next_subscriber: u64,
+    published: VecDeque<WeightAnnounce>,
+    latest: Option<(WeightAnnounce, Bytes)>,
+    publisher: Arc<dyn WeightPublisher>,
+    steps_since_checkpoint: u64,
+    idle_waiters: Vec<RpcReplyPort<TrainerStats>>,
+    checkpoint_waiters: Vec<RpcReplyPort<Result<PathBuf, String>>>,
+    checkpoint_running: bool,
+}
+
+/// What the learner thread reports after start.
+struct Started {
+    version: u64,
+    steps: u64,
+    limits: SampleLimits,
+    resumed_from: Option<u64>,
+    initial: Result<(WeightAnnounce, Bytes), String>,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn published_mark(root: &Path) -> PathBuf {
+    root.join("published")
+}
+
+/// Records `version` as published under `root` (temporary file, synced, renamed).
+fn write_published(root: &Path, version: u64) -> Result<(), String> {
+    use std::io::Write;
+    std::fs::create_dir_all(root).map_err(|e| format!("{}: {e}", root.display()))?;
+    let path = published_mark(root);
+    let tmp = root.join(".published.tmp");
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(version.to_string().as_bytes())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)
+    };
+    write().map_err(|e| format!("{}: {e}", path.display()))
+}
+
+fn read_published(root: &Path) -> Result<Option<u64>, String> {
+    let path = published_mark(root);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => text.trim().parse().map(Some).map_err(|_| {
+            format!(
+                "{}: expected a version number, found {:?}",
+                path.display(),
+                text.trim()
+            )
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("{}: {e}", path.display())),
+    }
+}
+
+fn export_and_publish<L: Learner>(
+    learner: &L,
+    publisher: &dyn WeightPublisher,
+    root: Option<&Path>,
+) -> (Result<(WeightAnnounce, Bytes), String>, f64, f64) {
+    let t = Instant::now();
+    let weights = match learner.export() {
+        Ok(w) => w,
+        Err(e) => {
+            return (
+                Err(format!("exporting the weights: {e}")),
+                ms(t.elapsed()),
+                0.0,
+            )
+        }
+    };
+    let export_ms = ms(t.elapsed());
+    let t = Instant::now();
+    let result = publisher
+        .publish(&weights)
+        .map_err(|e| e.to_string())
+        .and_then(|announce| {
+            if let Some(root) = root {
+                write_published(root, announce.version)?;
+            }
+            Ok((announce, weights.bytes))
+        });
+    (result, export_ms, ms(t.elapsed()))
+}
+
+/// Resumes, then announces the starting version; runs on the learner thread.
+fn start_learner<L: Learner>(
+    learner: &mut L,
+    publisher: &dyn WeightPublisher,
+    root: Option<&Path>,
+) -> Result<Started, String> {
+    let mut resumed_from = None;
+    if let Some(root) = root {
+        if learner
+            .resume(root)
+            .map_err(|e| format!("resuming from {}: {e}", root.display()))?
+        {
+            resumed_from = Some(learner.version());
+        }
+        if let Some(published) = read_published(root)? {
+            if published > learner.version() {
+                // Versions after the checkpoint were served and are lost with the old trainer:
+                // the resumed weights become the next version above them.
+                learner
+                    .advance_version(published + 1)
+                    .map_err(|e| format!("advancing the version past {published}: {e}"))?;
+            }
+        }
+    }
+    let (initial, _, _) = export_and_publish(learner, publisher, root);
+    Ok(Started {
+        version: learner.version(),
+        steps: learner.steps(),
+        limits: learner.limits(),
+        resumed_from,
+        initial,
+    })
+}
+
+fn learner_thread<L: Learner>(
+    mut learner: L,
+    publisher: Arc<dyn WeightPublisher>,
+    root: Option<PathBuf>,
+    started: oneshot::Sender<Result<Started, String>>,
+    jobs: std_mpsc::Receiver<Job>,
+    me: ActorRef<TrainerMsg>,
+) {
+    let run = std::panic::AssertUnwindSafe(|| {
+        let start = start_learner(&mut learner, publisher.as_ref(), root.as_deref());
+        let ok = start.is_ok();
+        if started.send(start).is_err() || !ok {
+            return;
+        }
+        while let Ok(job) = jobs.recv() {
+            match job {
+                Job::Step {
+                    batch,
+                    importance,
+                    checkpoint,
+                } => {
+                    let t = Instant::now();
+                    let result = learner.step(&batch, &importance).map_err(|e| e.to_string());
+                    let step_finished = Instant::now();
+                    let step_ms = ms(step_finished - t);
+                    let applied = matches!(&result, Ok(r) if r.skipped.is_none());
+                    let (published, export_ms, publish_ms) = if applied {
+                        let (p, e, u) =
+                            export_and_publish(&learner, publisher.as_ref(), root.as_deref());
+                        (Some(p), e, u)
+                    } else {
+                        (None, 0.0, 0.0)
+                    };
+                    let done = StepDone {
+                        result,
+                        published,
+                        step_finished,
+                        step_ms,
+                        export_ms,
+                        publish_ms,
+                    };
+                    if me.cast(TrainerMsg::StepDone(Box::new(done))).is_err() {
+                        return;
+                    }
+                    if let (true, Some(root)) = (applied, checkpoint) {
+                        let r = learner
+                            .save_checkpoint(&root)
+                            .map(|p| (learner.version(), p))
+                            .map_err(|e| format!("checkpoint under {}: {e}", root.display()));
+                        if me.cast(TrainerMsg::CheckpointDone(r)).is_err() {
+                            return;
+                        }
+                    }
+                }
+                Job::Checkpoint(root) => {
+                    let r = learner
+                        .save_checkpoint(&root)
+                        .map(|p| (learner.version(), p))
+                        .map_err(|e| format!("checkpoint under {}: {e}", root.display()));
+                    if me.cast(TrainerMsg::CheckpointDone(r)).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    if let Err(panic) = std::panic::catch_unwind(run) {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic".into());
+        let _ = me.cast(TrainerMsg::LearnerLost(what));
+    }
+}
+
+impl TrainerState {
+    fn snapshot(&self) -> TrainerStats {
+        let mut s = self.stats.clone();
+        let in_step = self.in_step.as_ref().map_or(0, |s| s.batch.len()) as u64;
+        s.in_step = in_step;
+        s.pending = self.queue.len() as u64 + in_step;
+        s
+    }
+
+    fn emit(&mut self, event: &TrainerEvent) {
+        self.subscribers.retain(|(_, s)| s(event));
+    }
+
+    /// Why `sample` cannot be accepted, if it cannot.
+    fn refuse(&self, s: &TrainSample) -> Option<String> {
+        let who = format!("sample {}#{}", s.session_id, s.turn);
+        if !self.config.job.is_empty() && s.job != self.config.job {
+            return Some(format!(
+                "{who}: job {:?}, this trainer is job {:?}",
+                s.job, self.config.job
+            ));
+        }
+        if s.prompt_ids.is_empty() {
+            return Some(format!("{who}: `prompt_ids` is empty"));
+        }
+        if s.response_ids.is_empty() {
+            return Some(format!("{who}: `response_ids` is empty"));
+        }
+        let n = s.response_ids.len();
+        let fields = [
+            ("advantages", Some(&s.advantages)),
+            ("rollout_logprobs", s.rollout_logprobs.as_ref()),
+        ];
+        for (field, values) in fields {
+            let Some(values) = values else { continue };
+            if values.len() != n {
+                return Some(format!(
+                    "{who}: `{field}` has {} values for {n} response tokens",
+                    values.len()
+                ));
+            }
+            if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+                return Some(format!("{who}: `{field}` holds {} at index {i}", values[i]));
+            }
+        }
+        if let Some(vocab) = self.limits.vocab {
+            for (field, ids) in [
+                ("prompt_ids", &s.prompt_ids),
+                ("response_ids", &s.response_ids),
+            ] {
+                if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+                    return Some(format!(
+                        "{who}: `{field}` holds token id {id}, outside the vocabulary of {vocab}"
+                    ));
+                }
+            }
+        }
+        if let Some(max) = self.limits.max_tokens {
+            let len = s.prompt_ids.len() + n;
+            if len > max {
+                return Some(format!(
+                    "{who}: {len} tokens, more than the model's {max} positions"
+                ));
+            }
+        }
+        if s.version > self.stats.version {
+            return Some(format!(
+                "{who}: version {} is newer than the trainer's {}",
+                s.version, self.stats.version
+            ));
+        }
+        None
+    }
+
+    fn accept(&mut self, samples: Vec<TrainSample>) {
+        for s in samples {
+            match self.refuse(&s) {
+                Some(reason) => {
+                    tracing::warn!("trainer refused a sample: {reason}");
+                    self.stats.rejected += 1;
+                    self.stats.last_rejection = Some(reason);
+                }
+                None => {
+                    self.stats.produced += 1;
+                    self.queue.push_back(s);
+                }
+            }
+        }
+        self.maybe_step();
+    }
+
+    /// Forms a batch and sends it to the learner when one is ready and none is running.
+    fn maybe_step(&mut self) {
+        if self.in_step.is_some() {
+            return;
+        }
+        // Staleness, against the version now.
+        let version = self.stats.version;
+        let max_lag = self.config.max_lag;
+        let mode = self.config.staleness;
+        let mut kept = VecDeque::with_capacity(self.queue.len());
+        let mut importance = Vec::new();
+        for s in self.queue.drain(..) {
+            let lag = version.saturating_sub(s.version);
+            if lag <= max_lag {
+                kept.push_back(s);
+                importance.push(Importance::None);
+                continue;
+            }
+            match mode {
+                StalenessMode::Importance { cap } if s.rollout_logprobs.is_some() => {
+                    kept.push_back(s);
+                    importance.push(Importance::Truncated { cap });
+                }
+                _ => {
+                    self.stats.dropped_stale += 1;
+                    self.dropped_since += 1;
+                    tracing::debug!(
+                        sample_version = s.version,
+                        version,
+                        "dropping a sample {lag} versions behind (bound {max_lag})"
+                    );
+                }
+            }
+        }
+        self.queue = kept;
+        let n = self.config.batch_size;
+        let ready = self.queue.len() >= n || (self.flush && !self.queue.is_empty());
+        if !ready {
+            if self.queue.is_empty() {
+                self.flush = false;
+            }
+            self.answer_idle();
+            return;
+        }
+        let take = n.min(self.queue.len());
+        let batch: Vec<TrainSample> = self.queue.drain(..take).collect();
+        importance.truncate(take);
+        if self.queue.is_empty() {
+            self.flush = false;
+        }
+        let due = self.config.checkpoint_every > 0
+            && self.steps_since_checkpoint + 1 >= self.config.checkpoint_every;
+        let checkpoint = self.config.checkpoint_dir.clone().filter(|_| due);
+        let batch = Arc::new(batch);
+        let attempt = self.head_attempts + 1;
+        let job = Job::Step {
+            batch: batch.clone(),
+            importance: importance.clone(),
+            checkpoint,
+        };
+        self.in_step = Some(InStep {
+            batch,
+            importance,
+            attempt,
+            dropped: std::mem::take(&mut self.dropped_since),
+        });
+        if self.jobs.send(job).is_err() {
+            // The thread is gone; LearnerLost is on its way (or the thread ended on a cast
+            // failure, which means this actor is stopping).
+            tracing::error!("the learner thread is gone");
+        }
+    }
+
+    fn step_done(&mut self, done: StepDone) {
+        let Some(in_step) = self.in_step.take() else {
+            tracing::warn!("a step finished that was never started");
+            return;
+        };
+        let n = in_step.batch.len();
+        match done.result {
+            Ok(report) if report.skipped.is_none() => {
+                self.head_attempts = 0;
+                self.stats.trained += n as u64;
+                let weighted = in_step
+                    .importance
+                    .iter()
+                    .filter(|i| matches!(i, Importance::Truncated { .. }))
+                    .count();
+                self.stats.importance_weighted += weighted as u64;
+                self.stats.version = report.version;
+                self.stats.steps = report.steps;
+                self.steps_since_checkpoint += 1;
+                if self.config.checkpoint_every > 0
+                    && self.steps_since_checkpoint >= self.config.checkpoint_every
+                    && self.config.checkpoint_dir.is_some()
+                {
+                    self.steps_since_checkpoint = 0;
+                    self.checkpoint_running = true;
+                }
+                let event = StepEvent {
+                    job: self.config.job.clone(),
+                    step: report.steps,
+                    version: report.version,
+                    loss: report.loss,
+                    grad_norm: report.grad_norm,
+                    logprob_gap: report.logprob_gap,
+                    kept: n,
+                    importance_weighted: weighted,
+                    importance: report.importance,
+                    dropped_stale: in_step.dropped,
+                    oldest_version: in_step.batch.iter().map(|s| s.version).min().unwrap_or(0),
+                    tokens: report.tokens,
+                    step_ms: done.step_ms,
+                    export_ms: done.export_ms,
+                    publish_ms: done.publish_ms,
+                    stats: self.snapshot(),
+                };
+                tracing::info!(
+                    step = event.step,
+                    version = event.version,
+                    loss = event.loss,
+                    kept = n,
+                    "trainer step"
+                );
+                self.emit(&TrainerEvent::Step(Box::new(event)));
+                match done.published {
+                    Some(Ok((announce, bytes))) => {
+                        self.announce(announce, bytes, Some(done.step_finished))
+                    }
+                    Some(Err(e)) => {
+                        tracing::error!(version = report.version, "{e}");
+                        self.stats.last_error = Some(e);
+                    }
+                    None => {}
+                }
+            }
+            other => {
+                let (error, retry) = match other {
+                    Ok(report) => (
+                        format!(
+                            "the learner skipped the update: {}",
+                            report.skipped.unwrap_or_default()
+                        ),
+                        false,
+                    ),
+                    Err(e) => (e, in_step.attempt < self.config.max_step_attempts),
+                };
+                self.stats.failed_attempts += 1;
+                self.stats.last_error = Some(error.clone());
+                if retry {
+                    tracing::warn!(
+                        attempt = in_step.attempt,
+                        "trainer step failed, retrying its {n} samples: {error}"
+                    );
+                    self.head_attempts = in_step.attempt;
+                    let batch = Arc::try_unwrap(in_step.batch).unwrap_or_else(|a| (*a).clone());
+                    for s in batch.into_iter().rev() {
+                        self.queue.push_front(s);
+                    }
+                } else {
+                    tracing::error!(
+                        attempt = in_step.attempt,
+                        "trainer step failed, giving up on its {n} samples: {error}"
+                    );
+                    self.head_attempts = 0;
+                    self.stats.failed += n as u64;
+                }
+                self.emit(&TrainerEvent::StepFailed {
+                    samples: n,
+                    attempt: in_step.attempt,
+                    gave_up: !retry,
+                    error,
+                });
+            }
+        }
+        self.maybe_step();
+    }
+
+    fn announce(&mut self, announce: WeightAnnounce, bytes: Bytes, step_finished: Option<Instant>) {
+        self.stats.published = Some(announce.version);
+        self.published.push_back(announce.clone());
+        while self.published.len() > self.config.keep_published {
+            if let Some(old) = self.published.pop_front() {
+                self.publisher.retire(&old);
+            }
+        }
+        let event = TrainerEvent::Published {
+            announce: announce.clone(),
+            bytes: bytes.clone(),
+            step_finished,
+        };
+        self.latest = Some((announce, bytes));
+        self.emit(&event);
+    }
+
+    fn answer_idle(&mut self) {
+        if self.in_step.is_some() || self.checkpoint_running {
+            return;
+        }
+        let stats = self.snapshot();
+        for port in self.idle_waiters.drain(..) {
+            let _ = port.send(stats.clone());
+        }
+    }
+}
+
+impl<L: Learner> Actor for Trainer<L> {
+    type Msg = TrainerMsg;
+    type State = TrainerState;
+    type Arguments = TrainerArgs<L>;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<TrainerMsg>,
+        args: TrainerArgs<L>,
+    ) -> Result<TrainerState, ActorProcessingErr> {
+        args.config.validate()?;
+        let (jobs_tx, jobs_rx) = std_mpsc::channel();
+        let (started_tx, started_rx) = oneshot::channel();
+        let root = args.config.checkpoint_dir.clone();
+        let publisher = args.publisher.clone();
+        let me = myself.clone();
+        let learner = args.learner;
+        std::thread::Builder::new()
+            .name(format!("learner-{}", args.config.job))
+            .spawn(move || learner_thread(learner, publisher, root, started_tx, jobs_rx, me))
+            .map_err(|e| TrainerStartError::Init(format!("spawning the learner thread: {e}")))?;
+        let started = started_rx
+            .await
+            .map_err(|_| TrainerStartError::Init("the learner thread died while starting".into()))?
+            .map_err(TrainerStartError::Init)?;
+        let mut state = TrainerState {
+            config: args.config,
+            limits: started.limits,
+            jobs: jobs_tx,
+            queue: VecDeque::new(),
+            in_step: None,
+            dropped_since: 0,
+            head_attempts: 0,
+            flush: false,
+            stats: TrainerStats {
+                version: started.version,
+                steps: started.steps,
+                resumed_from: started.resumed_from,
+                checkpoint_version: started.resumed_from,
+                ..TrainerStats::default()
+            },
+            subscribers: args
+                .subscribers
+                .into_iter()
+                .enumerate()
+                .map(|(i, s)| (i as u64, s))
+                .collect(),
+            next_subscriber: 0,
+            published: VecDeque::new(),
+            latest: None,
+            publisher: args.publisher,
+            steps_since_checkpoint: 0,
+            idle_waiters: Vec::new(),
+            checkpoint_waiters: Vec::new(),
+            checkpoint_running: false,
+        };
+        state.next_subscriber = state.subscribers.len() as u64;
+        match started.initial {
+            Ok((announce, bytes)) => state.announce(announce, bytes, None),
+            Err(e) => {
+                tracing::error!("publishing the starting version: {e}");
+                state.stats.last_error = Some(e);
+            }
+        }
+        if let Some(v) = started.resumed_from {
+            tracing::info!(
+                checkpoint = v,
+                version = state.stats.version,
+                "trainer resumed"
+            );
+        }
+        Ok(state)
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<TrainerMsg>,
+        msg: TrainerMsg,
+        state: &mut TrainerState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            TrainerMsg::Samples(samples) => state.accept(samples),
+            TrainerMsg::Stats(port) => {
+                let _ = port.send(state.snapshot());
+            }
+            TrainerMsg::Subscribe(subscriber, port) => {
+                let id = state.next_subscriber;
+                state.next_subscriber += 1;
+                let keep = match &state.latest {
+                    Some((announce, bytes)) => subscriber(&TrainerEvent::Published {
+                        announce: announce.clone(),
+                        bytes: bytes.clone(),
+                        step_finished: None,
+                    }),
+                    None => true,
+                };
+                if keep {
+                    state.subscribers.push((id, subscriber));
+                }
+                if let Some(port) = port {
+                    let _ = port.send(id);
+                }
+            }
+            TrainerMsg::Unsubscribe(id) => state.subscribers.retain(|(i, _)| *i != id),
+            TrainerMsg::Flush => {
+                state.flush = true;
+                state.maybe_step();
+            }
+            TrainerMsg::Idle(port) => {
+                state.idle_waiters.push(port);
+                state.maybe_step();
+                state.answer_idle();
+            }
+            TrainerMsg::Checkpoint(port) => match state.config.checkpoint_dir.clone() {
+                None => {
+                    let _ = port.send(Err("this trainer has no checkpoint directory".into()));
+                }
+                Some(root) => {
+                    state.checkpoint_waiters.push(port);
+                    state.checkpoint_running = true;
+                    if state.jobs.send(Job::Checkpoint(root)).is_err() {
+                        return Err("the learner thread is gone".into());
+                    }
+                }
+            },
+            TrainerMsg::StepDone(done) => state.step_done(*done),
+            TrainerMsg::CheckpointDone(result) => {
+                state.checkpoint_running = false;
+                match &result {
+                    Ok((version, path)) => {
+                        state.stats.checkpoints += 1;
+                        state.stats.checkpoint_version = Some(*version);
+                        state.steps_since_checkpoint = 0;
+                        let event = TrainerEvent::Checkpointed {
+                            version: *version,
+                            path: path.clone(),
+                        };
+                        state.emit(&event);
+                    }
+                    Err(e) => {
+                        tracing::error!("{e}");
+                        state.stats.last_error = Some(e.clone());
+                    }
+                }
+                for port in state.checkpoint_waiters.drain(..) {
+                    let _ = port.send(result.clone().map(|(_, p)| p));
+                }
+                state.answer_idle();
+            }
+            TrainerMsg::LearnerLost(why) => {
+                return Err(format!("the learner thread panicked: {why}").into());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `bytes` as version `version`, with their content hash.
+pub fn exported_weights(version: u64, bytes: Bytes) -> ExportedWeights {
+    let hash = content_hash(&bytes);
+    ExportedWeights {
+        version,
+        bytes,
+        hash,
+    }
+}
