@@ -10,6 +10,7 @@ pub mod job;
 pub mod judge;
 pub mod model;
 pub mod rl;
+pub mod sandbox;
 pub mod serve;
 pub mod train;
 

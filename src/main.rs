@@ -22,6 +22,8 @@ enum Command {
     Train(cli::train::Commands),
     #[command(flatten)]
     Serve(cli::serve::Commands),
+    #[command(flatten)]
+    Sandbox(cli::sandbox::Commands),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -31,5 +33,6 @@ fn main() -> anyhow::Result<()> {
         Command::Model(c) => cli::model::run(c),
         Command::Train(c) => cli::train::run(c),
         Command::Serve(c) => cli::serve::run(c),
+        Command::Sandbox(c) => cli::sandbox::run(c),
     }
 }

@@ -1,0 +1,151 @@
+//! The Linux sandbox that runs the policy's commands (DESIGN §4: terminal, SWE and tool-call
+//! environments): no network; private user, mount, pid, ipc, uts and network namespaces; a
+//! private writable work dir mounted at `/work` (the cwd) over a read-only view of the system;
+//! rlimits on CPU time, memory, processes and file size; a wall-clock timeout that kills the
+//! whole process tree; stdout and stderr captured up to a byte cap with a truncation marker.
+//!
+//! It is built directly on Linux system calls (no daemon, no setuid helper), one `clone` per
+//! command:
+//!
+//! - the host side ([`run`]) validates the [`SandboxSpec`], hands the work dir to the sandbox
+//!   user, plans the mounts ([`plan`]), clones the sandbox init with every namespace at once,
+//!   writes its uid/gid maps, then drives stdin, the two capped readers and the deadline;
+//! - the sandbox init ([`child`], pid 1 of the new pid namespace) builds the new root from the
+//!   plan, pivots into it and forks the command, which drops to the unprivileged sandbox user
+//!   (uid/gid 1000 inside, [`HOST_UID`] outside), sets its rlimits and `no_new_privs` and execs.
+//!   When the command exits, the init reports its status and exits, and the kernel kills
+//!   whatever the command left behind; on timeout the host kills the init, with the same effect.
+//!
+//! Fork bombs are contained by `RLIMIT_NPROC`, which binds because the command runs as a
+//! non-root host uid inside its own user namespace (the kernel counts processes per user
+//! namespace and uid, so sandboxes do not share the budget); memory bombs by `RLIMIT_AS`.
+//! The work dir is `chown`ed to [`HOST_UID`] before every command so the sandbox can write it;
+//! the host (root) keeps full access.
+
+mod capture;
+mod child;
+mod plan;
+mod run;
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// The host uid (and gid) the sandboxed command runs as (it is uid/gid 1000 inside).
+pub const HOST_UID: u32 = 100_000;
+
+/// Resource limits of one command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// `RLIMIT_CPU` in seconds (SIGXCPU, then SIGKILL one second later).
+    pub cpu_secs: u64,
+    /// `RLIMIT_AS` of every process, in MiB; also the size of the `/tmp` tmpfs.
+    pub memory_mb: u64,
+    /// `RLIMIT_NPROC`: processes and threads the sandbox user may have at once.
+    pub processes: u64,
+    /// `RLIMIT_FSIZE` in MiB: the largest file a process may write.
+    pub file_size_mb: u64,
+    /// Wall-clock limit; on expiry every process of the sandbox is killed.
+    pub timeout: Duration,
+    /// Bytes kept of stdout and of stderr each; the rest is drained and counted.
+    pub output_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            cpu_secs: 60,
+            memory_mb: 2048,
+            processes: 256,
+            file_size_mb: 256,
+            timeout: Duration::from_secs(60),
+            output_bytes: 256 * 1024,
+        }
+    }
+}
+
+/// One command to run in a fresh sandbox.
+#[derive(Debug, Clone)]
+pub struct SandboxSpec {
+    /// Host directory, mounted read-write at `/work` and used as the cwd. It must exist; its
+    /// contents are handed to [`HOST_UID`] (`chown`) before the command runs.
+    pub workdir: PathBuf,
+    /// argv; `argv[0]` without a `/` is looked up in the sandbox's `PATH`.
+    pub command: Vec<String>,
+    /// Bytes fed to stdin (then EOF); `None` gives an empty stdin.
+    pub stdin: Option<Vec<u8>>,
+    /// Extra environment variables, over the defaults (`PATH`, `HOME=/work`, `TMPDIR=/tmp`,
+    /// `LANG=C.UTF-8`, `USER=sandbox`, and `CARGO_HOME` when a Rust toolchain is mounted).
+    pub env: Vec<(String, String)>,
+    pub limits: Limits,
+}
+
+impl SandboxSpec {
+    /// A spec with default limits, no stdin and no extra environment.
+    pub fn new(workdir: impl Into<PathBuf>, command: Vec<String>) -> Self {
+        SandboxSpec {
+            workdir: workdir.into(),
+            command,
+            stdin: None,
+            env: Vec::new(),
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// What a command did.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct ExecOutput {
+    /// stdout (lossy UTF-8), ending in a truncation marker when it was cut.
+    pub stdout: String,
+    /// stderr (lossy UTF-8), ending in a truncation marker when it was cut.
+    pub stderr: String,
+    /// Exit code when the command exited normally (127: not found or not executable).
+    pub exit_code: Option<i32>,
+    /// The signal that killed the command (e.g. 9 after the timeout or the CPU limit).
+    pub signal: Option<i32>,
+    /// The wall-clock timeout fired and the sandbox was killed.
+    pub timed_out: bool,
+    /// stdout or stderr went over `output_bytes` and was cut.
+    pub truncated: bool,
+    /// Wall-clock time from the clone to the last process's death.
+    #[serde(serialize_with = "serialize_secs")]
+    pub wall: Duration,
+}
+
+fn serialize_secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64())
+}
+
+/// Why a sandbox could not run a command. The command's own failures (non-zero exit, signal,
+/// timeout, not found) are not errors: they are reported in [`ExecOutput`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SandboxError {
+    /// The spec is malformed (empty command, NUL bytes, bad env name, missing work dir, zero
+    /// limits).
+    #[error("invalid sandbox spec: {0}")]
+    InvalidSpec(String),
+    /// This host cannot create the namespaces or the mappings a sandbox needs.
+    #[error("sandboxes cannot start on this host: {0}")]
+    Unsupported(String),
+    /// The sandbox was created but building its file system or dropping privileges failed.
+    #[error("sandbox setup failed at {step}: {reason}")]
+    Setup { step: String, reason: String },
+    /// A host-side operation failed (pipes, work dir ownership, waiting).
+    #[error("sandbox host side failed at {step}: {reason}")]
+    Host { step: String, reason: String },
+}
+
+/// Runs one command in a fresh sandbox and waits for it (at most `limits.timeout`, plus the
+/// time to tear the sandbox down). Dropping the future kills the sandbox.
+pub async fn exec(spec: &SandboxSpec) -> Result<ExecOutput, SandboxError> {
+    run::exec(spec).await
+}
+
+/// Whether sandboxes can start here: runs `true` in a sandbox once (cached for the process).
+pub fn probe() -> Result<(), SandboxError> {
+    static PROBE: OnceLock<Result<(), SandboxError>> = OnceLock::new();
+    PROBE.get_or_init(run::probe_once).clone()
+}

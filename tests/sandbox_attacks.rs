@@ -1,0 +1,447 @@
+//! The sandbox under attack (issue 8, item 1): a fork bomb, a memory bomb, writes outside the
+//! work dir, reads of `/root` and of a stand-in for the node's TLS key, a connection to a
+//! listener on 127.0.0.1, `sleep 1000` and 100 MB of stdout are each contained and reported,
+//! and the test process keeps running. Plus the normal cases the environments rely on: exit
+//! codes, stdin, stderr, signals, and files in the work dir persisting between commands.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use clawrl::sandbox::{self, ExecOutput, Limits, SandboxError, SandboxSpec};
+
+fn sh(workdir: &Path, script: &str) -> SandboxSpec {
+    SandboxSpec::new(workdir, vec!["/bin/sh".into(), "-c".into(), script.into()])
+}
+
+async fn run(spec: &SandboxSpec) -> ExecOutput {
+    sandbox::probe().expect("sandboxes must be able to start on this host");
+    sandbox::exec(spec)
+        .await
+        .unwrap_or_else(|e| panic!("sandbox failed for {:?}: {e}", spec.command))
+}
+
+fn limits(timeout_s: u64) -> Limits {
+    Limits {
+        timeout: Duration::from_secs(timeout_s),
+        ..Limits::default()
+    }
+}
+
+/// Host processes whose pid namespace is `ns` (e.g. `pid:[4026532xxx]`).
+fn processes_in_ns(ns: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        if let Ok(link) = std::fs::read_link(e.path().join("ns/pid")) {
+            if link.to_string_lossy() == ns {
+                found.push(name);
+            }
+        }
+    }
+    found
+}
+
+fn host_can_spawn() -> bool {
+    std::process::Command::new("true")
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exit_codes_stdin_stderr_and_signals() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = sh(dir.path(), "cat; echo to-stderr >&2; exit 3");
+    spec.stdin = Some(b"hello from stdin\n".to_vec());
+    let out = run(&spec).await;
+    assert_eq!(out.stdout, "hello from stdin\n");
+    assert_eq!(out.stderr, "to-stderr\n");
+    assert_eq!(out.exit_code, Some(3));
+    assert_eq!(out.signal, None);
+    assert!(!out.timed_out && !out.truncated);
+
+    let out = run(&SandboxSpec::new(dir.path(), vec!["false".into()])).await;
+    assert_eq!(out.exit_code, Some(1));
+    let out = run(&SandboxSpec::new(dir.path(), vec!["true".into()])).await;
+    assert_eq!(out.exit_code, Some(0));
+
+    let out = run(&sh(dir.path(), "kill -TERM $$; sleep 5")).await;
+    assert_eq!(out.exit_code, None);
+    assert_eq!(out.signal, Some(libc::SIGTERM));
+
+    let out = run(&SandboxSpec::new(
+        dir.path(),
+        vec!["no-such-program-here".into()],
+    ))
+    .await;
+    assert_eq!(out.exit_code, Some(127));
+    assert!(out.stderr.contains("command not found"), "{}", out.stderr);
+
+    // Without stdin the command reads EOF at once.
+    let out = run(&sh(dir.path(), "wc -c")).await;
+    assert_eq!(out.stdout.trim(), "0");
+
+    // Environment: defaults and additions.
+    let mut spec = sh(dir.path(), "echo $HOME $FOO; pwd; id -u; hostname");
+    spec.env.push(("FOO".into(), "bar".into()));
+    let out = run(&spec).await;
+    assert_eq!(out.stdout, "/work bar\n/work\n1000\nsandbox\n", "{out:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_dir_files_persist_between_commands() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("from-host.txt"), "host\n").unwrap();
+    std::fs::create_dir(dir.path().join("src")).unwrap();
+    std::fs::write(dir.path().join("src/lib.py"), "x = 1\n").unwrap();
+
+    let out = run(&sh(
+        dir.path(),
+        "echo data > f.txt && mkdir -p sub && echo x > sub/y && \
+         echo more >> from-host.txt && echo 'x = 2' > src/lib.py && ls",
+    ))
+    .await;
+    assert_eq!(out.exit_code, Some(0), "{out:?}");
+    let out = run(&sh(dir.path(), "cat f.txt sub/y from-host.txt src/lib.py")).await;
+    assert_eq!(out.stdout, "data\nx\nhost\nmore\nx = 2\n", "{out:?}");
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("f.txt")).unwrap(),
+        "data\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("sub/y")).unwrap(),
+        "x\n"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fork_bomb_is_contained() {
+    let dir = tempfile::tempdir().unwrap();
+    // RLIMIT_NPROC binds: a process that forks as much as it can gets at most `processes`.
+    let mut spec = SandboxSpec::new(
+        dir.path(),
+        vec![
+            "python3".into(),
+            "-c".into(),
+            "import os, time\n\
+             n = 0\n\
+             for _ in range(200):\n\
+             \x20   try:\n\
+             \x20       pid = os.fork()\n\
+             \x20   except OSError:\n\
+             \x20       break\n\
+             \x20   if pid == 0:\n\
+             \x20       time.sleep(30)\n\
+             \x20       os._exit(0)\n\
+             \x20   n += 1\n\
+             print(n, flush=True)\n\
+             os._exit(0)\n"
+                .into(),
+        ],
+    );
+    spec.limits = Limits {
+        processes: 16,
+        ..limits(20)
+    };
+    let started = Instant::now();
+    let out = run(&spec).await;
+    assert_eq!(out.exit_code, Some(0), "{out:?}");
+    let forked: u32 = out.stdout.trim().parse().unwrap();
+    assert!(forked < 16, "forked {forked} children with processes=16");
+    assert!(!out.timed_out);
+    // The 30 s sleepers died with the sandbox.
+    assert!(started.elapsed() < Duration::from_secs(20));
+
+    // The classic bomb runs until the timeout, the host can still fork meanwhile, and no
+    // process of the sandbox's pid namespace outlives it.
+    let mut spec = sh(
+        dir.path(),
+        "readlink /proc/self/ns/pid; bomb() { bomb | bomb & }; bomb; wait",
+    );
+    spec.limits = Limits {
+        processes: 64,
+        ..limits(3)
+    };
+    let during = tokio::spawn(async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        tokio::task::spawn_blocking(host_can_spawn).await.unwrap()
+    });
+    let out = run(&spec).await;
+    assert!(
+        during.await.unwrap(),
+        "the host could not fork during the bomb"
+    );
+    let ns = out.stdout.lines().next().unwrap_or_default().to_string();
+    assert!(ns.starts_with("pid:["), "{out:?}");
+    assert!(
+        out.timed_out || out.exit_code.is_some(),
+        "bomb result: {out:?}"
+    );
+    assert_eq!(processes_in_ns(&ns), Vec::<String>::new());
+    assert!(host_can_spawn());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_bomb_is_stopped() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = SandboxSpec::new(
+        dir.path(),
+        vec![
+            "python3".into(),
+            "-c".into(),
+            "a = []\nwhile True:\n    a.append(bytearray(16 * 1024 * 1024))\n".into(),
+        ],
+    );
+    spec.limits = Limits {
+        memory_mb: 256,
+        ..limits(20)
+    };
+    let out = run(&spec).await;
+    assert!(!out.timed_out, "{out:?}");
+    assert_eq!(out.exit_code, Some(1), "{out:?}");
+    assert!(out.stderr.contains("MemoryError"), "{}", out.stderr);
+
+    // One allocation over the limit is refused at once.
+    let mut spec = SandboxSpec::new(
+        dir.path(),
+        vec![
+            "python3".into(),
+            "-c".into(),
+            "b = bytearray(512 * 1024 * 1024)".into(),
+        ],
+    );
+    spec.limits = Limits {
+        memory_mb: 128,
+        ..limits(20)
+    };
+    let out = run(&spec).await;
+    assert_eq!(out.exit_code, Some(1), "{out:?}");
+    assert!(out.stderr.contains("MemoryError"), "{}", out.stderr);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_outside_the_work_dir_fail() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir(&work).unwrap();
+    let marker = format!("clawrl-escape-{}", std::process::id());
+    let targets = [
+        format!("/{marker}"),
+        format!("/usr/{marker}"),
+        format!("/usr/bin/{marker}"),
+        format!("/etc/{marker}"),
+        format!("/work/../{marker}"),
+        format!("/dev/{marker}"),
+        format!("/proc/{marker}"),
+        format!("{}/{marker}", dir.path().display()),
+    ];
+    let mut script = String::new();
+    for t in &targets {
+        script.push_str(&format!(
+            "if echo x > '{t}' 2>/dev/null; then echo 'WROTE {t}'; else echo 'denied {t}'; fi\n"
+        ));
+    }
+    // Modifying the system fails as well.
+    script.push_str(
+        "if rm -f /usr/bin/env 2>/dev/null && [ ! -e /usr/bin/env ]; then echo 'WROTE rm'; else echo 'denied rm'; fi\n\
+         if echo h > /proc/sys/kernel/hostname 2>/dev/null; then echo 'WROTE hostname'; else echo 'denied hostname'; fi\n\
+         if mount -t tmpfs none /usr 2>/dev/null; then echo 'WROTE mount'; else echo 'denied mount'; fi\n",
+    );
+    // /tmp is writable but private to this sandbox.
+    script.push_str(&format!("echo tmp > /tmp/{marker} && echo 'tmp ok'\n"));
+    let out = run(&sh(&work, &script)).await;
+    assert!(!out.stdout.contains("WROTE"), "{}", out.stdout);
+    assert_eq!(out.stdout.matches("denied").count(), targets.len() + 3);
+    assert!(out.stdout.contains("tmp ok"));
+    for t in &targets {
+        let host = Path::new(t);
+        if !t.starts_with("/work") {
+            assert!(!host.exists(), "{t} exists on the host");
+        }
+    }
+    assert!(!Path::new(&format!("/tmp/{marker}")).exists());
+    assert!(!dir.path().join(&marker).exists());
+    assert!(Path::new("/usr/bin/env").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn root_and_tls_key_are_invisible() {
+    let secrets = tempfile::tempdir().unwrap();
+    let key = secrets.path().join("node.key");
+    std::fs::write(&key, "-----BEGIN PRIVATE KEY----- SECRET-KEY-MATERIAL\n").unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let script = format!(
+        "cat '{key}' 2>&1; ls -a /root 2>&1; cat /root/.bashrc 2>&1; cat /etc/shadow 2>&1; \
+         cat /proc/1/root'{key}' 2>&1; \
+         find / -name node.key -not -path '/proc/*' 2>/dev/null; echo searched",
+        key = key.display()
+    );
+    let mut spec = sh(work.path(), &script);
+    spec.limits = limits(20);
+    let out = run(&spec).await;
+    assert!(
+        !out.stdout.contains("SECRET-KEY-MATERIAL"),
+        "{}",
+        out.stdout
+    );
+    assert!(out.stdout.contains("searched"), "{out:?}");
+    assert!(out.stdout.contains("/root"), "{}", out.stdout);
+    assert!(
+        !out.stdout
+            .lines()
+            .any(|l| l.ends_with("node.key") && !l.contains(':')),
+        "{}",
+        out.stdout
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_network_even_to_localhost() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = SandboxSpec::new(
+        dir.path(),
+        vec![
+            "python3".into(),
+            "-c".into(),
+            format!(
+                "import socket\n\
+                 try:\n\
+                 \x20   socket.create_connection(('127.0.0.1', {port}), timeout=3)\n\
+                 \x20   print('CONNECTED')\n\
+                 except OSError as e:\n\
+                 \x20   print('refused', e.errno)\n\
+                 print(open('/proc/net/dev').read().count(':'))\n"
+            ),
+        ],
+    );
+    spec.limits = limits(20);
+    let out = run(&spec).await;
+    assert!(!out.stdout.contains("CONNECTED"), "{out:?}");
+    assert!(out.stdout.starts_with("refused"), "{out:?}");
+    // Only the loopback device exists in the sandbox's network namespace.
+    assert_eq!(out.stdout.lines().nth(1), Some("1"), "{out:?}");
+    let accepted = tokio::time::timeout(Duration::from_millis(300), listener.accept()).await;
+    assert!(accepted.is_err(), "the listener got a connection");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sleep_1000_times_out_and_leaves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = sh(
+        dir.path(),
+        "readlink /proc/self/ns/pid; sleep 1000 & sleep 1000",
+    );
+    spec.limits = Limits {
+        timeout: Duration::from_millis(800),
+        ..Limits::default()
+    };
+    let started = Instant::now();
+    let out = run(&spec).await;
+    assert!(out.timed_out, "{out:?}");
+    assert_eq!(out.exit_code, None);
+    assert_eq!(out.signal, Some(libc::SIGKILL));
+    assert!(started.elapsed() < Duration::from_secs(30));
+    let ns = out.stdout.trim().to_string();
+    assert!(ns.starts_with("pid:["), "{out:?}");
+    assert!(processes_in_ns(&ns).is_empty());
+}
+
+fn peak_rss_kib() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundred_megabytes_of_stdout_are_truncated() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = sh(
+        dir.path(),
+        "head -c 100000000 /dev/zero | tr '\\0' a; echo done >&2",
+    );
+    spec.limits = Limits {
+        output_bytes: 64 * 1024,
+        ..limits(60)
+    };
+    let before = peak_rss_kib();
+    let out = run(&spec).await;
+    let after = peak_rss_kib();
+    assert!(!out.timed_out, "{:?}", out.wall);
+    assert_eq!(out.exit_code, Some(0));
+    assert!(out.truncated);
+    assert_eq!(out.stderr, "done\n");
+    assert!(out.stdout.starts_with("aaaa"));
+    assert!(
+        out.stdout
+            .ends_with("[clawrl sandbox: output truncated: 65536 of 100000000 bytes shown]\n"),
+        "{}",
+        &out.stdout[out.stdout.len() - 100..]
+    );
+    assert!(out.stdout.len() < 65536 + 200);
+    // The 100 MB were drained, not kept.
+    assert!(
+        after - before < 50 * 1024,
+        "peak RSS grew by {} KiB",
+        after - before
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_specs_are_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = sandbox::exec(&SandboxSpec::new(dir.path(), vec![]))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, SandboxError::InvalidSpec(_)), "{err}");
+    let err = sandbox::exec(&SandboxSpec::new(
+        dir.path().join("missing"),
+        vec!["true".into()],
+    ))
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err, SandboxError::InvalidSpec(ref m) if m.contains("missing")),
+        "{err}"
+    );
+    let mut spec = SandboxSpec::new(dir.path(), vec!["true".into()]);
+    spec.env.push(("A=B".into(), "c".into()));
+    let err = sandbox::exec(&spec).await.unwrap_err();
+    assert!(matches!(err, SandboxError::InvalidSpec(_)), "{err}");
+    let mut spec = SandboxSpec::new(dir.path(), vec!["true".into()]);
+    spec.limits.memory_mb = 0;
+    let err = sandbox::exec(&spec).await.unwrap_err();
+    assert!(
+        matches!(err, SandboxError::InvalidSpec(ref m) if m.contains("memory_mb")),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_future_kills_the_sandbox() {
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("ns");
+    let spec = sh(
+        dir.path(),
+        "readlink /proc/self/ns/pid > ns; exec sleep 1000",
+    );
+    let r = tokio::time::timeout(Duration::from_millis(1500), run(&spec)).await;
+    assert!(r.is_err(), "sleep 1000 finished?");
+    let ns = std::fs::read_to_string(&marker).unwrap().trim().to_string();
+    assert!(ns.starts_with("pid:["), "{ns}");
+    // The kill is immediate; the reap happens on a thread.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !processes_in_ns(&ns).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "sandbox survived its dropped future"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
