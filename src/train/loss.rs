@@ -1,6 +1,7 @@
 //! The OpenClaw-RL objective of DESIGN §1 on tensors: per-token log-probabilities gathered from
 //! logits, the asymmetric clipped policy-gradient term, the k3 KL term, and their aggregation
-//! (mean over each sample's response tokens, then over samples). Generic over the backend, so the
+//! (mean over each sample's response tokens, then over samples), with optional per-token
+//! truncated importance weights on the policy-gradient term. Generic over the backend, so the
 //! same code runs differentiably under `Autodiff` and plainly for scoring.
 
 use burn::tensor::{activation::log_softmax, backend::Backend, Int, Tensor};
@@ -49,12 +50,38 @@ pub struct LossTerms<B: Backend> {
 /// `pg = max(-ratio·A, -clamp(ratio, 1-ε, 1+ε_high)·A)`,
 /// `kl = exp(d) - 1 - d` with `d = clamp(ref - new, -10, 10)`; then
 /// `loss = Σ weights·pg + kl_coef · Σ weights·kl`. Padding positions contribute nothing and no
-/// gradient, whatever values they hold.
+/// gradient, whatever values they hold. Equal to [`policy_loss_weighted`] without importance
+/// weights.
 pub fn policy_loss<B: Backend>(
     logp_new: Tensor<B, 2>,
     logp_old: Tensor<B, 2>,
     logp_ref: Option<Tensor<B, 2>>,
     advantages: Tensor<B, 2>,
+    mask: Tensor<B, 2>,
+    weights: Tensor<B, 2>,
+    params: &LossParams,
+) -> LossTerms<B> {
+    policy_loss_weighted(
+        logp_new, logp_old, logp_ref, advantages, None, mask, weights, params,
+    )
+}
+
+/// [`policy_loss`] with per-token importance weights `importance` (`[batch, window]`, each
+/// `≥ 0`, e.g. truncated `min(exp(trainer − rollout), C)` from
+/// [`crate::rl::staleness::truncated_importance_weights`]) multiplying each token's
+/// policy-gradient term: `pg_k = w_k · max(-ratio·A, -clamp(ratio)·A)`. The KL term and the
+/// clip fraction are not weighted. `None` weighs every token 1.
+///
+/// Because `w_k ≥ 0`, `w·max(x, y) = max(w·x, w·y)`: the weighted term equals the unweighted one
+/// computed with advantages `w_k·A_k`, which is how a caller that can only pass advantages
+/// applies the weights (see `importance_weights_equal_scaled_advantages` below).
+#[allow(clippy::too_many_arguments)]
+pub fn policy_loss_weighted<B: Backend>(
+    logp_new: Tensor<B, 2>,
+    logp_old: Tensor<B, 2>,
+    logp_ref: Option<Tensor<B, 2>>,
+    advantages: Tensor<B, 2>,
+    importance: Option<Tensor<B, 2>>,
     mask: Tensor<B, 2>,
     weights: Tensor<B, 2>,
     params: &LossParams,
@@ -70,6 +97,10 @@ pub fn policy_loss<B: Backend>(
     let clip_active = clipped.clone().greater(unclipped.clone()).float() * mask.clone();
     let clip_fraction = clip_active.sum() / mask.sum();
     let pg = unclipped.max_pair(clipped);
+    let pg = match importance {
+        Some(w) => pg * w.mask_fill(pad.clone(), 0.0),
+        None => pg,
+    };
     let pg_loss = (pg * weights.clone()).sum();
     let (kl, loss) = match logp_ref {
         Some(logp_ref) if params.kl_coef > 0.0 => {
@@ -188,5 +219,116 @@ mod tests {
         );
         assert_eq!(scalar(out.kl), 0.0);
         assert!((scalar(out.loss) + 2.0).abs() < 1e-6);
+    }
+
+    /// Importance weights multiply each token's clipped term (hand-computed), leave the KL term
+    /// alone, ignore padding, and equal training on advantages scaled by the weights — values
+    /// and gradients.
+    #[test]
+    fn importance_weights_multiply_the_pg_term() {
+        use burn::backend::Autodiff;
+        type AD = Autodiff<B>;
+        let p = LossParams {
+            eps_clip: 0.2,
+            eps_clip_high: 0.28,
+            kl_coef: 0.3,
+        };
+        let new = [-1.0f32, -0.5, -2.0, -1.0];
+        let old = [-1.1f32, -1.0, -1.0, -1.0];
+        let refl = [-1.2f32, -0.4, -2.5, -1.0];
+        let adv = [1.0f32, 2.0, -1.0, 0.5];
+        let is = [0.5f32, 2.0, 0.0, 7.0]; // the last is padding
+        let mask = [1.0f32, 1.0, 1.0, 0.0];
+        let weights = [1.0 / 4.0, 1.0 / 4.0, 1.0 / 2.0, 0.0];
+        let ad2 = |v: &[f32]| -> Tensor<AD, 2> {
+            Tensor::from_data(TensorData::new(v.to_vec(), [2, 2]), &Default::default())
+        };
+        let grad_of = |scaled: bool| {
+            let logp_new = ad2(&new).require_grad();
+            let adv_t = if scaled {
+                let a: Vec<f32> = adv.iter().zip(&is).map(|(a, w)| a * w).collect();
+                ad2(&a)
+            } else {
+                ad2(&adv)
+            };
+            let out = policy_loss_weighted(
+                logp_new.clone(),
+                ad2(&old),
+                Some(ad2(&refl)),
+                adv_t,
+                (!scaled).then(|| ad2(&is)),
+                ad2(&mask),
+                ad2(&weights),
+                &p,
+            );
+            let grads = out.loss.backward();
+            let g: Vec<f32> = logp_new.grad(&grads).unwrap().into_data().to_vec().unwrap();
+            let v = |t: Tensor<AD, 1>| -> f32 { t.into_scalar() };
+            (v(out.pg_loss), v(out.kl), v(out.loss), g)
+        };
+        let (pg, kl, loss, g) = grad_of(false);
+        let mut expect_pg = 0f64;
+        for i in 0..3 {
+            let r = ((new[i] - old[i]) as f64).exp();
+            let a = adv[i] as f64;
+            let tok = (-r * a).max(-r.clamp(0.8, 1.28) * a);
+            expect_pg += is[i] as f64 * tok * weights[i] as f64;
+        }
+        assert!((pg as f64 - expect_pg).abs() < 1e-6, "{pg} vs {expect_pg}");
+        // The KL term is the unweighted one.
+        let plain = policy_loss(
+            t2(&new, 2),
+            t2(&old, 2),
+            Some(t2(&refl, 2)),
+            t2(&adv, 2),
+            t2(&mask, 2),
+            t2(&weights, 2),
+            &p,
+        );
+        assert!((kl - scalar(plain.kl)).abs() < 1e-7);
+        assert!(
+            (scalar(plain.pg_loss) - pg).abs() > 1e-3,
+            "weights changed nothing"
+        );
+        // Scaling the advantages instead gives the same loss and gradient.
+        let (pg2, kl2, loss2, g2) = grad_of(true);
+        assert!((pg - pg2).abs() < 1e-6 && (kl - kl2).abs() < 1e-7 && (loss - loss2).abs() < 1e-6);
+        for (a, b) in g.iter().zip(&g2) {
+            assert!((a - b).abs() < 1e-6, "{g:?} vs {g2:?}");
+        }
+        // A zero weight removes the token's policy gradient (only the KL part is left).
+        let kl_only = 0.3 * 0.5 * (1.0 - (refl[2] - new[2]).exp()) as f64;
+        assert!((g[2] as f64 - kl_only).abs() < 1e-6, "{}", g[2]);
+    }
+
+    /// Without weights the weighted loss is the plain one.
+    #[test]
+    fn no_importance_weights_is_the_plain_loss() {
+        let p = LossParams {
+            eps_clip: 0.2,
+            eps_clip_high: 0.28,
+            kl_coef: 0.0,
+        };
+        let args = || {
+            (
+                t2(&[-1.0, -2.0], 1),
+                t2(&[-1.3, -1.0], 1),
+                t2(&[1.0, -1.0], 1),
+            )
+        };
+        let (n, o, a) = args();
+        let plain = policy_loss(n, o, None, a, t2(&[1.0, 1.0], 1), t2(&[0.5, 0.5], 1), &p);
+        let (n, o, a) = args();
+        let ones = policy_loss_weighted(
+            n,
+            o,
+            None,
+            a,
+            Some(t2(&[1.0, 1.0], 1)),
+            t2(&[1.0, 1.0], 1),
+            t2(&[0.5, 0.5], 1),
+            &p,
+        );
+        assert_eq!(scalar(plain.loss), scalar(ones.loss));
     }
 }
