@@ -288,21 +288,28 @@ impl Node {
             Some(ractor_cluster::node::NodeConnectionMode::Isolated),
         )
         .with_listen_addr(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
-        let (node_server, _) = Actor::spawn_linked(None, server, (), supervisor.get_cell())
+        // The supervisor spawns the node server itself (see [`SupervisorMsg`]).
+        let node_server = match supervisor
+            .call(
+                |reply| SupervisorMsg::StartNodeServer(Box::new(server), reply),
+                None,
+            )
             .await
-            .map_err(|e| NodeError::Spawn {
-                what: "ractor_cluster node server".into(),
-                message: e.to_string(),
-            })?;
-        supervisor
-            .cast(SupervisorMsg::Adopt(
-                node_server.get_id(),
-                Child::NodeServer,
-            ))
-            .map_err(|e| NodeError::Spawn {
-                what: "node server".into(),
-                message: e.to_string(),
-            })?;
+        {
+            Ok(ractor::rpc::CallResult::Success(r)) => r?,
+            Ok(_) => {
+                return Err(NodeError::Spawn {
+                    what: "ractor_cluster node server".into(),
+                    message: "the node supervisor did not answer".into(),
+                })
+            }
+            Err(e) => {
+                return Err(NodeError::Spawn {
+                    what: "ractor_cluster node server".into(),
+                    message: format!("node supervisor: {e}"),
+                })
+            }
+        };
 
         let peers = Arc::new(Mutex::new(HashMap::new()));
         let inner = Arc::new(Inner {
@@ -1129,9 +1136,22 @@ impl Child {
 }
 
 /// Messages of the node supervisor.
+///
+/// Children are spawned *by the supervisor itself*, inside its own handler, and entered in its
+/// child map before the handler returns. A child's supervision events can therefore never be
+/// handled before the supervisor knows the child (ractor delivers supervision events on a port
+/// separate from, and polled ahead of, ordinary messages, so an "adopt after spawn" message
+/// could lose that race and leave a killed child unrestarted).
 enum SupervisorMsg {
-    /// Watch a child spawned linked to the supervisor.
-    Adopt(ActorId, Child),
+    /// Spawn the `ractor_cluster` node server linked to the supervisor and watch it.
+    StartNodeServer(
+        Box<NodeServer>,
+        ractor::RpcReplyPort<Result<ActorRef<NodeServerMessage>, NodeError>>,
+    ),
+    /// Spawn a child linked to the supervisor and watch it.
+    Start(Child, ractor::RpcReplyPort<Result<(), NodeError>>),
+    /// Try again to restart a child whose restart failed.
+    Restart(Child, String),
 }
 
 impl ractor::Message for SupervisorMsg {}
@@ -1147,15 +1167,25 @@ struct SupervisorState {
 
 const RESTART_WINDOW: Duration = Duration::from_secs(10);
 const MAX_RESTARTS: usize = 20;
+/// Delay before a failed restart is tried again (each try counts towards [`MAX_RESTARTS`]).
+const RESTART_RETRY: Duration = Duration::from_millis(250);
 
 async fn spawn_child(supervisor: &ActorRef<SupervisorMsg>, c: Child) -> Result<(), NodeError> {
-    let cell = start_child(supervisor.get_cell(), &c).await?;
-    supervisor
-        .cast(SupervisorMsg::Adopt(cell.get_id(), c))
-        .map_err(|e| NodeError::Spawn {
-            what: "node supervisor".into(),
-            message: e.to_string(),
-        })
+    let label = c.label();
+    match supervisor
+        .call(|reply| SupervisorMsg::Start(c, reply), None)
+        .await
+    {
+        Ok(ractor::rpc::CallResult::Success(r)) => r,
+        Ok(_) => Err(NodeError::Spawn {
+            what: label,
+            message: "the node supervisor did not answer".into(),
+        }),
+        Err(e) => Err(NodeError::Spawn {
+            what: label,
+            message: format!("node supervisor: {e}"),
+        }),
+    }
 }
 
 async fn start_child(sup: ActorCell, c: &Child) -> Result<ActorCell, NodeError> {
@@ -1195,6 +1225,47 @@ async fn start_child(sup: ActorCell, c: &Child) -> Result<ActorCell, NodeError> 
     }
 }
 
+impl NodeSupervisor {
+    /// Restarts `child` (which `why` failed), unless the node is in a crash loop. A failed
+    /// restart is tried again after [`RESTART_RETRY`] through the mailbox, so the supervisor
+    /// keeps handling other children meanwhile.
+    async fn restart(
+        &self,
+        myself: &ActorRef<SupervisorMsg>,
+        child: Child,
+        why: String,
+        state: &mut SupervisorState,
+    ) {
+        let now = Instant::now();
+        state
+            .restarts
+            .retain(|t| now.duration_since(*t) < RESTART_WINDOW);
+        if state.restarts.len() >= MAX_RESTARTS {
+            tracing::error!(
+                "{} {why}; {MAX_RESTARTS} restarts within {RESTART_WINDOW:?}: stopping the node",
+                child.label()
+            );
+            myself.stop(Some("crash loop".into()));
+            return;
+        }
+        state.restarts.push(now);
+        tracing::warn!("{} {why}; restarting it", child.label());
+        match start_child(myself.get_cell(), &child).await {
+            Ok(new) => {
+                state.children.insert(new.get_id(), child);
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "restarting {} failed: {e}; retrying in {RESTART_RETRY:?}",
+                    child.label()
+                );
+                let why = format!("could not be restarted ({e})");
+                myself.send_after(RESTART_RETRY, move || SupervisorMsg::Restart(child, why));
+            }
+        }
+    }
+}
+
 impl Actor for NodeSupervisor {
     type Msg = SupervisorMsg;
     type State = SupervisorState;
@@ -1213,13 +1284,34 @@ impl Actor for NodeSupervisor {
 
     async fn handle(
         &self,
-        _myself: ActorRef<SupervisorMsg>,
+        myself: ActorRef<SupervisorMsg>,
         msg: SupervisorMsg,
         state: &mut SupervisorState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            SupervisorMsg::Adopt(id, c) => {
-                state.children.insert(id, c);
+            SupervisorMsg::StartNodeServer(server, reply) => {
+                let r = Actor::spawn_linked(None, *server, (), myself.get_cell())
+                    .await
+                    .map(|(a, _)| {
+                        state.children.insert(a.get_id(), Child::NodeServer);
+                        a
+                    })
+                    .map_err(|e| NodeError::Spawn {
+                        what: "ractor_cluster node server".into(),
+                        message: e.to_string(),
+                    });
+                let _ = reply.send(r);
+            }
+            SupervisorMsg::Start(child, reply) => {
+                let r = start_child(myself.get_cell(), &child).await.map(|cell| {
+                    state.children.insert(cell.get_id(), child);
+                });
+                let _ = reply.send(r);
+            }
+            SupervisorMsg::Restart(child, why) => {
+                if myself.get_status() == ractor::ActorStatus::Running {
+                    self.restart(&myself, child, why, state).await;
+                }
             }
         }
         Ok(())
@@ -1241,6 +1333,8 @@ impl Actor for NodeSupervisor {
             | SupervisionEvent::ProcessGroupChanged(_)
             | SupervisionEvent::PidLifecycleEvent(_) => return Ok(()),
         };
+        // Every linked child entered the map in the same handler that spawned it, so an
+        // unknown id is not ours (or already handled): nothing to decide.
         let Some(child) = state.children.remove(&cell.get_id()) else {
             return Ok(());
         };
@@ -1252,41 +1346,9 @@ impl Actor for NodeSupervisor {
             myself.stop(Some("node server lost".into()));
             return Ok(());
         }
-        let now = Instant::now();
-        state
-            .restarts
-            .retain(|t| now.duration_since(*t) < RESTART_WINDOW);
-        if state.restarts.len() >= MAX_RESTARTS {
-            tracing::error!(
-                "{} {why}; {MAX_RESTARTS} restarts within {RESTART_WINDOW:?}: stopping the node",
-                child.label()
-            );
-            myself.stop(Some("crash loop".into()));
-            return Ok(());
-        }
-        state.restarts.push(now);
-        tracing::warn!("{} {why}; restarting it", child.label());
-        // The old actor's registered name is released once it has stopped, which can take a
-        // while on a loaded machine; retry for up to ~5 s before giving up on the node.
-        let mut last = None;
-        for _ in 0..50 {
-            match start_child(myself.get_cell(), &child).await {
-                Ok(new) => {
-                    state.children.insert(new.get_id(), child);
-                    return Ok(());
-                }
-                Err(e) => {
-                    last = Some(e);
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            }
-        }
-        tracing::error!(
-            "cannot restart {}: {}; stopping the node",
-            child.label(),
-            last.map(|e| e.to_string()).unwrap_or_default()
-        );
-        myself.stop(Some("restart failed".into()));
+        // The old actor left the registry and its groups when it began stopping, before this
+        // event was sent, so its name is free for the new one.
+        self.restart(&myself, child, why, state).await;
         Ok(())
     }
 }
