@@ -85,7 +85,10 @@ async fn exit_codes_stdin_stderr_and_signals() {
     assert_eq!(out.stdout.trim(), "0");
 
     // Environment: defaults and additions.
-    let mut spec = sh(dir.path(), "echo $HOME $FOO; pwd; id -u; hostname");
+    let mut spec = sh(
+        dir.path(),
+        "echo $HOME $FOO; pwd; id -u; cat /proc/sys/kernel/hostname",
+    );
     spec.env.push(("FOO".into(), "bar".into()));
     let out = run(&spec).await;
     assert_eq!(out.stdout, "/work bar\n/work\n1000\nsandbox\n", "{out:?}");
@@ -444,4 +447,66 @@ async fn dropping_the_future_kills_the_sandbox() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cpu_and_file_size_limits_bind() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = sh(dir.path(), "while :; do :; done");
+    spec.limits = Limits {
+        cpu_secs: 1,
+        ..limits(30)
+    };
+    let out = run(&spec).await;
+    assert!(!out.timed_out, "{out:?}");
+    assert!(
+        matches!(out.signal, Some(libc::SIGXCPU) | Some(libc::SIGKILL)),
+        "{out:?}"
+    );
+
+    let mut spec = sh(dir.path(), "head -c 5000000 /dev/zero > big; echo $?");
+    spec.limits = Limits {
+        file_size_mb: 1,
+        ..limits(30)
+    };
+    let out = run(&spec).await;
+    assert_eq!(out.exit_code, Some(0), "{out:?}");
+    // head dies of SIGXFSZ (128 + 25) or reports EFBIG.
+    assert_ne!(out.stdout.trim(), "0", "{out:?}");
+    let size = std::fs::metadata(dir.path().join("big")).unwrap().len();
+    assert!(size <= 1024 * 1024, "wrote {size} bytes with a 1 MiB limit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_processes_die_with_the_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let started = Instant::now();
+    let out = run(&sh(
+        dir.path(),
+        "readlink /proc/self/ns/pid; (sleep 100; echo late > late.txt) & echo started",
+    ))
+    .await;
+    assert_eq!(out.exit_code, Some(0), "{out:?}");
+    assert!(!out.timed_out);
+    assert!(started.elapsed() < Duration::from_secs(30));
+    let ns = out.stdout.lines().next().unwrap_or_default();
+    assert!(processes_in_ns(ns).is_empty());
+    assert!(!dir.path().join("late.txt").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unread_stdin_does_not_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = SandboxSpec::new(dir.path(), vec!["true".into()]);
+    spec.stdin = Some(vec![b'x'; 4 * 1024 * 1024]);
+    spec.limits = limits(30);
+    let out = run(&spec).await;
+    assert_eq!(out.exit_code, Some(0), "{out:?}");
+    assert!(!out.timed_out);
+
+    let mut spec = sh(dir.path(), "wc -c");
+    spec.stdin = Some(vec![b'x'; 4 * 1024 * 1024]);
+    spec.limits = limits(30);
+    let out = run(&spec).await;
+    assert_eq!(out.stdout.trim(), "4194304", "{out:?}");
 }

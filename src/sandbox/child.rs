@@ -108,10 +108,10 @@ unsafe fn mount(
     src: *const c_char,
     dst: *const c_char,
     fs: *const c_char,
-    flags: u64,
+    flags: libc::c_ulong,
     data: *const c_char,
 ) -> Result<(), ()> {
-    check(libc::mount(src, dst, fs, flags as libc::c_ulong, data.cast()) as c_long)
+    check(libc::mount(src, dst, fs, flags, data.cast()) as c_long)
 }
 
 /// Sets `attr` on the mount at `path` (and below when `recursive`); falls back to a bind
@@ -142,23 +142,23 @@ unsafe fn restrict(path: *const c_char, attr: u64, recursive: bool) -> Result<()
         return Err(());
     }
     // ST_* flag bits equal the MS_* ones; locked flags must be kept.
-    let keep = (st.f_flag as u64)
+    let keep = (st.f_flag as libc::c_ulong)
         & (libc::MS_NOEXEC
             | libc::MS_NOATIME
             | libc::MS_NODIRATIME
             | libc::MS_RELATIME
             | libc::MS_NOSUID
             | libc::MS_NODEV
-            | libc::MS_RDONLY) as u64;
-    let mut flags = keep | (libc::MS_REMOUNT | libc::MS_BIND) as u64;
+            | libc::MS_RDONLY);
+    let mut flags = keep | libc::MS_REMOUNT | libc::MS_BIND;
     if attr & MOUNT_ATTR_RDONLY != 0 {
-        flags |= libc::MS_RDONLY as u64;
+        flags |= libc::MS_RDONLY;
     }
     if attr & MOUNT_ATTR_NOSUID != 0 {
-        flags |= libc::MS_NOSUID as u64;
+        flags |= libc::MS_NOSUID;
     }
     if attr & MOUNT_ATTR_NODEV != 0 {
-        flags |= libc::MS_NODEV as u64;
+        flags |= libc::MS_NODEV;
     }
     mount(ptr::null(), path, ptr::null(), flags, ptr::null())
 }
@@ -211,9 +211,9 @@ unsafe fn run_op(op: &Op) -> Result<(), ()> {
             Ok(())
         }
         Op::Tmpfs { dst, data, noexec } => {
-            let mut flags = (libc::MS_NOSUID | libc::MS_NODEV) as u64;
+            let mut flags = libc::MS_NOSUID | libc::MS_NODEV;
             if *noexec {
-                flags |= libc::MS_NOEXEC as u64;
+                flags |= libc::MS_NOEXEC;
             }
             mount(
                 c"tmpfs".as_ptr(),
@@ -233,7 +233,7 @@ unsafe fn run_op(op: &Op) -> Result<(), ()> {
                 src.as_ptr(),
                 dst.as_ptr(),
                 ptr::null(),
-                (libc::MS_BIND | libc::MS_REC) as u64,
+                libc::MS_BIND | libc::MS_REC,
                 ptr::null(),
             )?;
             let mut attr = MOUNT_ATTR_NOSUID;
@@ -249,7 +249,7 @@ unsafe fn run_op(op: &Op) -> Result<(), ()> {
             c"proc".as_ptr(),
             dst.as_ptr(),
             c"proc".as_ptr(),
-            (libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC) as u64,
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
             data.as_ptr(),
         ),
     }
@@ -320,7 +320,7 @@ pub(super) unsafe fn init(ex: &Exec<'_>, fds: &Fds) -> ! {
         ptr::null(),
         f.root.as_ptr(),
         ptr::null(),
-        (libc::MS_REC | libc::MS_PRIVATE) as u64,
+        libc::MS_REC | libc::MS_PRIVATE,
         ptr::null(),
     )
     .is_err()
@@ -332,7 +332,7 @@ pub(super) unsafe fn init(ex: &Exec<'_>, fds: &Fds) -> ! {
         f.tmpfs.as_ptr(),
         f.tmp.as_ptr(),
         f.tmpfs.as_ptr(),
-        (libc::MS_NOSUID | libc::MS_NODEV) as u64,
+        libc::MS_NOSUID | libc::MS_NODEV,
         f.base_data.as_ptr(),
     )
     .is_err()
@@ -350,7 +350,7 @@ pub(super) unsafe fn init(ex: &Exec<'_>, fds: &Fds) -> ! {
             f.tmpfs.as_ptr(),
             f.new.as_ptr(),
             f.tmpfs.as_ptr(),
-            (libc::MS_NOSUID | libc::MS_NODEV) as u64,
+            libc::MS_NOSUID | libc::MS_NODEV,
             f.new_data.as_ptr(),
         )
         .is_err()
@@ -372,14 +372,13 @@ pub(super) unsafe fn init(ex: &Exec<'_>, fds: &Fds) -> ! {
     {
         fail(STEP_PIVOT_NEW);
     }
-    let ro = (libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV)
-        as u64;
+    let ro = libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV;
     if mount(ptr::null(), f.root.as_ptr(), ptr::null(), ro, ptr::null()).is_err()
         || mount(
             ptr::null(),
             f.dev.as_ptr(),
             ptr::null(),
-            ro | libc::MS_NOEXEC as u64,
+            ro | libc::MS_NOEXEC,
             ptr::null(),
         )
         .is_err()
@@ -407,17 +406,136 @@ pub(super) unsafe fn init(ex: &Exec<'_>, fds: &Fds) -> ! {
     libc::close(0);
     libc::close(1);
     libc::close(2);
+    shed_host_memory();
+    // From here on only raw system calls, the stack and errno are used.
     loop {
         let mut status: c_int = 0;
-        let r = libc::wait4(-1, &mut status, 0, ptr::null_mut());
-        if r as c_long == pid {
-            report(REPORT_STATUS, 0, status);
-            libc::_exit(0);
+        let r = libc::syscall(
+            libc::SYS_wait4,
+            -1 as c_long,
+            &mut status as *mut c_int,
+            0 as c_long,
+            ptr::null_mut::<libc::rusage>(),
+        );
+        if r == pid {
+            let mut buf = [0u8; 12];
+            buf[0..4].copy_from_slice(&REPORT_STATUS.to_ne_bytes());
+            buf[8..12].copy_from_slice(&status.to_ne_bytes());
+            libc::syscall(
+                libc::SYS_write,
+                REPORT_FD as c_long,
+                buf.as_ptr(),
+                12 as c_long,
+            );
+            libc::syscall(libc::SYS_exit_group, 0 as c_long);
         }
         if r < 0 && errno() != libc::EINTR {
-            libc::_exit(0);
+            libc::syscall(libc::SYS_exit_group, 0 as c_long);
         }
     }
+}
+
+/// Unmaps the init's copy of the host's private anonymous writable memory (heap, other threads'
+/// stacks, large allocations such as model weights), so that a long-running command does not
+/// pin copy-on-write pages of the host. Only the current stack, the mapping holding the
+/// thread's TLS (errno) and file-backed mappings are kept. Best effort: on any failure the
+/// memory simply stays mapped.
+unsafe fn shed_host_memory() {
+    let here = 0u8;
+    let sp = &here as *const u8 as usize;
+    let tls = libc::__errno_location() as usize;
+    const BUF: usize = 8 << 20;
+    let buf = libc::mmap(
+        ptr::null_mut(),
+        BUF,
+        libc::PROT_READ | libc::PROT_WRITE,
+        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+        -1,
+        0,
+    );
+    if buf == libc::MAP_FAILED {
+        return;
+    }
+    let base = buf as usize;
+    let fd = libc::open(
+        c"/proc/self/maps".as_ptr(),
+        libc::O_RDONLY | libc::O_CLOEXEC,
+    );
+    if fd < 0 {
+        libc::munmap(buf, BUF);
+        return;
+    }
+    let mut len = 0usize;
+    loop {
+        let n = libc::read(fd, (base + len) as *mut libc::c_void, BUF - len);
+        if n < 0 && errno() == libc::EINTR {
+            continue;
+        }
+        if n <= 0 {
+            break;
+        }
+        len += n as usize;
+        if len == BUF {
+            // More maps than the buffer holds: keep everything.
+            libc::close(fd);
+            libc::munmap(buf, BUF);
+            return;
+        }
+    }
+    libc::close(fd);
+    let maps = std::slice::from_raw_parts(base as *const u8, len);
+    for line in maps.split(|&b| b == b'\n') {
+        let Some((start, end)) = releasable(line) else {
+            continue;
+        };
+        let holds = |a: usize| start <= a && a < end;
+        if holds(sp) || holds(tls) || holds(base) {
+            continue;
+        }
+        libc::munmap(start as *mut libc::c_void, end - start);
+    }
+    libc::munmap(buf, BUF);
+}
+
+/// The address range of a `/proc/self/maps` line describing private, writable, anonymous
+/// memory (unnamed or `[heap]`).
+fn releasable(line: &[u8]) -> Option<(usize, usize)> {
+    let mut fields = line.split(|&b| b == b' ').filter(|f| !f.is_empty());
+    let range = fields.next()?;
+    let perms = fields.next()?;
+    let _offset = fields.next()?;
+    let _dev = fields.next()?;
+    let inode = fields.next()?;
+    let name = fields.next();
+    if perms.len() < 4 || perms[1] != b'w' || perms[3] != b'p' || inode != b"0" {
+        return None;
+    }
+    if let Some(n) = name {
+        if n != b"[heap]" {
+            return None;
+        }
+    }
+    let dash = range.iter().position(|&b| b == b'-')?;
+    let start = hex(&range[..dash])?;
+    let end = hex(&range[dash + 1..])?;
+    (start < end).then_some((start, end))
+}
+
+fn hex(s: &[u8]) -> Option<usize> {
+    let mut v: usize = 0;
+    if s.is_empty() {
+        return None;
+    }
+    for &c in s {
+        let d = match c {
+            b'0'..=b'9' => c - b'0',
+            b'a'..=b'f' => c - b'a' + 10,
+            b'A'..=b'F' => c - b'A' + 10,
+            _ => return None,
+        };
+        v = v.checked_mul(16)?.checked_add(d as usize)?;
+    }
+    Some(v)
 }
 
 /// The command: drops to the sandbox user and execs. Never returns.
@@ -474,4 +592,28 @@ unsafe fn command(ex: &Exec<'_>) -> ! {
     }
     report(REPORT_EXEC, best.0, best.1);
     libc::_exit(127)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::releasable;
+
+    #[test]
+    fn only_private_writable_anonymous_maps_are_released() {
+        let anon = b"7f0000000000-7f0000100000 rw-p 00000000 00:00 0 ";
+        assert_eq!(releasable(anon), Some((0x7f00_0000_0000, 0x7f00_0010_0000)));
+        let heap =
+            b"55d4c8a00000-55d4c8c00000 rw-p 00000000 00:00 0                          [heap]";
+        assert_eq!(releasable(heap), Some((0x55d4_c8a0_0000, 0x55d4_c8c0_0000)));
+        for kept in [
+            &b"7f0000000000-7f0000100000 r--p 00000000 00:00 0 "[..],
+            b"7f0000000000-7f0000100000 rw-s 00000000 00:01 1234 /dev/zero (deleted)",
+            b"7f0000000000-7f0000100000 rw-p 00001000 fe:00 42 /usr/lib/libc.so.6",
+            b"7ffc00000000-7ffc00021000 rw-p 00000000 00:00 0                          [stack]",
+            b"garbage",
+            b"",
+        ] {
+            assert_eq!(releasable(kept), None, "{}", String::from_utf8_lossy(kept));
+        }
+    }
 }

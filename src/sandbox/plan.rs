@@ -435,7 +435,6 @@ pub(super) fn build(spec: &SandboxSpec, workdir: &Path) -> Result<Plan, SandboxE
     ];
     if rust.is_some() {
         env.push(("CARGO_HOME".into(), "/tmp/cargo".into()));
-        env.push(("RUSTUP_TOOLCHAIN".into(), "none".into()));
     }
     for (k, v) in &spec.env {
         match env.iter_mut().find(|(ek, _)| ek == k) {
