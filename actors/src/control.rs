@@ -78,6 +78,9 @@ pub struct JobRecord {
     pub placement: Placement,
     /// Submission time, seconds since the Unix epoch.
     pub submitted_unix: u64,
+    /// The running job's counts, as its supervisor last reported them.
+    #[serde(default)]
+    pub progress: Option<crate::loops::job::JobCounts>,
 }
 
 /// A request to Control.
@@ -96,6 +99,13 @@ pub enum ControlRequest {
     Cancel(String),
     /// All jobs.
     List,
+    /// A job's supervisor reports its counts (shown by `status`).
+    Progress {
+        /// The job id.
+        id: String,
+        /// The counts.
+        counts: crate::loops::job::JobCounts,
+    },
 }
 
 /// Control's reply.
@@ -342,6 +352,7 @@ impl ControlState {
                         state: JobState::Waiting,
                         placement: Placement::default(),
                         submitted_unix: now_unix(),
+                        progress: None,
                     },
                 );
                 self.persist();
@@ -355,6 +366,18 @@ impl ControlState {
             ControlRequest::Status(None) | ControlRequest::List => {
                 ControlReply::Jobs(self.jobs.values().cloned().collect())
             }
+            ControlRequest::Progress { id, counts } => match self.find(&id) {
+                Some(k) => {
+                    let j = self.jobs.get_mut(&k).expect("found above");
+                    let finished = counts.phase == crate::loops::job::JobPhase::Finished;
+                    j.progress = Some(counts);
+                    if finished {
+                        self.persist();
+                    }
+                    ControlReply::Jobs(vec![self.jobs[&k].clone()])
+                }
+                None => ControlReply::Error(format!("no job `{id}`")),
+            },
             ControlRequest::Cancel(id) => match self.find(&id) {
                 Some(k) => {
                     let j = self.jobs.get_mut(&k).expect("found above");

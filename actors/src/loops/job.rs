@@ -1,0 +1,951 @@
+//! The job supervisor: one actor per training job that keeps `parallelism` [`EnvSession`]s
+//! alive, sends their turns through a [`PrmVoter`], builds training samples from each finished
+//! episode's judged turns, hands them to the trainer, writes the job's records, and stops at the
+//! stop condition.
+//!
+//! It knows no LLM: samples are built by the root crate behind [`SampleBuilder`] (binary, OPD,
+//! combined or step-wise), and reach the trainer through [`TrainerLink`]; the sample type is a
+//! parameter. Supervision decisions, made on purpose:
+//! - a session that ends normally (done, step limit, deadline) is replaced by a new one on the
+//!   next task;
+//! - a session that fails (environment or policy error, or a panic) is restarted on the same task
+//!   up to `max_restarts` times in a row; after that its slot moves on to the next task and the
+//!   failure is counted as a *lost* session;
+//! - a failing voter, builder or trainer call never stops the job: turns go on unjudged, a failed
+//!   build is counted, a refused submission is counted.
+//!
+//! Stop: when the trainer has made `max_trainer_steps` steps, or `max_turns` turns were produced,
+//! or `max_duration` passed, no new session starts and running ones are stopped (each closes its
+//! episode); the job then drains: every turn already produced is judged, built and submitted, and
+//! the final [`JobSummary`] (counts that balance: `produced = trained + dropped_stale + pending`
+//! on the trainer side) is sent to whoever started the job.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
+use serde::{Deserialize, Serialize};
+use tokio::sync::oneshot;
+
+use super::env::{BoxFuture, Environment};
+use super::recorder::RecorderHandle;
+use super::session::{EndReason, EnvSession, SessionArgs, SessionEvent, Turn, TurnPolicy};
+use super::trainer::{TrainSample, TrainerMsg, TrainerStats};
+use super::voter::{JudgedTurn, PrmVoter, TurnJudge, VoterArgs, VoterMsg};
+
+/// One finished episode with its judged turns (in turn order).
+#[derive(Clone, Debug, PartialEq)]
+pub struct EpisodeTurns {
+    /// The session.
+    pub session_id: String,
+    /// The task's id.
+    pub task_id: String,
+    /// Why the episode ended.
+    pub reason: EndReason,
+    /// Its turns with their verdicts.
+    pub turns: Vec<JudgedTurn>,
+}
+
+/// What a build produced.
+#[derive(Debug)]
+pub struct Built<S> {
+    /// The training samples (each carries the version of its tokens).
+    pub samples: Vec<S>,
+    /// The OPD teacher's weight version per `(session_id, turn)`, for the judged-turn records.
+    pub teacher_versions: HashMap<(String, u32), u64>,
+}
+
+/// Builds training samples from finished episodes (the method lives here: binary, OPD,
+/// combined, step-wise).
+pub trait SampleBuilder<S>: Send + Sync + 'static {
+    /// How many finished episodes one build takes (step-wise z-scoring wants several episodes
+    /// of a task group; per-turn methods take one). At the end of a job a build may get fewer.
+    fn episodes_per_build(&self) -> usize {
+        1
+    }
+
+    /// Builds samples from `episodes`.
+    fn build(
+        &self,
+        episodes: Arc<Vec<EpisodeTurns>>,
+    ) -> BoxFuture<'static, Result<Built<S>, String>>;
+}
+
+/// The trainer's counters as the job reports them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrainerCounts {
+    /// Samples the trainer accepted.
+    pub produced: u64,
+    /// Samples it trained on.
+    pub trained: u64,
+    /// Samples it dropped as too stale.
+    pub dropped_stale: u64,
+    /// Samples given up on after failed steps.
+    pub failed: u64,
+    /// Samples waiting for a step.
+    pub pending: u64,
+    /// The current weight version.
+    pub version: u64,
+    /// Optimizer steps made.
+    pub steps: u64,
+}
+
+/// How the job reaches its trainer.
+pub trait TrainerLink<S>: Send + Sync + 'static {
+    /// Hands samples over (accepted samples are never lost silently).
+    fn submit(&self, samples: Vec<S>) -> Result<(), String>;
+
+    /// The trainer's counters.
+    fn counts(&self) -> BoxFuture<'_, Result<TrainerCounts, String>>;
+
+    /// Waits until no step runs and no full batch waits; then the counters.
+    fn idle(&self) -> BoxFuture<'_, Result<TrainerCounts, String>> {
+        self.counts()
+    }
+}
+
+fn trainer_counts(s: &TrainerStats) -> TrainerCounts {
+    TrainerCounts {
+        produced: s.produced,
+        trained: s.trained,
+        dropped_stale: s.dropped_stale,
+        failed: s.failed,
+        pending: s.pending,
+        version: s.version,
+        steps: s.steps,
+    }
+}
+
+const TRAINER_CALL: Duration = Duration::from_secs(30);
+
+impl TrainerLink<TrainSample> for ActorRef<TrainerMsg> {
+    fn submit(&self, samples: Vec<TrainSample>) -> Result<(), String> {
+        self.cast(TrainerMsg::Samples(samples))
+            .map_err(|e| format!("the trainer is gone: {e}"))
+    }
+
+    fn counts(&self) -> BoxFuture<'_, Result<TrainerCounts, String>> {
+        Box::pin(async move {
+            ractor::call_t!(self, TrainerMsg::Stats, TRAINER_CALL.as_millis() as u64)
+                .map(|s| trainer_counts(&s))
+                .map_err(|e| format!("trainer stats: {e}"))
+        })
+    }
+
+    fn idle(&self) -> BoxFuture<'_, Result<TrainerCounts, String>> {
+        Box::pin(async move {
+            ractor::call_t!(self, TrainerMsg::Idle, 600_000)
+                .map(|s| trainer_counts(&s))
+                .map_err(|e| format!("waiting for the trainer: {e}"))
+        })
+    }
+}
+
+/// When a job stops (any bound reached stops it; at least one must be set).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StopCondition {
+    /// Trainer optimizer steps.
+    pub max_trainer_steps: Option<u64>,
+    /// Turns produced.
+    pub max_turns: Option<u64>,
+    /// Samples handed to the trainer.
+    pub max_samples: Option<u64>,
+    /// Wall-clock time.
+    pub max_duration: Option<Duration>,
+}
+
+/// The job's settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobSettings {
+    /// Sessions kept running.
+    pub parallelism: usize,
+    /// Time one episode may take.
+    pub episode_deadline: Duration,
+    /// A step limit below the environment's own.
+    pub max_episode_steps: Option<u32>,
+    /// Time one turn's judging may take.
+    pub judge_timeout: Duration,
+    /// Turns judged at once.
+    pub judge_concurrency: usize,
+    /// Consecutive restarts of a failing session's slot before it counts as lost.
+    pub max_restarts: u32,
+    /// Base of the episode seeds.
+    pub seed: u64,
+    /// When to stop.
+    pub stop: StopCondition,
+    /// How often the trainer's counters are polled and progress reported.
+    pub poll: Duration,
+}
+
+impl Default for JobSettings {
+    fn default() -> Self {
+        JobSettings {
+            parallelism: 4,
+            episode_deadline: Duration::from_secs(600),
+            max_episode_steps: None,
+            judge_timeout: Duration::from_secs(300),
+            judge_concurrency: 64,
+            max_restarts: 3,
+            seed: 0,
+            stop: StopCondition::default(),
+            poll: Duration::from_millis(200),
+        }
+    }
+}
+
+/// Where the job is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobPhase {
+    /// Sessions run.
+    #[default]
+    Running,
+    /// The stop condition was reached; work already produced is being finished.
+    Draining,
+    /// Done.
+    Finished,
+}
+
+/// The job's counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobCounts {
+    /// Where the job is.
+    pub phase: JobPhase,
+    /// Milliseconds since the job started.
+    pub elapsed_ms: u64,
+    /// Sessions started (restarts included).
+    pub sessions_started: u64,
+    /// Sessions running now.
+    pub sessions_running: u64,
+    /// Sessions that ended normally (done, step limit, deadline, stopped).
+    pub sessions_finished: u64,
+    /// Sessions that failed.
+    pub sessions_failed: u64,
+    /// Failed sessions restarted on the same task.
+    pub sessions_restarted: u64,
+    /// Failed sessions given up on after `max_restarts` restarts.
+    pub sessions_lost: u64,
+    /// Turns produced.
+    pub turns: u64,
+    /// Turns judged.
+    pub judged: u64,
+    /// Turns left unjudged (the reason is in the judge records).
+    pub unjudged: u64,
+    /// Episodes turned into samples.
+    pub episodes_built: u64,
+    /// Builds that failed (their episodes give no samples; the error is logged).
+    pub build_errors: u64,
+    /// Samples built and handed to the trainer.
+    pub samples_submitted: u64,
+    /// Samples the trainer refused to take (the link failed).
+    pub samples_refused: u64,
+    /// The trainer's counters.
+    pub trainer: TrainerCounts,
+    /// Records written by the recorder.
+    pub records_written: u64,
+    /// Times the record queue was full and the job waited (backpressure).
+    pub records_waited: u64,
+    /// Records that could not be queued (recorder stopped) or serialized.
+    pub records_failed: u64,
+    /// The last problem worth showing (a failed session, build or submission).
+    pub last_error: Option<String>,
+}
+
+impl JobCounts {
+    /// Whether the trainer's counts balance: produced = trained + dropped_stale + failed +
+    /// pending.
+    pub fn balanced(&self) -> bool {
+        let t = &self.trainer;
+        t.produced == t.trained + t.dropped_stale + t.failed + t.pending
+    }
+}
+
+/// Called with the counters at every poll and at the end.
+pub type ProgressReport = Arc<dyn Fn(&JobCounts) + Send + Sync>;
+
+/// How a job starts.
+pub struct JobArgs<S> {
+    /// The job's id (names sessions and records).
+    pub job: String,
+    /// The task set.
+    pub env: Arc<dyn Environment>,
+    /// The policy.
+    pub policy: Arc<dyn TurnPolicy>,
+    /// The judge.
+    pub judge: Arc<dyn TurnJudge>,
+    /// The sample builder.
+    pub builder: Arc<dyn SampleBuilder<S>>,
+    /// The trainer.
+    pub trainer: Arc<dyn TrainerLink<S>>,
+    /// Where the job's records go (`turn`, `judge` kinds).
+    pub recorder: Option<RecorderHandle>,
+    /// Settings.
+    pub settings: JobSettings,
+    /// Progress callback.
+    pub progress: Option<ProgressReport>,
+    /// Gets the final counters.
+    pub done: Option<oneshot::Sender<JobCounts>>,
+}
+
+/// Messages of a [`JobSupervisor`].
+pub enum JobMsg<S> {
+    /// An event of a session.
+    Session(SessionEvent),
+    /// A judged turn from the voter.
+    Judged(Box<JudgedTurn>),
+    /// A build finished.
+    Built(Arc<Vec<EpisodeTurns>>, Result<Built<S>, String>),
+    /// Poll the trainer, report progress, check the stop condition.
+    Tick,
+    /// Stop now (as if the stop condition were reached) and drain.
+    Stop,
+    /// Write a record (e.g. a trainer step event) to the job's records.
+    Record {
+        /// The weight version the record belongs to.
+        version: u64,
+        /// Its kind.
+        kind: String,
+        /// The record.
+        record: serde_json::Value,
+    },
+    /// The counters.
+    Counts(RpcReplyPort<JobCounts>),
+}
+
+impl<S: Send + 'static> ractor::Message for JobMsg<S> {}
+
+/// The job supervisor actor (behaviour only; see the module docs).
+pub struct JobSupervisor<S>(std::marker::PhantomData<fn() -> S>);
+
+impl<S> JobSupervisor<S> {
+    /// The actor value to spawn.
+    pub fn new() -> Self {
+        JobSupervisor(std::marker::PhantomData)
+    }
+}
+
+impl<S> Default for JobSupervisor<S> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A session slot.
+struct Slot {
+    session_id: String,
+    task_index: usize,
+    failures: u32,
+}
+
+/// A session's episode being assembled.
+#[derive(Default)]
+struct Assembly {
+    task_id: String,
+    received: u32,
+    ended: Option<(u32, EndReason)>,
+    judged: Vec<JudgedTurn>,
+}
+
+/// `Ended::turns` of a session that died without saying how many turns it sent: every turn
+/// that arrived before the (queued) end counts.
+const TURNS_AS_RECEIVED: u32 = u32::MAX;
+
+/// The supervisor's state.
+pub struct JobState<S> {
+    args: JobArgs<S>,
+    started: Instant,
+    voter: ActorRef<VoterMsg>,
+    /// Live sessions by actor id.
+    live: HashMap<ActorId, (ActorRef<super::session::SessionMsg>, Slot)>,
+    /// Sessions whose `Ended` was seen, by session id (slot to refill).
+    assemblies: BTreeMap<String, Assembly>,
+    ready: Vec<EpisodeTurns>,
+    builds_in_flight: usize,
+    next_session: u64,
+    next_task: usize,
+    counts: JobCounts,
+}
+
+impl<S: Send + 'static> JobState<S> {
+    fn judging(&self) -> u64 {
+        self.counts.turns - self.counts.judged - self.counts.unjudged
+    }
+
+    async fn record<T: Serialize>(&mut self, version: u64, kind: &str, record: &T) {
+        if let Some(r) = &self.args.recorder {
+            if let Err(e) = r.record(version, kind, record).await {
+                self.counts.records_failed += 1;
+                self.counts.last_error = Some(format!("recording a {kind} record: {e}"));
+            }
+        }
+    }
+
+    async fn spawn_session(
+        &mut self,
+        myself: &ActorRef<JobMsg<S>>,
+        task_index: usize,
+        failures: u32,
+    ) -> Result<(), ActorProcessingErr> {
+        let n = self.next_session;
+        self.next_session += 1;
+        let session_id = format!("{}-s{n:06}", self.args.job);
+        let me = myself.clone();
+        let report: super::session::SessionReport = Arc::new(move |ev| {
+            let _ = me.cast(JobMsg::Session(ev));
+        });
+        let args = SessionArgs {
+            session_id: session_id.clone(),
+            env: self.args.env.clone(),
+            task_index,
+            seed: self.args.settings.seed.wrapping_add(n),
+            policy: self.args.policy.clone(),
+            deadline: self.args.settings.episode_deadline,
+            max_steps: self.args.settings.max_episode_steps,
+            report,
+        };
+        self.assemblies
+            .insert(session_id.clone(), Assembly::default());
+        let (actor, _) = Actor::spawn_linked(None, EnvSession, args, myself.get_cell()).await?;
+        self.counts.sessions_started += 1;
+        self.live.insert(
+            actor.get_id(),
+            (
+                actor,
+                Slot {
+                    session_id,
+                    task_index,
+                    failures,
+                },
+            ),
+        );
+        Ok(())
+    }
+
+    fn take_task(&mut self) -> usize {
+        let t = self.next_task % self.args.env.task_count().max(1);
+        self.next_task += 1;
+        t
+    }
+
+    /// Starts sessions until `parallelism` run (only while running).
+    async fn fill(&mut self, myself: &ActorRef<JobMsg<S>>) -> Result<(), ActorProcessingErr> {
+        while self.counts.phase == JobPhase::Running
+            && self.live.len() < self.args.settings.parallelism
+        {
+            let t = self.take_task();
+            self.spawn_session(myself, t, 0).await?;
+        }
+        Ok(())
+    }
+
+    fn stop_condition(&self) -> Option<String> {
+        let s = &self.args.settings.stop;
+        if let Some(m) = s.max_trainer_steps {
+            if self.counts.trainer.steps >= m {
+                return Some(format!("{m} trainer steps"));
+            }
+        }
+        if let Some(m) = s.max_turns {
+            if self.counts.turns >= m {
+                return Some(format!("{m} turns"));
+            }
+        }
+        if let Some(m) = s.max_samples {
+            if self.counts.samples_submitted >= m {
+                return Some(format!("{m} samples"));
+            }
+        }
+        if let Some(d) = s.max_duration {
+            if self.started.elapsed() >= d {
+                return Some(format!("{d:?} elapsed"));
+            }
+        }
+        None
+    }
+
+    fn begin_drain(&mut self, why: &str) {
+        if self.counts.phase != JobPhase::Running {
+            return;
+        }
+        tracing::info!(job = %self.args.job, "stop condition reached ({why}): draining");
+        self.counts.phase = JobPhase::Draining;
+        for (actor, _) in self.live.values() {
+            actor.stop(Some("job stopping".into()));
+        }
+    }
+
+    async fn on_session_event(
+        &mut self,
+        myself: &ActorRef<JobMsg<S>>,
+        ev: SessionEvent,
+    ) -> Result<(), ActorProcessingErr> {
+        match ev {
+            SessionEvent::Turn(turn) => {
+                self.counts.turns += 1;
+                if let Some(a) = self.assemblies.get_mut(&turn.session_id) {
+                    a.task_id = turn.task_id.clone();
+                    a.received += 1;
+                }
+                let version = turn.policy.version;
+                self.record(version, "turn", &TurnRecord::of(&turn)).await;
+                if let Err(e) = self.voter.cast(VoterMsg::Judge(turn)) {
+                    // The voter is gone: the turn cannot be judged; keep the books straight.
+                    self.counts.last_error = Some(format!("the voter refused a turn: {e}"));
+                    if let ractor::MessagingErr::SendErr(VoterMsg::Judge(turn)) = e {
+                        let judgement =
+                            super::voter::Judgement::unjudged(&turn, "the voter is gone");
+                        myself.cast(JobMsg::Judged(Box::new(JudgedTurn {
+                            turn: *turn,
+                            judgement,
+                        })))?;
+                    }
+                }
+                if let Some(why) = self.stop_condition() {
+                    self.begin_drain(&why);
+                }
+            }
+            SessionEvent::Ended {
+                session_id,
+                task_id,
+                turns,
+                reason,
+            } => {
+                let failed = reason.is_failure();
+                if let EndReason::Failed { error } = &reason {
+                    self.counts.sessions_failed += 1;
+                    self.counts.last_error = Some(format!("session {session_id}: {error}"));
+                    tracing::warn!(job = %self.args.job, "session {session_id} failed: {error}");
+                } else {
+                    self.counts.sessions_finished += 1;
+                }
+                // The slot, if the actor is still known (its termination may come later).
+                let slot = self
+                    .live
+                    .iter()
+                    .find(|(_, (_, s))| s.session_id == session_id)
+                    .map(|(id, _)| *id);
+                let slot = slot.and_then(|id| self.live.remove(&id)).map(|(_, s)| s);
+                if let Some(a) = self.assemblies.get_mut(&session_id) {
+                    if a.task_id.is_empty() {
+                        a.task_id = task_id;
+                    }
+                    let turns = if turns == TURNS_AS_RECEIVED {
+                        a.received
+                    } else {
+                        turns
+                    };
+                    a.ended = Some((turns, reason));
+                }
+                self.try_complete(myself, &session_id)?;
+                if let Some(slot) = slot {
+                    self.refill(myself, slot, failed).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn refill(
+        &mut self,
+        myself: &ActorRef<JobMsg<S>>,
+        slot: Slot,
+        failed: bool,
+    ) -> Result<(), ActorProcessingErr> {
+        if self.counts.phase != JobPhase::Running {
+            if failed {
+                self.counts.sessions_lost += 1;
+            }
+            return Ok(());
+        }
+        if failed {
+            if slot.failures < self.args.settings.max_restarts {
+                self.counts.sessions_restarted += 1;
+                return self
+                    .spawn_session(myself, slot.task_index, slot.failures + 1)
+                    .await;
+            }
+            self.counts.sessions_lost += 1;
+        }
+        let t = self.take_task();
+        self.spawn_session(myself, t, 0).await
+    }
+
+    fn try_complete(
+        &mut self,
+        myself: &ActorRef<JobMsg<S>>,
+        session_id: &str,
+    ) -> Result<(), ActorProcessingErr> {
+        let complete = self
+            .assemblies
+            .get(session_id)
+            .is_some_and(|a| matches!(&a.ended, Some((n, _)) if a.judged.len() as u32 >= *n));
+        if complete {
+            let a = self.assemblies.remove(session_id).expect("checked");
+            let (_, reason) = a.ended.expect("checked");
+            let mut turns = a.judged;
+            turns.sort_by_key(|t| t.turn.turn);
+            if !turns.is_empty() {
+                self.ready.push(EpisodeTurns {
+                    session_id: session_id.to_string(),
+                    task_id: a.task_id,
+                    reason,
+                    turns,
+                });
+            }
+            self.maybe_build(myself, false)?;
+        }
+        Ok(())
+    }
+
+    fn maybe_build(
+        &mut self,
+        myself: &ActorRef<JobMsg<S>>,
+        flush: bool,
+    ) -> Result<(), ActorProcessingErr> {
+        let per = self.args.builder.episodes_per_build().max(1);
+        while self.ready.len() >= per || (flush && !self.ready.is_empty()) {
+            let n = per.min(self.ready.len());
+            let batch: Vec<EpisodeTurns> = self.ready.drain(..n).collect();
+            let batch = Arc::new(batch);
+            let fut = self.args.builder.build(batch.clone());
+            let me = myself.clone();
+            self.builds_in_flight += 1;
+            tokio::spawn(async move {
+                let result = fut.await;
+                let _ = me.cast(JobMsg::Built(batch, result));
+            });
+        }
+        Ok(())
+    }
+
+    async fn on_built(
+        &mut self,
+        episodes: Arc<Vec<EpisodeTurns>>,
+        result: Result<Built<S>, String>,
+    ) {
+        self.builds_in_flight -= 1;
+        let teacher = match result {
+            Ok(built) => {
+                self.counts.episodes_built += episodes.len() as u64;
+                let n = built.samples.len() as u64;
+                if n > 0 {
+                    match self.args.trainer.submit(built.samples) {
+                        Ok(()) => self.counts.samples_submitted += n,
+                        Err(e) => {
+                            self.counts.samples_refused += n;
+                            self.counts.last_error =
+                                Some(format!("the trainer refused {n} samples: {e}"));
+                            tracing::error!(job = %self.args.job, "the trainer refused {n} samples: {e}");
+                        }
+                    }
+                }
+                built.teacher_versions
+            }
+            Err(e) => {
+                self.counts.build_errors += 1;
+                self.counts.last_error = Some(format!("building samples: {e}"));
+                tracing::error!(job = %self.args.job, "building samples: {e}");
+                HashMap::new()
+            }
+        };
+        for ep in episodes.iter() {
+            for jt in &ep.turns {
+                let mut record = jt.judgement.record.clone();
+                if let (Some(v), Some(obj)) = (
+                    teacher.get(&(jt.turn.session_id.clone(), jt.turn.turn)),
+                    record.as_object_mut(),
+                ) {
+                    obj.insert("teacher_version".into(), (*v).into());
+                }
+                self.record(jt.turn.policy.version, "judge", &record).await;
+            }
+        }
+    }
+
+    async fn poll(&mut self) {
+        match self.args.trainer.counts().await {
+            Ok(c) => self.counts.trainer = c,
+            Err(e) => self.counts.last_error = Some(format!("trainer counts: {e}")),
+        }
+        if let Some(r) = &self.args.recorder {
+            let s = r.stats();
+            self.counts.records_written = s.written;
+            self.counts.records_waited = s.waited_full;
+        }
+        self.counts.sessions_running = self.live.len() as u64;
+        self.counts.elapsed_ms = self.started.elapsed().as_millis() as u64;
+    }
+
+    fn drained(&self) -> bool {
+        self.counts.phase == JobPhase::Draining
+            && self.live.is_empty()
+            && self.judging() == 0
+            && self.assemblies.is_empty()
+            && self.ready.is_empty()
+            && self.builds_in_flight == 0
+    }
+
+    fn report(&self) {
+        if let Some(p) = &self.args.progress {
+            p(&self.counts);
+        }
+    }
+}
+
+/// The turn record (kind `turn`): messages, prompt and response text, tool calls, next state,
+/// token counts and the version of the tokens.
+#[derive(Debug, Serialize)]
+pub struct TurnRecord<'a> {
+    /// The session.
+    pub session_id: &'a str,
+    /// The task.
+    pub task_id: &'a str,
+    /// The step index.
+    pub turn: u32,
+    /// The messages the policy saw.
+    pub messages: &'a [serde_json::Value],
+    /// The tools offered.
+    pub tools: &'a [serde_json::Value],
+    /// The prompt as rendered.
+    pub prompt_text: &'a str,
+    /// The response as sampled.
+    pub response_text: &'a str,
+    /// The parsed tool calls.
+    pub tool_calls: &'a [super::env::ToolCallAction],
+    /// The next state.
+    pub next_state: &'a [serde_json::Value],
+    /// Whether the episode ended here.
+    pub done: bool,
+    /// The episode's outcome, when it ended with one.
+    pub outcome: Option<f64>,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Response tokens.
+    pub response_tokens: usize,
+    /// The weight version of the response tokens.
+    pub version: u64,
+    /// What the environment wanted recorded.
+    pub info: &'a serde_json::Value,
+}
+
+impl<'a> TurnRecord<'a> {
+    /// The record of `turn`.
+    pub fn of(turn: &'a Turn) -> Self {
+        TurnRecord {
+            session_id: &turn.session_id,
+            task_id: &turn.task_id,
+            turn: turn.turn,
+            messages: &turn.observation.messages,
+            tools: &turn.observation.tools,
+            prompt_text: &turn.policy.prompt_text,
+            response_text: &turn.policy.response_text,
+            tool_calls: &turn.policy.action.tool_calls,
+            next_state: &turn.outcome.next_state,
+            done: turn.outcome.done,
+            outcome: turn.outcome.outcome,
+            prompt_tokens: turn.policy.prompt_ids.len(),
+            response_tokens: turn.policy.response_ids.len(),
+            version: turn.policy.version,
+            info: &turn.outcome.info,
+        }
+    }
+}
+
+impl<S: Send + 'static> Actor for JobSupervisor<S> {
+    type Msg = JobMsg<S>;
+    type State = JobState<S>;
+    type Arguments = JobArgs<S>;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<JobMsg<S>>,
+        args: JobArgs<S>,
+    ) -> Result<JobState<S>, ActorProcessingErr> {
+        let s = &args.settings;
+        if s.parallelism == 0 {
+            return Err("job: parallelism must be at least 1".into());
+        }
+        if s.stop.max_trainer_steps.is_none()
+            && s.stop.max_turns.is_none()
+            && s.stop.max_samples.is_none()
+            && s.stop.max_duration.is_none()
+        {
+            return Err("job: the stop condition sets no bound".into());
+        }
+        if args.env.task_count() == 0 {
+            return Err("job: the environment has no tasks".into());
+        }
+        let me = myself.clone();
+        let (voter, _) = Actor::spawn_linked(
+            None,
+            PrmVoter,
+            VoterArgs {
+                judge: args.judge.clone(),
+                timeout: s.judge_timeout,
+                max_concurrent: s.judge_concurrency.max(1),
+                report: Arc::new(move |jt| {
+                    let _ = me.cast(JobMsg::Judged(Box::new(jt)));
+                }),
+            },
+            myself.get_cell(),
+        )
+        .await?;
+        Ok(JobState {
+            args,
+            started: Instant::now(),
+            voter,
+            live: HashMap::new(),
+            assemblies: BTreeMap::new(),
+            ready: Vec::new(),
+            builds_in_flight: 0,
+            next_session: 0,
+            next_task: 0,
+            counts: JobCounts::default(),
+        })
+    }
+
+    async fn post_start(
+        &self,
+        myself: ActorRef<JobMsg<S>>,
+        state: &mut JobState<S>,
+    ) -> Result<(), ActorProcessingErr> {
+        tracing::info!(
+            job = %state.args.job,
+            "job started: {} sessions over {} tasks of `{}`",
+            state.args.settings.parallelism,
+            state.args.env.task_count(),
+            state.args.env.kind()
+        );
+        state.fill(&myself).await?;
+        myself.send_interval(state.args.settings.poll, || JobMsg::Tick);
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<JobMsg<S>>,
+        msg: JobMsg<S>,
+        state: &mut JobState<S>,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            JobMsg::Session(ev) => state.on_session_event(&myself, ev).await?,
+            JobMsg::Judged(jt) => {
+                if jt.judgement.unjudged.is_some() {
+                    state.counts.unjudged += 1;
+                } else {
+                    state.counts.judged += 1;
+                }
+                let sid = jt.turn.session_id.clone();
+                match state.assemblies.get_mut(&sid) {
+                    Some(a) => a.judged.push(*jt),
+                    None => tracing::warn!("a judged turn of unknown session {sid}"),
+                }
+                state.try_complete(&myself, &sid)?;
+            }
+            JobMsg::Built(episodes, result) => state.on_built(episodes, result).await,
+            JobMsg::Tick => {
+                if state.counts.phase == JobPhase::Finished {
+                    return Ok(());
+                }
+                state.poll().await;
+                if let Some(why) = state.stop_condition() {
+                    state.begin_drain(&why);
+                }
+                if state.counts.phase == JobPhase::Draining {
+                    // Whatever finished episodes remain, build them now.
+                    state.maybe_build(&myself, true)?;
+                }
+                if state.drained() {
+                    match state.args.trainer.idle().await {
+                        Ok(c) => state.counts.trainer = c,
+                        Err(e) => state.counts.last_error = Some(e),
+                    }
+                    if let Some(r) = &state.args.recorder {
+                        let _ = r.flush().await;
+                    }
+                    state.poll().await;
+                    state.counts.phase = JobPhase::Finished;
+                    state.report();
+                    if let Some(done) = state.args.done.take() {
+                        let _ = done.send(state.counts.clone());
+                    }
+                    myself.stop(Some("job finished".into()));
+                } else {
+                    state.report();
+                }
+            }
+            JobMsg::Stop => state.begin_drain("stop requested"),
+            JobMsg::Record {
+                version,
+                kind,
+                record,
+            } => state.record(version, &kind, &record).await,
+            JobMsg::Counts(port) => {
+                let _ = port.send(state.counts.clone());
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<JobMsg<S>>,
+        evt: SupervisionEvent,
+        state: &mut JobState<S>,
+    ) -> Result<(), ActorProcessingErr> {
+        match evt {
+            SupervisionEvent::ActorFailed(cell, err) => {
+                if cell.get_id() == state.voter.get_id() {
+                    // The voter died (a bug): restart it so the loops go on.
+                    tracing::error!(job = %state.args.job, "the voter failed: {err}; restarting it");
+                    let me = myself.clone();
+                    let s = &state.args.settings;
+                    let (voter, _) = Actor::spawn_linked(
+                        None,
+                        PrmVoter,
+                        VoterArgs {
+                            judge: state.args.judge.clone(),
+                            timeout: s.judge_timeout,
+                            max_concurrent: s.judge_concurrency.max(1),
+                            report: Arc::new(move |jt| {
+                                let _ = me.cast(JobMsg::Judged(Box::new(jt)));
+                            }),
+                        },
+                        myself.get_cell(),
+                    )
+                    .await?;
+                    state.voter = voter;
+                } else if let Some((_, slot)) = state.live.get(&cell.get_id()) {
+                    // A session panicked: it sent no `Ended`. Queue one behind the turns it
+                    // already sent, so its episode is assembled from what arrived.
+                    let sid = slot.session_id.clone();
+                    myself.cast(JobMsg::Session(SessionEvent::Ended {
+                        session_id: sid.clone(),
+                        task_id: String::new(),
+                        turns: TURNS_AS_RECEIVED,
+                        reason: EndReason::Failed {
+                            error: format!("the session actor failed: {err}"),
+                        },
+                    }))?;
+                }
+            }
+            SupervisionEvent::ActorTerminated(cell, _, _) => {
+                // Normal ends are handled on `Ended` (always sent before the actor stops).
+                let _ = cell;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// Starts a job; the receiver gets the final counters when it finishes.
+pub async fn spawn_job<S: Send + 'static>(
+    mut args: JobArgs<S>,
+) -> Result<(ActorRef<JobMsg<S>>, oneshot::Receiver<JobCounts>), ActorProcessingErr> {
+    let (tx, rx) = oneshot::channel();
+    args.done = Some(tx);
+    let (actor, _) = Actor::spawn(None, JobSupervisor::<S>::new(), args).await?;
+    Ok((actor, rx))
+}
