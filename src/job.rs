@@ -1,20 +1,31 @@
-//! The job spec (`JOB.toml`): what a user submits to the cluster's Control actor.
+//! The job spec (`JOB.toml`): what a user submits to the cluster's Control actor or runs with
+//! `clawrl run`.
 //!
-//! A spec names the policy checkpoint, the judge (backend, votes), the method (`binary`, `opd`,
-//! `combined`, `stepwise`) and its weights, the optimiser settings (batch size, learning rate,
-//! clip range, KL coefficient, staleness bound), the environment (kind, parallelism, task set)
-//! and a stop condition. Parsing is strict (`deny_unknown_fields`); every error names the key
-//! path and the file. The training pipeline that runs a job lives elsewhere: this module only
-//! parses and validates, and tells Control what the job needs to be placed.
+//! A spec names the policy checkpoint (and how it samples), the judge (backend, votes, scripted
+//! rules inline or from a file, prompt replacements, the OPD teacher), the method (`binary`,
+//! `opd`, `combined`, `stepwise`) and its weights, the optimiser settings (batch size, learning
+//! rate, clip range, KL coefficient, staleness bound), the environment (kind, parallelism, task
+//! set, episode limits) and a stop condition (trainer steps, turns, samples, hours). Parsing is
+//! strict (`deny_unknown_fields`); every error names the key path and the file. Relative paths in
+//! a spec (checkpoint, tasks, rules file) are resolved against the spec file's directory
+//! ([`JobSpec::resolve`]). This module only parses and validates; `crate::pipeline` runs a job.
 //!
 //! ```toml
 //! kind = "rl"
 //! name = "terminal-demo"
+//! seed = 7                   # optional
 //! [policy]
 //! checkpoint = "tests/fixtures/qwen3-tiny"
+//! replicas = 1               # rollout workers (default 1)
+//! temperature = 1.0          # sampling (defaults: 1.0, top_p 1.0, max_new_tokens 256)
 //! [judge]
 //! backend = "scripted"       # model | openai | scripted
-//! votes = 3
+//! votes = 3                  # evaluation votes m
+//! hint_votes = 3             # OPD hint votes (default: votes)
+//! teacher = "current_policy" # or "frozen_initial" (OPD teacher)
+//! rules = [{ pattern = "(?i)thanks", score = 1 }, { pattern = "(?i)wrong", score = -1 }]
+//! default_score = 0
+//! hint = { pattern = "(?i)hint: (.*)" }
 //! [method]
 //! kind = "combined"          # binary | opd | combined | stepwise
 //! w_binary = 1.0
@@ -34,10 +45,15 @@
 //! max_steps = 100
 //! ```
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use clawrl_actors::control::{JobNeeds, JobValidator};
 use serde::{Deserialize, Serialize};
+
+use crate::judge::prompt::PromptOverrides;
+use crate::judge::scripted::{HintRule, ScoreRule, ScriptedConfig};
+use crate::judge::Teacher;
+use crate::rl::Aggregation;
 
 /// What kind of job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -47,12 +63,49 @@ pub enum JobKind {
     Rl,
 }
 
-/// The policy to train.
+fn default_replicas() -> u32 {
+    1
+}
+fn default_temperature() -> f32 {
+    1.0
+}
+fn default_top_p() -> f32 {
+    1.0
+}
+fn default_max_new_tokens() -> u32 {
+    256
+}
+fn default_max_batch() -> u32 {
+    16
+}
+fn default_max_context() -> u32 {
+    4096
+}
+
+/// The policy to train and how it samples.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PolicySpec {
-    /// A Hugging Face checkpoint directory (or a path the trainer node can resolve).
+    /// A Hugging Face checkpoint directory.
     pub checkpoint: String,
+    /// Rollout workers (policy replicas), each with its own engine.
+    #[serde(default = "default_replicas")]
+    pub replicas: u32,
+    /// Sampling temperature (1.0 makes the rollout log-probs the policy's own).
+    #[serde(default = "default_temperature")]
+    pub temperature: f32,
+    /// Nucleus mass.
+    #[serde(default = "default_top_p")]
+    pub top_p: f32,
+    /// Most tokens of one response.
+    #[serde(default = "default_max_new_tokens")]
+    pub max_new_tokens: u32,
+    /// Most sequences one replica decodes together.
+    #[serde(default = "default_max_batch")]
+    pub max_batch: u32,
+    /// Most positions (prompt + response) of one sequence.
+    #[serde(default = "default_max_context")]
+    pub max_context: u32,
 }
 
 /// Where judge votes come from.
@@ -67,18 +120,70 @@ pub enum JudgeBackend {
     Scripted,
 }
 
+fn default_judge_temperature() -> f32 {
+    0.6
+}
+fn default_judge_timeout() -> f64 {
+    120.0
+}
+fn default_judge_concurrency() -> u32 {
+    64
+}
+fn default_judge_max_tokens() -> u32 {
+    2048
+}
+
 /// The judge.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct JudgeSpec {
     /// Its backend.
     pub backend: JudgeBackend,
-    /// Independent votes per query (`m`).
+    /// Independent evaluation votes per query (`m`).
     pub votes: u32,
+    /// Independent hint votes per turn for OPD (default: `votes`).
+    pub hint_votes: Option<u32>,
+    /// Sampling temperature of every vote (default 0.6).
+    #[serde(default = "default_judge_temperature")]
+    pub temperature: f32,
+    /// Most tokens of a judge answer (default 2048).
+    #[serde(default = "default_judge_max_tokens")]
+    pub max_tokens: u32,
+    /// Seconds one turn's judging may take (every vote; default 120).
+    #[serde(default = "default_judge_timeout")]
+    pub timeout_s: f64,
+    /// Turns judged at once (default 64).
+    #[serde(default = "default_judge_concurrency")]
+    pub concurrency: u32,
+    /// How step-judge votes are aggregated (`majority` or `mean`; default `mean`).
+    pub step_aggregation: Option<Aggregation>,
     /// The endpoint URL (required for `openai`).
     pub endpoint: Option<String>,
-    /// The model name or checkpoint (for `model` / `openai`).
+    /// The model name (`openai`).
     pub model: Option<String>,
+    /// The environment variable holding the endpoint's API key (`openai`).
+    pub api_key_env: Option<String>,
+    /// A judge checkpoint directory (`model`; default: the frozen initial policy).
+    pub checkpoint: Option<String>,
+    /// The OPD teacher (default: the current policy).
+    #[serde(default)]
+    pub teacher: Teacher,
+    /// Scripted scoring rules, first match wins (`scripted`).
+    pub rules: Option<Vec<ScoreRule>>,
+    /// Scripted: the score when no rule matches.
+    pub default_score: Option<i8>,
+    /// Scripted: the hint rule.
+    pub hint: Option<HintRule>,
+    /// Scripted: probability that a vote is flipped.
+    pub noise_rate: Option<f64>,
+    /// Scripted: the seed of the noise.
+    pub noise_seed: Option<u64>,
+    /// Scripted: a TOML file holding the whole scripted config (`rules`, `default_score`,
+    /// `hint`, `noise_rate`, `seed`) instead of the inline keys.
+    pub rules_file: Option<String>,
+    /// Prompt template replacements.
+    #[serde(default)]
+    pub prompts: PromptOverrides,
 }
 
 /// The learning signal.
@@ -93,6 +198,28 @@ pub enum MethodKind {
     Combined,
     /// Step-wise rewards for long episodes.
     Stepwise,
+}
+
+impl MethodKind {
+    /// Whether the method needs hint votes (OPD term).
+    pub fn uses_hints(self) -> bool {
+        matches!(self, MethodKind::Opd | MethodKind::Combined)
+    }
+
+    /// Whether the method needs evaluation votes.
+    pub fn uses_eval(self) -> bool {
+        !matches!(self, MethodKind::Opd)
+    }
+
+    /// The name as written in specs.
+    pub fn name(self) -> &'static str {
+        match self {
+            MethodKind::Binary => "binary",
+            MethodKind::Opd => "opd",
+            MethodKind::Combined => "combined",
+            MethodKind::Stepwise => "stepwise",
+        }
+    }
 }
 
 fn one() -> f64 {
@@ -111,10 +238,26 @@ pub struct MethodSpec {
     /// Weight of the OPD term (default 1).
     #[serde(default = "one")]
     pub w_opd: f64,
+    /// Step-wise: the reward formula (`terminal`, `gui`, `swe`, `tool_call`, `general`; default
+    /// from the environment kind).
+    pub step_reward: Option<crate::rl::EpisodeKind>,
+    /// Step-wise: finished episodes z-scored together (default: `env.parallelism`).
+    pub group_episodes: Option<u32>,
 }
 
 fn default_clip_high() -> f64 {
     0.28
+}
+
+/// What the trainer does with samples over the staleness bound.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum StalenessPolicy {
+    /// Drop and count them.
+    #[default]
+    Drop,
+    /// Train them with truncated importance weights.
+    Importance,
 }
 
 /// Optimiser and sampling settings.
@@ -134,27 +277,40 @@ pub struct OptimSpec {
     pub kl: f64,
     /// Largest allowed policy-version lag of a sample.
     pub staleness: u32,
+    /// Over the bound: `drop` (default) or `importance` (truncated importance weights).
+    #[serde(default)]
+    pub staleness_mode: StalenessPolicy,
+    /// The importance-weight cap (`importance` mode; default 2).
+    pub importance_cap: Option<f32>,
+    /// Checkpoint every this many steps (0 or absent: only at the end).
+    pub checkpoint_every: Option<u64>,
 }
 
 /// The environment.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EnvSpec {
-    /// Environment kind (`terminal`, `swe`, `toolcall`, `gui`, `personal`).
+    /// Environment kind (`scripted`, `terminal`, `swe`, `tool_call`, `gui`, `personal`).
     pub kind: String,
-    /// Environment workers wanted.
+    /// Sessions run at once.
     pub parallelism: u32,
-    /// The task set (a file or a named set).
+    /// The task set (a file).
     pub tasks: String,
+    /// A per-episode step limit below the environment's own.
+    pub max_steps: Option<u32>,
+    /// Seconds one episode may take (default 600).
+    pub episode_timeout_s: Option<f64>,
 }
 
 /// When the job ends (at least one bound).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StopSpec {
-    /// Optimizer steps.
+    /// Trainer optimizer steps.
     pub max_steps: Option<u64>,
-    /// Training samples.
+    /// Turns produced by the environment sessions.
+    pub max_turns: Option<u64>,
+    /// Training samples handed to the trainer.
     pub max_samples: Option<u64>,
     /// Wall-clock hours.
     pub max_hours: Option<f64>,
@@ -168,6 +324,9 @@ pub struct JobSpec {
     pub kind: JobKind,
     /// A display name (default: the file stem).
     pub name: Option<String>,
+    /// Seed of episodes and sampling (default 0).
+    #[serde(default)]
+    pub seed: u64,
     /// The policy.
     pub policy: PolicySpec,
     /// The judge.
@@ -180,6 +339,9 @@ pub struct JobSpec {
     pub env: EnvSpec,
     /// The stop condition.
     pub stop: StopSpec,
+    /// The directory relative paths are resolved against (the spec file's).
+    #[serde(skip)]
+    pub base_dir: PathBuf,
 }
 
 /// A spec that cannot be used.
@@ -194,17 +356,30 @@ pub struct JobSpecError {
     pub message: String,
 }
 
-const ENV_KINDS: &[&str] = &["terminal", "swe", "toolcall", "gui", "personal"];
+/// Environment kinds a spec may name.
+pub const ENV_KINDS: &[&str] = &[
+    "scripted",
+    "terminal",
+    "swe",
+    "tool_call",
+    "toolcall",
+    "gui",
+    "personal",
+];
 
 impl JobSpec {
     /// Parses and validates spec text read from `file`.
     pub fn parse(text: &str, file: &str) -> Result<Self, JobSpecError> {
         let de = toml::Deserializer::new(text);
-        let spec: JobSpec = serde_path_to_error::deserialize(de).map_err(|e| JobSpecError {
+        let mut spec: JobSpec = serde_path_to_error::deserialize(de).map_err(|e| JobSpecError {
             file: file.to_string(),
             key: e.path().to_string(),
             message: e.inner().message().to_string(),
         })?;
+        spec.base_dir = Path::new(file)
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default();
         spec.validate(file)?;
         Ok(spec)
     }
@@ -220,6 +395,64 @@ impl JobSpec {
         Self::parse(&text, &file)
     }
 
+    /// A path from the spec, resolved against the spec file's directory when relative.
+    pub fn resolve(&self, path: &str) -> PathBuf {
+        let p = Path::new(path);
+        if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            self.base_dir.join(p)
+        }
+    }
+
+    /// The display name: `name`, else the file stem.
+    pub fn display_name(&self, file: &str) -> String {
+        self.name.clone().unwrap_or_else(|| {
+            Path::new(file)
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "job".into())
+        })
+    }
+
+    /// The scripted judge config: from `rules_file` when given, else from the inline keys.
+    pub fn scripted_config(&self, file: &str) -> Result<ScriptedConfig, JobSpecError> {
+        let j = &self.judge;
+        let bad = |key: &str, message: String| JobSpecError {
+            file: file.to_string(),
+            key: key.to_string(),
+            message,
+        };
+        if let Some(f) = &j.rules_file {
+            let path = self.resolve(f);
+            let text = std::fs::read_to_string(&path).map_err(|e| {
+                bad(
+                    "judge.rules_file",
+                    format!("cannot read {}: {e}", path.display()),
+                )
+            })?;
+            let de = toml::Deserializer::new(&text);
+            return serde_path_to_error::deserialize(de).map_err(|e| {
+                bad(
+                    "judge.rules_file",
+                    format!(
+                        "{}: key `{}`: {}",
+                        path.display(),
+                        e.path(),
+                        e.inner().message()
+                    ),
+                )
+            });
+        }
+        Ok(ScriptedConfig {
+            rules: j.rules.clone().unwrap_or_default(),
+            default_score: j.default_score,
+            hint: j.hint.clone(),
+            noise_rate: j.noise_rate.unwrap_or(0.0),
+            seed: j.noise_seed.unwrap_or(self.seed),
+        })
+    }
+
     fn validate(&self, file: &str) -> Result<(), JobSpecError> {
         let bad = |key: &str, message: String| {
             Err(JobSpecError {
@@ -228,19 +461,103 @@ impl JobSpec {
                 message,
             })
         };
-        if self.policy.checkpoint.trim().is_empty() {
+        let p = &self.policy;
+        if p.checkpoint.trim().is_empty() {
             return bad("policy.checkpoint", "must not be empty".into());
         }
-        if !(1..=64).contains(&self.judge.votes) {
+        if !(1..=64).contains(&p.replicas) {
             return bad(
-                "judge.votes",
-                format!("{} is not in 1..=64", self.judge.votes),
+                "policy.replicas",
+                format!("{} is not in 1..=64", p.replicas),
             );
         }
-        if self.judge.backend == JudgeBackend::Openai && self.judge.endpoint.is_none() {
+        if !(p.temperature.is_finite() && p.temperature > 0.0) {
             return bad(
-                "judge.endpoint",
-                "required when judge.backend = \"openai\"".into(),
+                "policy.temperature",
+                format!("{} must be > 0", p.temperature),
+            );
+        }
+        if !(p.top_p > 0.0 && p.top_p <= 1.0) {
+            return bad("policy.top_p", format!("{} must be in (0, 1]", p.top_p));
+        }
+        if p.max_new_tokens == 0 {
+            return bad("policy.max_new_tokens", "must be at least 1".into());
+        }
+        if p.max_batch == 0 {
+            return bad("policy.max_batch", "must be at least 1".into());
+        }
+        if p.max_context < 2 {
+            return bad("policy.max_context", "must be at least 2".into());
+        }
+        let j = &self.judge;
+        if !(1..=64).contains(&j.votes) {
+            return bad("judge.votes", format!("{} is not in 1..=64", j.votes));
+        }
+        if let Some(h) = j.hint_votes {
+            if !(1..=64).contains(&h) {
+                return bad("judge.hint_votes", format!("{h} is not in 1..=64"));
+            }
+        }
+        if !(j.temperature.is_finite() && j.temperature >= 0.0) {
+            return bad(
+                "judge.temperature",
+                format!("{} must be >= 0", j.temperature),
+            );
+        }
+        if j.max_tokens == 0 {
+            return bad("judge.max_tokens", "must be at least 1".into());
+        }
+        if !(j.timeout_s.is_finite() && j.timeout_s > 0.0) {
+            return bad("judge.timeout_s", format!("{} must be > 0", j.timeout_s));
+        }
+        if j.concurrency == 0 {
+            return bad("judge.concurrency", "must be at least 1".into());
+        }
+        let scripted_keys = j.rules.is_some()
+            || j.default_score.is_some()
+            || j.hint.is_some()
+            || j.noise_rate.is_some()
+            || j.noise_seed.is_some()
+            || j.rules_file.is_some();
+        match j.backend {
+            JudgeBackend::Openai => {
+                if j.endpoint.is_none() {
+                    return bad(
+                        "judge.endpoint",
+                        "required when judge.backend = \"openai\"".into(),
+                    );
+                }
+                if j.model.is_none() {
+                    return bad(
+                        "judge.model",
+                        "required when judge.backend = \"openai\"".into(),
+                    );
+                }
+            }
+            JudgeBackend::Scripted => {
+                if j.rules_file.is_some()
+                    && (j.rules.is_some()
+                        || j.default_score.is_some()
+                        || j.hint.is_some()
+                        || j.noise_rate.is_some()
+                        || j.noise_seed.is_some())
+                {
+                    return bad(
+                        "judge.rules_file",
+                        "give the scripted rules either inline or in rules_file, not both".into(),
+                    );
+                }
+                let cfg = self.scripted_config(file)?;
+                if let Err(e) = crate::judge::scripted::ScriptedBackend::new(&cfg) {
+                    return bad("judge.rules", e.to_string());
+                }
+            }
+            JudgeBackend::Model => {}
+        }
+        if j.backend != JudgeBackend::Scripted && scripted_keys {
+            return bad(
+                "judge.rules",
+                "scripted rules are only read when judge.backend = \"scripted\"".into(),
             );
         }
         for (key, w) in [
@@ -250,6 +567,9 @@ impl JobSpec {
             if !w.is_finite() || w < 0.0 {
                 return bad(key, format!("{w} must be a finite number >= 0"));
             }
+        }
+        if self.method.group_episodes == Some(0) {
+            return bad("method.group_episodes", "must be at least 1".into());
         }
         let o = &self.optim;
         if o.batch_size == 0 {
@@ -271,6 +591,11 @@ impl JobSpec {
         if !(o.kl.is_finite() && o.kl >= 0.0) {
             return bad("optim.kl", format!("{} must be a finite number >= 0", o.kl));
         }
+        if let Some(c) = o.importance_cap {
+            if !(c.is_finite() && c > 0.0) {
+                return bad("optim.importance_cap", format!("{c} must be > 0"));
+            }
+        }
         if !ENV_KINDS.contains(&self.env.kind.as_str()) {
             return bad(
                 "env.kind",
@@ -286,18 +611,33 @@ impl JobSpec {
         if self.env.tasks.trim().is_empty() {
             return bad("env.tasks", "must not be empty".into());
         }
+        if self.env.max_steps == Some(0) {
+            return bad("env.max_steps", "must be at least 1".into());
+        }
+        if let Some(t) = self.env.episode_timeout_s {
+            if !(t.is_finite() && t > 0.0) {
+                return bad("env.episode_timeout_s", format!("{t} must be > 0"));
+            }
+        }
         let s = &self.stop;
-        if s.max_steps.is_none() && s.max_samples.is_none() && s.max_hours.is_none() {
+        if s.max_steps.is_none()
+            && s.max_turns.is_none()
+            && s.max_samples.is_none()
+            && s.max_hours.is_none()
+        {
             return bad(
                 "stop",
-                "set at least one of max_steps, max_samples, max_hours".into(),
+                "set at least one of max_steps, max_turns, max_samples, max_hours".into(),
             );
         }
-        if s.max_steps == Some(0) {
-            return bad("stop.max_steps", "must be at least 1".into());
-        }
-        if s.max_samples == Some(0) {
-            return bad("stop.max_samples", "must be at least 1".into());
+        for (key, v) in [
+            ("stop.max_steps", s.max_steps),
+            ("stop.max_turns", s.max_turns),
+            ("stop.max_samples", s.max_samples),
+        ] {
+            if v == Some(0) {
+                return bad(key, "must be at least 1".into());
+            }
         }
         if let Some(h) = s.max_hours {
             if !(h.is_finite() && h > 0.0) {
@@ -309,14 +649,8 @@ impl JobSpec {
 
     /// What Control needs to place this job.
     pub fn needs(&self, file: &str) -> JobNeeds {
-        let name = self.name.clone().unwrap_or_else(|| {
-            Path::new(file)
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_else(|| "job".into())
-        });
         JobNeeds {
-            name,
+            name: self.display_name(file),
             env_kind: self.env.kind.clone(),
             env_parallelism: self.env.parallelism,
         }

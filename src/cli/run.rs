@@ -1,0 +1,389 @@
+//! `clawrl run JOB.toml`: the embedded default. One in-process node with every role (its Control
+//! actor knows the job and shows its counts to `clawrl status --config <out>/node.toml` while it
+//! runs), the job's loops run to the stop condition with progress bars, then a summary table
+//! (`--json`: a machine-readable summary on stdout instead).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Subcommand;
+use clawrl::job::{JobKind, JobSpec, SpecValidator};
+use clawrl::pipeline::{run_job, RunOptions, RunReport};
+use clawrl_actors::config::NodeConfig;
+use clawrl_actors::control::{ControlReply, ControlRequest};
+use clawrl_actors::loops::{JobCounts, JobPhase, ProgressReport};
+use clawrl_actors::node::{Node, NodeOptions};
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde::Serialize;
+
+/// Subcommands of this area.
+#[derive(Subcommand)]
+pub enum Commands {
+    /// Run a job spec (JOB.toml) to its stop condition on one in-process node with every role.
+    Run {
+        /// The job spec.
+        job: PathBuf,
+        /// The run directory: records, checkpoints, the node's config and data (default
+        /// `runs/<name>-<unix time>`).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Print a JSON summary on stdout (no progress bars).
+        #[arg(long)]
+        json: bool,
+        /// The embedded node's QUIC listen address (port 0 picks one; the chosen one is written
+        /// to `<out>/node.toml`).
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: String,
+    },
+}
+
+/// The JSON summary of `clawrl run --json`.
+#[derive(Serialize)]
+struct Summary<'a> {
+    /// Control's id of the job.
+    control_id: &'a str,
+    /// The spec file.
+    spec: String,
+    /// The run directory.
+    out: &'a Path,
+    /// Whether produced = trained + dropped_stale + failed + pending.
+    balanced: bool,
+    #[serde(flatten)]
+    report: &'a RunReport,
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// Runs one subcommand of this area.
+pub fn run(cmd: Commands) -> anyhow::Result<()> {
+    match cmd {
+        Commands::Run {
+            job,
+            out,
+            json,
+            listen,
+        } => {
+            let spec = JobSpec::load(&job)?;
+            match spec.kind {
+                JobKind::Rl => run_rl(spec, &job, out, json, &listen),
+            }
+        }
+    }
+}
+
+fn node_config_text(listen: &str, data_dir: &Path) -> String {
+    format!(
+        "# The embedded node of a `clawrl run`. `clawrl status --config <this file>` asks its Control.\n\
+         [node]\nname = \"local\"\nlisten = \"{listen}\"\nseeds = []\n\
+         roles = [\"control\", \"trainer\", \"rollout\", \"judge\", \"env\"]\ndata_dir = {:?}\n",
+        data_dir.display().to_string()
+    )
+}
+
+async fn control_call(req: &ControlRequest) -> anyhow::Result<ControlReply> {
+    let cell = ractor::pg::get_members(&clawrl_actors::groups::CONTROL.to_string())
+        .into_iter()
+        .next()
+        .context("the embedded node has no Control actor")?;
+    Ok(clawrl_actors::rpc::call(&cell, req, Duration::from_secs(10)).await?)
+}
+
+struct Bars {
+    multi: MultiProgress,
+    steps: ProgressBar,
+    turns: ProgressBar,
+    counts: ProgressBar,
+}
+
+impl Bars {
+    fn new(spec: &JobSpec, hidden: bool) -> Self {
+        let multi = MultiProgress::with_draw_target(if hidden {
+            ProgressDrawTarget::hidden()
+        } else {
+            ProgressDrawTarget::stderr_with_hz(5)
+        });
+        let bar = |len: Option<u64>, what: &str| {
+            let style = match len {
+                Some(_) => ProgressStyle::with_template(&format!(
+                    "{{elapsed_precise}} {what:>13} [{{bar:30}}] {{pos}}/{{len}} {{msg}}"
+                )),
+                None => ProgressStyle::with_template(&format!(
+                    "{{elapsed_precise}} {what:>13} {{pos}} {{msg}}"
+                )),
+            }
+            .expect("valid template")
+            .progress_chars("=> ");
+            let b = multi.add(ProgressBar::new(len.unwrap_or(0)));
+            b.set_style(style);
+            b
+        };
+        let steps = bar(spec.stop.max_steps, "trainer steps");
+        let turns = bar(spec.stop.max_turns, "turns");
+        let counts = multi.add(ProgressBar::new_spinner());
+        counts.set_style(ProgressStyle::with_template("{spinner} {msg}").expect("valid template"));
+        Bars {
+            multi,
+            steps,
+            turns,
+            counts,
+        }
+    }
+
+    fn update(&self, c: &JobCounts) {
+        let t = &c.trainer;
+        self.steps.set_position(t.steps);
+        self.steps.set_message(format!("version {}", t.version));
+        self.turns.set_position(c.turns);
+        self.turns.set_message(format!(
+            "judged {} unjudged {} · sessions {} running, {} failed, {} lost",
+            c.judged, c.unjudged, c.sessions_running, c.sessions_failed, c.sessions_lost
+        ));
+        self.counts.set_message(format!(
+            "samples: produced {} = trained {} + stale {} + failed {} + pending {} · records {}{}",
+            t.produced,
+            t.trained,
+            t.dropped_stale,
+            t.failed,
+            t.pending,
+            c.records_written,
+            match c.phase {
+                JobPhase::Running => "",
+                JobPhase::Draining => " · draining",
+                JobPhase::Finished => " · finished",
+            }
+        ));
+        self.counts.tick();
+    }
+
+    fn finish(&self) {
+        for b in [&self.steps, &self.turns, &self.counts] {
+            b.finish();
+        }
+        let _ = self.multi.clear();
+    }
+}
+
+fn run_rl(
+    spec: JobSpec,
+    job: &Path,
+    out: Option<PathBuf>,
+    json: bool,
+    listen: &str,
+) -> anyhow::Result<()> {
+    let file = job.display().to_string();
+    let name = spec.display_name(&file);
+    let out = match out {
+        Some(o) => o,
+        None => {
+            let unix = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0);
+            PathBuf::from("runs").join(format!("{name}-{unix}"))
+        }
+    };
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let out = std::path::absolute(&out).with_context(|| format!("resolving {}", out.display()))?;
+    let spec_text = std::fs::read_to_string(job).with_context(|| format!("reading {file}"))?;
+    let node_file = out.join("node.toml");
+    let node_text = node_config_text(listen, &out.join("node"));
+    let cfg = NodeConfig::parse(&node_text, &node_file)?;
+    runtime()?.block_on(async move {
+        let node = Node::start(
+            &cfg,
+            NodeOptions {
+                validator: Some(Arc::new(SpecValidator)),
+                envs: Vec::new(),
+            },
+        )
+        .await?;
+        // The real port, so that `clawrl status --config <out>/node.toml` reaches this node.
+        std::fs::write(
+            &node_file,
+            node_config_text(&node.addr().to_string(), &out.join("node")),
+        )
+        .with_context(|| format!("writing {}", node_file.display()))?;
+        let id = match control_call(&ControlRequest::Submit {
+            file: file.clone(),
+            spec: spec_text,
+        })
+        .await?
+        {
+            ControlReply::Jobs(j) if !j.is_empty() => j[0].id.clone(),
+            ControlReply::Jobs(_) => bail!("Control accepted the job but returned no record"),
+            ControlReply::Error(e) => bail!("{e}"),
+        };
+        let bars = Arc::new(Bars::new(&spec, json));
+        let last_sent = Arc::new(AtomicU64::new(0));
+        let t0 = Instant::now();
+        let progress: ProgressReport = {
+            let bars = bars.clone();
+            let id = id.clone();
+            Arc::new(move |c: &JobCounts| {
+                bars.update(c);
+                // Control hears the counts about once a second, and always the final ones.
+                let now = t0.elapsed().as_millis() as u64;
+                let due = now.saturating_sub(last_sent.load(Ordering::Relaxed)) >= 1000;
+                if due || c.phase == JobPhase::Finished {
+                    last_sent.store(now, Ordering::Relaxed);
+                    let req = ControlRequest::Progress {
+                        id: id.clone(),
+                        counts: c.clone(),
+                    };
+                    tokio::spawn(async move {
+                        if let Err(e) = control_call(&req).await {
+                            tracing::debug!("reporting progress to Control: {e}");
+                        }
+                    });
+                }
+            })
+        };
+        if !json {
+            eprintln!(
+                "clawrl run: {id} ({name}, method {}), records and checkpoints in {}",
+                spec.method.kind.name(),
+                out.display()
+            );
+        }
+        let result = run_job(
+            &spec,
+            &file,
+            RunOptions {
+                out: out.clone(),
+                job_id: id.clone(),
+                progress: Some(progress),
+                poll: Duration::from_millis(200),
+            },
+        )
+        .await;
+        bars.finish();
+        let report = match result {
+            Ok(r) => r,
+            Err(e) => {
+                node.shutdown().await;
+                return Err(e.into());
+            }
+        };
+        // Control keeps the final counts.
+        let _ = control_call(&ControlRequest::Progress {
+            id: id.clone(),
+            counts: report.counts.clone(),
+        })
+        .await;
+        node.shutdown().await;
+        let balanced = report.trainer.balanced();
+        if json {
+            let s = Summary {
+                control_id: &id,
+                spec: file.clone(),
+                out: &out,
+                balanced,
+                report: &report,
+            };
+            println!("{}", serde_json::to_string_pretty(&s)?);
+        } else {
+            print_table(&report, &out, balanced);
+        }
+        Ok(())
+    })
+}
+
+fn print_table(r: &RunReport, out: &Path, balanced: bool) {
+    let c = &r.counts;
+    let t = &r.trainer;
+    let rows: Vec<(&str, String)> = vec![
+        ("job", format!("{} (method {})", r.job, r.method)),
+        (
+            "wall time",
+            format!("{:.1} s, {:.2} turns/s", r.wall_s, r.turns_per_s),
+        ),
+        (
+            "sessions",
+            format!(
+                "{} started, {} finished, {} failed, {} restarted, {} lost",
+                c.sessions_started,
+                c.sessions_finished,
+                c.sessions_failed,
+                c.sessions_restarted,
+                c.sessions_lost
+            ),
+        ),
+        (
+            "turns",
+            format!("{} ({} judged, {} unjudged)", c.turns, c.judged, c.unjudged),
+        ),
+        (
+            "samples",
+            format!(
+                "{} produced = {} trained + {} dropped stale + {} failed + {} pending ({})",
+                t.produced,
+                t.trained,
+                t.dropped_stale,
+                t.failed,
+                t.pending,
+                if balanced { "balanced" } else { "NOT BALANCED" }
+            ),
+        ),
+        (
+            "trainer",
+            format!(
+                "{} steps, version {}{}",
+                t.steps,
+                t.version,
+                t.resumed_from
+                    .map(|v| format!(" (resumed from {v})"))
+                    .unwrap_or_default()
+            ),
+        ),
+        (
+            "replicas",
+            r.replicas
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    format!(
+                        "#{i}: v{} ({} requests, {} switches)",
+                        s.version.map_or("-".into(), |v| v.to_string()),
+                        s.requests,
+                        s.switches
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("; "),
+        ),
+        (
+            "records",
+            format!(
+                "{} written ({} waits on a full queue, {} failed) in {}",
+                r.records.written,
+                r.records.waited_full,
+                c.records_failed,
+                r.records_dir.display()
+            ),
+        ),
+        (
+            "checkpoint",
+            r.final_checkpoint
+                .as_ref()
+                .map_or("none".into(), |p| p.display().to_string()),
+        ),
+        ("run dir", out.display().to_string()),
+    ];
+    let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    println!("{:-<1$}", "", w + 60);
+    for (k, v) in rows {
+        println!("{k:<w$}  {v}");
+    }
+    if let Some(e) = &c.last_error {
+        println!("{:<w$}  {e}", "last error");
+    }
+    println!("{:-<1$}", "", w + 60);
+}

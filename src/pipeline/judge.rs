@@ -1,0 +1,144 @@
+//! The judge as the `PrmVoter` uses it: [`crate::judge::Judge`] behind the actors' [`TurnJudge`]
+//! trait.
+//!
+//! Per-turn methods (`binary`, `opd`, `combined`) judge `(a_t, s_{t+1})` with the personal
+//! evaluation prompt (`m` votes) and, when the method has an OPD term, the hint prompt
+//! (`hint_m` votes), all concurrently; the record is issue 5's judged-turn record. `stepwise`
+//! judges each step with the step prompt of the environment's kind; its reward is the aggregated
+//! process score. A turn without a next state is not sent to the judge: it is recorded as
+//! unjudged ("no next state"), as DESIGN §1 excludes it from the loss.
+
+use clawrl_actors::loops::{BoxFuture, Judgement, Turn, TurnJudge};
+use serde_json::{json, Value};
+
+use crate::job::MethodKind;
+use crate::judge::{Judge, PromptKind, StepMaterial, TurnMaterial};
+
+/// Most characters of the history summary a step judge reads.
+const HISTORY_CHARS: usize = 4000;
+
+/// The judge adapter.
+pub struct PipelineJudge {
+    judge: Judge,
+    method: MethodKind,
+    step_prompt: PromptKind,
+}
+
+impl PipelineJudge {
+    /// Judges for `method`; `step_prompt` is the step kind `stepwise` uses.
+    pub fn new(judge: Judge, method: MethodKind, step_prompt: PromptKind) -> Self {
+        PipelineJudge {
+            judge,
+            method,
+            step_prompt,
+        }
+    }
+}
+
+/// The text of a message's content (strings as they are; parts' `text` joined).
+pub fn content_text(message: &Value) -> String {
+    match message.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
+/// The next state as the judge reads it: each message's text, joined; and the role of the last.
+pub fn next_state_text(next_state: &[Value]) -> (String, String) {
+    let text = next_state
+        .iter()
+        .map(content_text)
+        .collect::<Vec<_>>()
+        .join("\n\n");
+    let role = next_state
+        .last()
+        .and_then(|m| m.get("role"))
+        .and_then(Value::as_str)
+        .unwrap_or("user")
+        .to_string();
+    (text, role)
+}
+
+fn history(turn: &Turn) -> String {
+    let mut lines: Vec<String> = turn
+        .observation
+        .messages
+        .iter()
+        .map(|m| {
+            let role = m.get("role").and_then(Value::as_str).unwrap_or("?");
+            format!("{role}: {}", content_text(m))
+        })
+        .collect();
+    let mut total: usize = lines.iter().map(|l| l.len() + 1).sum();
+    while total > HISTORY_CHARS && lines.len() > 1 {
+        total -= lines[0].len() + 1;
+        lines.remove(0);
+    }
+    lines.join("\n")
+}
+
+impl TurnJudge for PipelineJudge {
+    fn judge<'a>(&'a self, turn: &'a Turn) -> BoxFuture<'a, Result<Judgement, String>> {
+        Box::pin(async move {
+            if turn.outcome.next_state.is_empty() {
+                return Ok(Judgement::unjudged(turn, "no next state"));
+            }
+            let (next_state, role) = next_state_text(&turn.outcome.next_state);
+            if self.method == MethodKind::Stepwise {
+                let j = self
+                    .judge
+                    .judge_step(
+                        self.step_prompt,
+                        StepMaterial {
+                            task: turn.instruction.clone(),
+                            history: history(turn),
+                            step_index: turn.turn,
+                            step: turn.policy.response_text.clone(),
+                            result: next_state,
+                        },
+                    )
+                    .await;
+                let record = json!({
+                    "session_id": turn.session_id,
+                    "turn": turn.turn,
+                    "votes": j.votes,
+                    "reward": j.score,
+                    "hint_accepted": false,
+                    "hint": null,
+                    "teacher_version": null,
+                    "unjudged": j.unjudged,
+                });
+                return Ok(Judgement {
+                    reward: j.score,
+                    hint: None,
+                    unjudged: j.unjudged,
+                    record,
+                });
+            }
+            let j = self
+                .judge
+                .judge_turn(
+                    TurnMaterial {
+                        response: turn.policy.response_text.clone(),
+                        next_state,
+                        next_state_role: role,
+                    },
+                    self.method.uses_hints(),
+                )
+                .await;
+            let record = serde_json::to_value(j.record(&turn.session_id, turn.turn as u64, None))
+                .map_err(|e| format!("serializing the judge record: {e}"))?;
+            Ok(Judgement {
+                reward: j.reward as f64,
+                hint: j.hint,
+                unjudged: j.unjudged,
+                record,
+            })
+        })
+    }
+}

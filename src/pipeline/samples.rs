@@ -1,0 +1,356 @@
+//! Training samples from judged episodes, per method (DESIGN §1), and the OPD teacher.
+//!
+//! - `binary`: [`crate::rl::binary_samples`] picks the turns of an episode (next state and
+//!   reward ±1, else the session's first turn with a next state, "at least one"); every response
+//!   token gets the reward.
+//! - `opd`: a turn with an accepted hint gets `w_opd · (teacher_k − old_k)`; others give nothing.
+//! - `combined`: the four-case dispatch of [`crate::rl::combine`].
+//! - `stepwise`: each step's reward is [`crate::rl::step_reward`] of the episode outcome and the
+//!   step's process score; rewards are z-scored in (task, step index) buckets over the episodes
+//!   of one build ([`crate::rl::zscore_buckets`]).
+//!
+//! The teacher is a rollout worker over [`TeacherScorer`]: its "generation" is scoring the
+//! original response under `s_enhanced` with [`crate::judge::TeacherModel`] (the hint on the last
+//! user message, re-rendered with the same template and tools). When the teacher is the current
+//! policy, the trainer's new versions are installed on it like on any replica (without pausing);
+//! a frozen teacher keeps version 0. `old_k` are the rollout log-probs (the policy's own
+//! log-probs when `policy.temperature = 1`). Every sample carries the version of its tokens.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clawrl_actors::loops::{
+    BoxFuture, Built, EndReason, EpisodeTurns, PolicyReplica, RolloutMsg, SampleBuilder,
+    TrainSample,
+};
+use ractor::ActorRef;
+
+use crate::job::MethodKind;
+use crate::judge::{TeacherError, TeacherModel};
+use crate::model::{model_from_safetensors, ChatTemplate, LoadError, Qwen3, Qwen3Config};
+use crate::rl::{
+    binary_samples, combine, step_reward, zscore_buckets, AdvantageWeights, BinaryTurn,
+    EpisodeKind, StepSample,
+};
+use crate::CpuBackend;
+
+/// One teacher scoring request: the original messages and tools of `s_t`, the hint, and the
+/// response ids to score.
+pub struct TeacherRequest {
+    /// `s_t` as chat messages.
+    pub messages: Vec<serde_json::Value>,
+    /// The tools `s_t` was rendered with.
+    pub tools: Vec<serde_json::Value>,
+    /// The accepted hint.
+    pub hint: String,
+    /// The response `a_t`.
+    pub response_ids: Vec<u32>,
+}
+
+/// Why the teacher could not score.
+#[derive(Debug, thiserror::Error)]
+pub enum TeacherScoreError {
+    /// Building or scoring `s_enhanced` failed.
+    #[error(transparent)]
+    Teacher(#[from] TeacherError),
+    /// The scoring task died.
+    #[error("the teacher's scoring task failed: {0}")]
+    Task(String),
+}
+
+/// The OPD teacher as a policy replica: versions load like the policy's, "generation" scores.
+pub struct TeacherScorer {
+    config: Qwen3Config,
+    template: Arc<ChatTemplate>,
+    tokenizer: Arc<tokenizers::Tokenizer>,
+}
+
+impl TeacherScorer {
+    /// A teacher reading weight blobs under `config` (the learner's export config).
+    pub fn new(
+        config: Qwen3Config,
+        template: Arc<ChatTemplate>,
+        tokenizer: Arc<tokenizers::Tokenizer>,
+    ) -> Self {
+        TeacherScorer {
+            config,
+            template,
+            tokenizer,
+        }
+    }
+}
+
+impl PolicyReplica for TeacherScorer {
+    type Request = TeacherRequest;
+    type Output = Vec<f32>;
+    type GenerateError = TeacherScoreError;
+    type Loaded = Qwen3<CpuBackend>;
+    type LoadError = LoadError;
+
+    fn load(&self, _version: u64, weights: &[u8]) -> Result<Qwen3<CpuBackend>, LoadError> {
+        model_from_safetensors::<CpuBackend>(&self.config, weights, &Default::default())
+    }
+
+    async fn generate(
+        &self,
+        loaded: Arc<Qwen3<CpuBackend>>,
+        request: TeacherRequest,
+    ) -> Result<Vec<f32>, TeacherScoreError> {
+        let template = self.template.clone();
+        let tokenizer = self.tokenizer.clone();
+        tokio::task::spawn_blocking(move || {
+            let teacher = TeacherModel {
+                model: &loaded,
+                template: &template,
+                tokenizer: &tokenizer,
+            };
+            let messages = minijinja::Value::from_serialize(&request.messages);
+            let tools = (!request.tools.is_empty())
+                .then(|| minijinja::Value::from_serialize(&request.tools));
+            teacher
+                .logprobs(
+                    &messages,
+                    tools.as_ref(),
+                    &request.hint,
+                    &request.response_ids,
+                )
+                .map_err(TeacherScoreError::from)
+        })
+        .await
+        .map_err(|e| TeacherScoreError::Task(e.to_string()))?
+    }
+}
+
+/// A rollout worker over the teacher.
+pub type TeacherWorker = ActorRef<RolloutMsg<TeacherScorer>>;
+
+/// The sample builder of a job.
+pub struct MethodBuilder {
+    job: String,
+    method: MethodKind,
+    weights: AdvantageWeights,
+    teacher: Option<TeacherWorker>,
+    step_kind: EpisodeKind,
+    group_episodes: usize,
+    timeout: Duration,
+}
+
+impl MethodBuilder {
+    /// A builder for `method`. `teacher` is required for `opd` and `combined`.
+    pub fn new(
+        job: impl Into<String>,
+        method: MethodKind,
+        weights: AdvantageWeights,
+        teacher: Option<TeacherWorker>,
+        step_kind: EpisodeKind,
+        group_episodes: usize,
+    ) -> Result<Self, String> {
+        if method.uses_hints() && teacher.is_none() {
+            return Err(format!("method `{}` needs an OPD teacher", method.name()));
+        }
+        Ok(MethodBuilder {
+            job: job.into(),
+            method,
+            weights,
+            teacher,
+            step_kind,
+            group_episodes: group_episodes.max(1),
+            timeout: Duration::from_secs(600),
+        })
+    }
+}
+
+fn sample(job: &str, jt: &clawrl_actors::loops::JudgedTurn, advantages: Vec<f32>) -> TrainSample {
+    let t = &jt.turn;
+    TrainSample {
+        job: job.to_string(),
+        session_id: t.session_id.clone(),
+        turn: t.turn,
+        version: t.policy.version,
+        prompt_ids: t.policy.prompt_ids.clone(),
+        response_ids: t.policy.response_ids.clone(),
+        advantages,
+        rollout_logprobs: Some(t.policy.logprobs.clone()),
+    }
+}
+
+/// The reward term a turn's judgement gives (`-1`, `0`, `1`; unjudged turns give 0).
+fn reward_of(jt: &clawrl_actors::loops::JudgedTurn) -> i8 {
+    if jt.judgement.unjudged.is_some() || jt.turn.outcome.next_state.is_empty() {
+        0
+    } else {
+        jt.judgement.reward.round().clamp(-1.0, 1.0) as i8
+    }
+}
+
+async fn teacher_logprobs(
+    teacher: &TeacherWorker,
+    jt: &clawrl_actors::loops::JudgedTurn,
+    hint: &str,
+    timeout: Duration,
+) -> Result<(u64, Vec<f32>), String> {
+    let t = &jt.turn;
+    let request = TeacherRequest {
+        messages: t.observation.messages.clone(),
+        tools: t.observation.tools.clone(),
+        hint: hint.to_string(),
+        response_ids: t.policy.response_ids.clone(),
+    };
+    match teacher
+        .call(|port| RolloutMsg::Generate(request, port), Some(timeout))
+        .await
+    {
+        Ok(ractor::rpc::CallResult::Success(Ok(g))) => Ok((g.version, g.output)),
+        Ok(ractor::rpc::CallResult::Success(Err(e))) => Err(e.to_string()),
+        Ok(other) => Err(format!("the teacher did not answer: {other:?}")),
+        Err(e) => Err(format!("the teacher is gone: {e}")),
+    }
+}
+
+impl MethodBuilder {
+    async fn build_episodes(
+        &self,
+        episodes: &[EpisodeTurns],
+    ) -> Result<Built<TrainSample>, String> {
+        let mut samples = Vec::new();
+        let mut teacher_versions = HashMap::new();
+        match self.method {
+            MethodKind::Binary => {
+                for ep in episodes {
+                    let turns: Vec<BinaryTurn> = ep
+                        .turns
+                        .iter()
+                        .map(|jt| BinaryTurn {
+                            session_id: jt.turn.session_id.clone(),
+                            turn: jt.turn.turn as u64,
+                            has_next_state: !jt.turn.outcome.next_state.is_empty(),
+                            reward: reward_of(jt),
+                        })
+                        .collect();
+                    for b in binary_samples(&turns) {
+                        let jt = &ep.turns[b.index];
+                        let adv = self.weights.w_binary * b.advantage;
+                        samples.push(sample(
+                            &self.job,
+                            jt,
+                            vec![adv; jt.turn.policy.response_ids.len()],
+                        ));
+                    }
+                }
+            }
+            MethodKind::Opd | MethodKind::Combined => {
+                let teacher = self.teacher.as_ref().expect("checked in new");
+                for ep in episodes {
+                    for jt in &ep.turns {
+                        let n = jt.turn.policy.response_ids.len();
+                        if n == 0 {
+                            continue;
+                        }
+                        let reward = if self.method == MethodKind::Combined {
+                            reward_of(jt)
+                        } else {
+                            0
+                        };
+                        let teacher_lp = match jt.judgement.hint.as_deref() {
+                            Some(h) => {
+                                let (v, lp) =
+                                    teacher_logprobs(teacher, jt, h, self.timeout).await?;
+                                teacher_versions
+                                    .insert((jt.turn.session_id.clone(), jt.turn.turn), v);
+                                Some(lp)
+                            }
+                            None => None,
+                        };
+                        let opd = teacher_lp
+                            .as_deref()
+                            .map(|t| (t, jt.turn.policy.logprobs.as_slice()));
+                        let weights = if self.method == MethodKind::Opd {
+                            AdvantageWeights {
+                                w_binary: 0.0,
+                                w_opd: self.weights.w_opd,
+                            }
+                        } else {
+                            self.weights
+                        };
+                        if let Some(c) = combine(weights, reward, opd, n).map_err(|e| {
+                            format!("session {} turn {}: {e}", jt.turn.session_id, jt.turn.turn)
+                        })? {
+                            samples.push(sample(&self.job, jt, c.advantages));
+                        }
+                    }
+                }
+            }
+            MethodKind::Stepwise => {
+                let mut steps = Vec::new();
+                let mut refs = Vec::new();
+                for ep in episodes {
+                    let o = match ep.reason {
+                        EndReason::Done { outcome: Some(o) } => o,
+                        _ => match self.step_kind {
+                            // No verifiable outcome: a failed pass for the ±1 kinds.
+                            EpisodeKind::Terminal | EpisodeKind::Gui | EpisodeKind::Swe => -1.0,
+                            _ => 0.0,
+                        },
+                    };
+                    let o = match self.step_kind {
+                        // These formulas take the outcome in [0, 1]; environments give [-1, 1].
+                        EpisodeKind::Terminal | EpisodeKind::Gui | EpisodeKind::Swe => {
+                            ((o + 1.0) / 2.0).clamp(0.0, 1.0)
+                        }
+                        _ => o,
+                    };
+                    for jt in &ep.turns {
+                        if jt.turn.outcome.next_state.is_empty()
+                            || jt.turn.policy.response_ids.is_empty()
+                        {
+                            continue;
+                        }
+                        let prm = if jt.judgement.unjudged.is_some() {
+                            0.0
+                        } else {
+                            jt.judgement.reward
+                        };
+                        let r = step_reward(self.step_kind, o, prm).map_err(|e| e.to_string())?;
+                        steps.push(StepSample {
+                            group: ep.task_id.clone(),
+                            step: jt.turn.turn,
+                            reward: r,
+                        });
+                        refs.push(jt);
+                    }
+                }
+                for z in zscore_buckets(&steps).map_err(|e| e.to_string())? {
+                    let jt = refs[z.index];
+                    let n = jt.turn.policy.response_ids.len();
+                    samples.push(sample(&self.job, jt, vec![z.advantage as f32; n]));
+                }
+            }
+        }
+        Ok(Built {
+            samples,
+            teacher_versions,
+        })
+    }
+}
+
+/// A cheap handle the job calls builds through.
+pub struct SharedBuilder(pub Arc<MethodBuilder>);
+
+impl SampleBuilder<TrainSample> for SharedBuilder {
+    fn episodes_per_build(&self) -> usize {
+        if self.0.method == MethodKind::Stepwise {
+            self.0.group_episodes
+        } else {
+            1
+        }
+    }
+
+    fn build(
+        &self,
+        episodes: Arc<Vec<EpisodeTurns>>,
+    ) -> BoxFuture<'static, Result<Built<TrainSample>, String>> {
+        let b = self.0.clone();
+        Box::pin(async move { b.build_episodes(&episodes).await })
+    }
+}
