@@ -641,23 +641,28 @@ async fn resume_from_checkpoint_keeps_versions_counting_up() {
         (s.version, s.checkpoints, s.checkpoint_version),
         (3, 1, Some(2))
     );
-    let v2_hash = heard
-        .lock()
-        .unwrap()
-        .iter()
-        .find_map(|e| match e {
-            TrainerEvent::Published { announce, .. } if announce.version == 2 => {
-                Some(announce.hash.clone())
-            }
-            _ => None,
-        })
-        .unwrap();
+    let hash_of = |heard: &Heard, v: u64| {
+        heard
+            .lock()
+            .unwrap()
+            .iter()
+            .find_map(|e| match e {
+                TrainerEvent::Published { announce, .. } if announce.version == v => {
+                    Some(announce.hash.clone())
+                }
+                _ => None,
+            })
+            .unwrap()
+    };
+    let (v2_hash, v3_hash) = (hash_of(&heard, 2), hash_of(&heard, 3));
     // The trainer dies without a word.
     t.kill();
     tokio::time::sleep(Duration::from_millis(100)).await;
 
     // A fresh trainer (initial weights) on the same directory resumes the checkpoint of
     // version 2; version 3 was served and is lost, so the resumed weights become version 4.
+    // The sample trained only into version 3 is replayed from the journal: version 5 is the
+    // lost version 3's weights again.
     let (heard, sub) = recorder();
     let t = spawn(
         cfg.clone(),
@@ -667,7 +672,12 @@ async fn resume_from_checkpoint_keeps_versions_counting_up() {
     )
     .await;
     let s = idle(&t).await;
-    assert_eq!((s.resumed_from, s.version, s.steps), (Some(2), 4, 2));
+    assert_eq!(
+        (s.resumed_from, s.recovered, s.produced, s.trained),
+        (Some(2), 1, 1, 1)
+    );
+    assert_eq!((s.version, s.steps), (5, 3));
+    assert_eq!(hash_of(&heard, 5), v3_hash);
     let first = heard.lock().unwrap()[0].clone();
     let TrainerEvent::Published { announce, .. } = first else {
         panic!("{first:?}")
@@ -679,18 +689,60 @@ async fn resume_from_checkpoint_keeps_versions_counting_up() {
     let s = idle(&t).await;
     assert_eq!(
         (s.version, s.steps, s.trained, s.checkpoint_version),
-        (5, 3, 1, Some(2))
+        (6, 4, 2, Some(6))
     );
-    // A requested checkpoint, then a clean restart continues from version 5 exactly.
+    // A requested checkpoint, then a clean restart continues from version 6 exactly.
     let path = ractor::call_t!(t, TrainerMsg::Checkpoint, 10_000)
         .unwrap()
         .unwrap();
-    assert!(path.ends_with("step-00000003"), "{path:?}");
+    assert!(path.ends_with("step-00000004"), "{path:?}");
     t.stop(None);
     tokio::time::sleep(Duration::from_millis(100)).await;
     let t = spawn(cfg, Unigram::new(Arc::default()), local(), vec![]).await;
     let s = idle(&t).await;
-    assert_eq!((s.resumed_from, s.version, s.steps), (Some(5), 5, 3));
+    assert_eq!((s.resumed_from, s.version, s.steps), (Some(6), 6, 4));
+    assert_eq!((s.recovered, s.produced), (0, 0));
+}
+
+#[tokio::test]
+async fn samples_pending_at_a_crash_are_recovered() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = TrainerConfig {
+        checkpoint_dir: Some(dir.path().to_path_buf()),
+        ..config(2)
+    };
+    let t = spawn(cfg.clone(), Unigram::new(Arc::default()), local(), vec![]).await;
+    t.cast(TrainerMsg::Samples(vec![
+        sample(0, "a", 0, &[3], 1.0),
+        sample(0, "a", 1, &[4], 1.0),
+        sample(0, "a", 2, &[5], -1.0),
+    ]))
+    .unwrap();
+    let s = idle(&t).await;
+    assert_eq!(
+        (s.version, s.checkpoint_version, s.pending),
+        (1, Some(1), 1)
+    );
+    t.cast(TrainerMsg::Samples(vec![sample(1, "b", 0, &[6], 1.0)]))
+        .unwrap();
+    let s = idle(&t).await;
+    assert_eq!(
+        (s.version, s.checkpoint_version, s.pending),
+        (2, Some(2), 0)
+    );
+    t.cast(TrainerMsg::Samples(vec![sample(2, "c", 0, &[7], 1.0)]))
+        .unwrap();
+    idle(&t).await;
+    t.kill();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Only the sample no checkpoint covers comes back; it completes a batch with a new one.
+    let t = spawn(cfg, Unigram::new(Arc::default()), local(), vec![]).await;
+    let s = idle(&t).await;
+    assert_eq!((s.resumed_from, s.recovered, s.pending), (Some(2), 1, 1));
+    t.cast(TrainerMsg::Samples(vec![sample(2, "d", 0, &[8], 1.0)]))
+        .unwrap();
+    let s = idle(&t).await;
+    assert_eq!((s.produced, s.trained, s.version), (2, 2, 3));
 }
 
 /// A replica whose "model" is the weight bytes: it serves their hash.

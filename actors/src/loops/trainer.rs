@@ -26,10 +26,18 @@
 //!   then re-published as the next version above them, so replicas (which ignore versions that
 //!   are not newer) switch to the trainer's lineage and versions keep counting up.
 //!
-//! Samples waiting in memory when the trainer process dies are lost with it; the job sees this
-//! as `produced` of the new incarnation restarting at 0 (see the job's own counts).
+//! - **Accepted samples survive a trainer restart.** With a checkpoint directory, every accepted
+//!   sample is appended to `<dir>/pending.jsonl` before it is counted; when a checkpoint is
+//!   written the journal is rewritten (temporary file, renamed) to the samples that checkpoint
+//!   does not cover (the step in flight and the queue). A restarted trainer replays the journal
+//!   into its queue ([`TrainerStats::recovered`]), so samples pending at the crash, and samples
+//!   trained only into versions lost with the old trainer, are trained again from the
+//!   checkpoint. The journal is flushed to the OS on every append (it survives a killed
+//!   process; not a power cut). Counters are per incarnation: recovered samples count in the
+//!   new one's `produced`.
 
 use std::collections::VecDeque;
+use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
@@ -333,6 +341,8 @@ pub struct TrainerStats {
     pub in_step: u64,
     /// Samples refused on arrival (never accepted, not in `produced`).
     pub rejected: u64,
+    /// Of `produced`, samples replayed at start from the previous incarnation's journal.
+    pub recovered: u64,
     /// Samples trained with importance weights.
     pub importance_weighted: u64,
     /// The trainer's weight version.
@@ -573,6 +583,7 @@ pub struct TrainerState {
     idle_waiters: Vec<RpcReplyPort<TrainerStats>>,
     checkpoint_waiters: Vec<RpcReplyPort<Result<PathBuf, String>>>,
     checkpoint_running: bool,
+    journal: Option<Journal>,
 }
 
 /// What the learner thread reports after start.
@@ -762,7 +773,105 @@ fn learner_thread<L: Learner>(
     }
 }
 
+/// The pending-sample journal under the checkpoint directory (see the module docs).
+struct Journal {
+    path: PathBuf,
+    file: std::io::BufWriter<std::fs::File>,
+}
+
+impl Journal {
+    fn path(root: &Path) -> PathBuf {
+        root.join("pending.jsonl")
+    }
+
+    /// The samples a previous incarnation left, in order.
+    fn replay(root: &Path) -> Result<Vec<TrainSample>, String> {
+        let path = Self::path(root);
+        let file = match std::fs::File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+        };
+        let mut out = Vec::new();
+        for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+            let line = line.map_err(|e| format!("{}: {e}", path.display()))?;
+            if line.trim().is_empty() {
+                continue;
+            }
+            match serde_json::from_str::<TrainSample>(&line) {
+                Ok(s) => out.push(s),
+                // A line cut short by a crash mid-append can only be the last one.
+                Err(e) => tracing::warn!(
+                    "{}: line {} is not a sample ({e}); skipped",
+                    path.display(),
+                    i + 1
+                ),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Rewrites the journal to hold exactly `samples` and opens it for appending.
+    fn rewrite<'a>(
+        root: &Path,
+        samples: impl Iterator<Item = &'a TrainSample>,
+    ) -> Result<Journal, String> {
+        let path = Self::path(root);
+        let tmp = root.join(".pending.jsonl.tmp");
+        let io = |e: std::io::Error| format!("{}: {e}", tmp.display());
+        std::fs::create_dir_all(root).map_err(|e| format!("{}: {e}", root.display()))?;
+        {
+            let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(io)?);
+            for s in samples {
+                serde_json::to_writer(&mut w, s).map_err(|e| e.to_string())?;
+                w.write_all(b"\n").map_err(io)?;
+            }
+            w.into_inner()
+                .map_err(|e| io(e.into_error()))?
+                .sync_all()
+                .map_err(io)?;
+        }
+        std::fs::rename(&tmp, &path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(Journal {
+            path,
+            file: std::io::BufWriter::new(file),
+        })
+    }
+
+    fn append(&mut self, samples: &[TrainSample]) -> Result<(), String> {
+        let io = |e: std::io::Error| format!("{}: {e}", self.path.display());
+        for s in samples {
+            serde_json::to_writer(&mut self.file, s).map_err(|e| e.to_string())?;
+            self.file.write_all(b"\n").map_err(io)?;
+        }
+        self.file.flush().map_err(io)
+    }
+}
+
 impl TrainerState {
+    /// Rewrites the journal to the samples the newest checkpoint does not cover.
+    fn compact_journal(&mut self) {
+        let Some(root) = self.config.checkpoint_dir.clone() else {
+            return;
+        };
+        let in_step = self.in_step.as_ref().map(|s| s.batch.clone());
+        let samples = in_step
+            .iter()
+            .flat_map(|b| b.iter())
+            .chain(self.queue.iter());
+        match Journal::rewrite(&root, samples) {
+            Ok(j) => self.journal = Some(j),
+            Err(e) => {
+                tracing::error!("rewriting the pending-sample journal: {e}");
+                self.stats.last_error = Some(format!("pending-sample journal: {e}"));
+            }
+        }
+    }
+
     fn snapshot(&self) -> TrainerStats {
         let mut s = self.stats.clone();
         let in_step = self.in_step.as_ref().map_or(0, |s| s.batch.len()) as u64;
@@ -837,6 +946,7 @@ impl TrainerState {
     }
 
     fn accept(&mut self, samples: Vec<TrainSample>) {
+        let mut accepted = Vec::with_capacity(samples.len());
         for s in samples {
             match self.refuse(&s) {
                 Some(reason) => {
@@ -844,12 +954,18 @@ impl TrainerState {
                     self.stats.rejected += 1;
                     self.stats.last_rejection = Some(reason);
                 }
-                None => {
-                    self.stats.produced += 1;
-                    self.queue.push_back(s);
-                }
+                None => accepted.push(s),
             }
         }
+        if let Some(journal) = &mut self.journal {
+            if let Err(e) = journal.append(&accepted) {
+                // Still accepted and trained; only a restart could lose them now.
+                tracing::error!("appending to the pending-sample journal: {e}");
+                self.stats.last_error = Some(format!("pending-sample journal: {e}"));
+            }
+        }
+        self.stats.produced += accepted.len() as u64;
+        self.queue.extend(accepted);
         self.maybe_step();
     }
 
@@ -1114,6 +1230,7 @@ impl<L: Learner> Actor for Trainer<L> {
             idle_waiters: Vec::new(),
             checkpoint_waiters: Vec::new(),
             checkpoint_running: false,
+            journal: None,
         };
         state.next_subscriber = state.subscribers.len() as u64;
         match started.initial {
@@ -1129,6 +1246,29 @@ impl<L: Learner> Actor for Trainer<L> {
                 version = state.stats.version,
                 "trainer resumed"
             );
+        }
+        if let Some(root) = state.config.checkpoint_dir.clone() {
+            // Samples the previous incarnation accepted that no checkpoint covers.
+            let left = Journal::replay(&root).map_err(TrainerStartError::Init)?;
+            let mut recovered = Vec::with_capacity(left.len());
+            for s in left {
+                match state.refuse(&s) {
+                    Some(reason) => {
+                        state.stats.rejected += 1;
+                        state.stats.last_rejection = Some(reason);
+                    }
+                    None => recovered.push(s),
+                }
+            }
+            state.journal =
+                Some(Journal::rewrite(&root, recovered.iter()).map_err(TrainerStartError::Init)?);
+            if !recovered.is_empty() {
+                tracing::info!("trainer recovered {} pending samples", recovered.len());
+            }
+            state.stats.recovered = recovered.len() as u64;
+            state.stats.produced = recovered.len() as u64;
+            state.queue.extend(recovered);
+            state.maybe_step();
         }
         Ok(state)
     }
@@ -1192,6 +1332,7 @@ impl<L: Learner> Actor for Trainer<L> {
                         state.stats.checkpoints += 1;
                         state.stats.checkpoint_version = Some(*version);
                         state.steps_since_checkpoint = 0;
+                        state.compact_journal();
                         let event = TrainerEvent::Checkpointed {
                             version: *version,
                             path: path.clone(),
