@@ -30,24 +30,24 @@ pub use env::{
     Action, BoxFuture, EnvError, Environment, Episode, Observation, StepOutcome, ToolCallAction,
 };
 pub use job::{
-    spawn_job, Built, EpisodeTurns, JobArgs, JobCounts, JobMsg, JobPhase, JobSettings,
+    spawn_job, Built, EpisodeTurns, JobArgs, JobCounts, JobMsg, JobPhase, JobSample, JobSettings,
     JobSupervisor, ProgressReport, SampleBuilder, StopCondition, TrainerCounts, TrainerLink,
+};
+pub use recorder::{Recorder, RecorderConfig, RecorderHandle, RecorderMsg, RecorderStats};
+pub use rollout::{
+    Generated, RolloutArgs, RolloutError, RolloutMsg, RolloutStats, RolloutWorker, UpdateOutcome,
 };
 pub use session::{
     EndReason, EnvSession, PolicyError, PolicyTurn, SessionArgs, SessionEvent, SessionMsg,
     SessionReport, Turn, TurnPolicy,
 };
-pub use voter::{JudgedTurn, Judgement, PrmVoter, TurnJudge, VoterArgs, VoterMsg, VoterStats};
-pub use recorder::{Recorder, RecorderConfig, RecorderHandle, RecorderMsg, RecorderStats};
-pub use rollout::{
-    Generated, RolloutArgs, RolloutError, RolloutMsg, RolloutStats, RolloutWorker, UpdateOutcome,
-};
 pub use trainer::{
     rollout_subscriber, Delivery, ExportedWeights, Importance, ImportanceSummary, Learner,
-    LocalPublisher, PublishFailed, SampleLimits, StalenessMode, StepEvent, StepReport,
-    Subscriber, TrainSample, Trainer, TrainerArgs, TrainerConfig, TrainerEvent, TrainerMsg,
-    TrainerStartError, TrainerStats, WeightPublisher,
+    LocalPublisher, PublishFailed, SampleLimits, StalenessMode, StepEvent, StepReport, Subscriber,
+    TrainSample, Trainer, TrainerArgs, TrainerConfig, TrainerEvent, TrainerMsg, TrainerStartError,
+    TrainerStats, WeightPublisher,
 };
+pub use voter::{JudgedTurn, Judgement, PrmVoter, TurnJudge, VoterArgs, VoterMsg, VoterStats};
 
 /// A policy replica: the root crate's model behind the [`rollout::RolloutWorker`].
 ///

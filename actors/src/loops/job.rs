@@ -72,6 +72,34 @@ pub trait SampleBuilder<S>: Send + Sync + 'static {
     ) -> BoxFuture<'static, Result<Built<S>, String>>;
 }
 
+/// What the job needs to know of a sample: the version of its tokens and a small record of it
+/// (kind `sample` in the job's records, so that every sample's version is on disk).
+pub trait JobSample: Send + 'static {
+    /// The weight version that produced the sample's tokens.
+    fn version(&self) -> u64;
+    /// The record written for it.
+    fn record(&self) -> serde_json::Value;
+}
+
+impl JobSample for TrainSample {
+    fn version(&self) -> u64 {
+        self.version
+    }
+
+    fn record(&self) -> serde_json::Value {
+        let n = self.advantages.len().max(1) as f64;
+        let mean = self.advantages.iter().map(|&a| a as f64).sum::<f64>() / n;
+        serde_json::json!({
+            "session_id": self.session_id,
+            "turn": self.turn,
+            "version": self.version,
+            "prompt_tokens": self.prompt_ids.len(),
+            "response_tokens": self.response_ids.len(),
+            "advantage_mean": mean,
+        })
+    }
+}
+
 /// The trainer's counters as the job reports them.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TrainerCounts {
@@ -313,7 +341,7 @@ pub enum JobMsg<S> {
     Counts(RpcReplyPort<JobCounts>),
 }
 
-impl<S: Send + 'static> ractor::Message for JobMsg<S> {}
+impl<S: JobSample> ractor::Message for JobMsg<S> {}
 
 /// The job supervisor actor (behaviour only; see the module docs).
 pub struct JobSupervisor<S>(std::marker::PhantomData<fn() -> S>);
@@ -367,7 +395,7 @@ pub struct JobState<S> {
     counts: JobCounts,
 }
 
-impl<S: Send + 'static> JobState<S> {
+impl<S: JobSample> JobState<S> {
     fn judging(&self) -> u64 {
         self.counts.turns - self.counts.judged - self.counts.unjudged
     }
@@ -629,6 +657,14 @@ impl<S: Send + 'static> JobState<S> {
             Ok(built) => {
                 self.counts.episodes_built += episodes.len() as u64;
                 let n = built.samples.len() as u64;
+                let records: Vec<(u64, serde_json::Value)> = built
+                    .samples
+                    .iter()
+                    .map(|s| (s.version(), s.record()))
+                    .collect();
+                for (version, record) in records {
+                    self.record(version, "sample", &record).await;
+                }
                 if n > 0 {
                     match self.args.trainer.submit(built.samples) {
                         Ok(()) => self.counts.samples_submitted += n,
@@ -752,7 +788,7 @@ impl<'a> TurnRecord<'a> {
     }
 }
 
-impl<S: Send + 'static> Actor for JobSupervisor<S> {
+impl<S: JobSample> Actor for JobSupervisor<S> {
     type Msg = JobMsg<S>;
     type State = JobState<S>;
     type Arguments = JobArgs<S>;
@@ -941,7 +977,7 @@ impl<S: Send + 'static> Actor for JobSupervisor<S> {
 }
 
 /// Starts a job; the receiver gets the final counters when it finishes.
-pub async fn spawn_job<S: Send + 'static>(
+pub async fn spawn_job<S: JobSample>(
     mut args: JobArgs<S>,
 ) -> Result<(ActorRef<JobMsg<S>>, oneshot::Receiver<JobCounts>), ActorProcessingErr> {
     let (tx, rx) = oneshot::channel();

@@ -1,0 +1,249 @@
+//! A training job end to end in-process, for each per-turn method: the fixture policy on rollout
+//! workers, the scripted environment, the scripted judge, a real trainer. Checks that versions go
+//! up and replicas switch to them, the counts balance, every sample's version is recorded and
+//! matches its turn's, and the records parse.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Duration;
+
+use clawrl::job::JobSpec;
+use clawrl::pipeline::{run_job, RunOptions, RunReport};
+use serde_json::Value;
+
+const TASKS: &str = r#"{"id": "greet", "instruction": "Say hello.", "replies": ["No, wrong. Hint: greet me by name, Ada.", "Thanks, great."]}
+{"id": "count", "instruction": "Count to three.", "replies": ["Wrong. Hint: write the digits 1 2 3 only.", "Good, thanks."]}
+{"id": "color", "instruction": "Name a color.", "replies": ["Great, thanks!", "Now another, thanks."]}
+"#;
+
+fn spec_text(method: &str) -> String {
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3-tiny");
+    format!(
+        r#"
+kind = "rl"
+name = "e2e-{method}"
+seed = 3
+[policy]
+checkpoint = "{fixture}"
+replicas = 2
+max_new_tokens = 8
+max_context = 512
+[judge]
+backend = "scripted"
+votes = 3
+timeout_s = 30
+rules = [
+  {{ pattern = "(?i)\\b(wrong|no)\\b", score = -1 }},
+  {{ pattern = "(?i)\\b(thanks|great|good)\\b", score = 1 }},
+]
+default_score = 0
+hint = {{ pattern = "(?i)hint: (.*)" }}
+[method]
+kind = "{method}"
+[optim]
+batch_size = 4
+lr = 1e-3
+clip = 0.2
+kl = 0.0
+staleness = 2
+[env]
+kind = "scripted"
+parallelism = 3
+tasks = "tasks.jsonl"
+[stop]
+max_steps = 2
+"#
+    )
+}
+
+struct Records {
+    /// (kind, envelope version, record)
+    lines: Vec<(String, u64, Value)>,
+}
+
+fn read_records(dir: &Path) -> Records {
+    let mut lines = Vec::new();
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "no record files in {}", dir.display());
+    for f in files {
+        let name = f.file_name().unwrap().to_string_lossy().into_owned();
+        let file_version: u64 = name
+            .rsplit_once(".v")
+            .and_then(|(_, v)| v.strip_suffix(".jsonl"))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("record file name {name}"));
+        for line in std::fs::read_to_string(&f).unwrap().lines() {
+            let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let version = v["version"].as_u64().unwrap();
+            assert_eq!(version, file_version, "a record in the wrong version file");
+            lines.push((
+                v["kind"].as_str().unwrap().to_string(),
+                version,
+                v["record"].clone(),
+            ));
+        }
+    }
+    Records { lines }
+}
+
+impl Records {
+    fn of(&self, kind: &str) -> Vec<&(String, u64, Value)> {
+        self.lines.iter().filter(|l| l.0 == kind).collect()
+    }
+}
+
+async fn run(method: &str) -> (RunReport, Records) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tasks.jsonl"), TASKS).unwrap();
+    let file = dir.path().join("job.toml");
+    std::fs::write(&file, spec_text(method)).unwrap();
+    let spec = JobSpec::load(&file).unwrap();
+    let out = dir.path().join("run");
+    let report = tokio::time::timeout(
+        Duration::from_secs(240),
+        run_job(
+            &spec,
+            &file.display().to_string(),
+            RunOptions {
+                out: out.clone(),
+                job_id: format!("e2e-{method}"),
+                progress: None,
+                poll: Duration::from_millis(50),
+            },
+        ),
+    )
+    .await
+    .expect("the job finishes")
+    .unwrap();
+    let records = read_records(&report.records_dir);
+    // The tempdir goes away at the end of this function; everything needed is read.
+    assert!(out.join("checkpoints").exists());
+    (report, records)
+}
+
+fn check_common(method: &str, r: &RunReport, rec: &Records) {
+    let t = &r.trainer;
+    // Versions go up, and every replica switched to trained versions.
+    assert!(t.steps >= 2 && t.version >= 2, "{method}: {t:?}");
+    assert_eq!(r.counts.trainer.steps, t.steps);
+    assert_eq!(r.replicas.len(), 2);
+    for s in &r.replicas {
+        assert!(s.switches >= 2, "{method}: replica never switched: {s:?}");
+        assert!(s.version.unwrap() >= 1, "{method}: {s:?}");
+        assert_eq!(s.failed, 0, "{method}: {s:?}");
+    }
+    // Counts balance.
+    assert!(t.balanced(), "{method}: {t:?}");
+    assert_eq!(t.rejected, 0, "{method}: {t:?}");
+    assert!(t.produced > 0);
+    assert_eq!(t.produced, r.counts.samples_submitted, "{method}");
+    let c = &r.counts;
+    assert_eq!(c.turns, c.judged + c.unjudged, "{method}: {c:?}");
+    assert_eq!(c.sessions_failed, 0, "{method}: {c:?}");
+    assert_eq!(c.records_failed, 0);
+    assert_eq!(r.records.written, rec.lines.len() as u64);
+
+    // Records: one turn and one judge record per turn, one sample record per sample.
+    let turns = rec.of("turn");
+    assert_eq!(turns.len() as u64, c.turns, "{method}");
+    assert_eq!(rec.of("judge").len() as u64, c.turns, "{method}");
+    let samples = rec.of("sample");
+    assert_eq!(samples.len() as u64, t.produced, "{method}");
+    assert!(rec.of("trainer_step").len() as u64 >= 1, "{method}");
+    let turn_version: HashMap<(String, u64), u64> = turns
+        .iter()
+        .map(|(_, v, r)| {
+            assert_eq!(r["version"].as_u64(), Some(*v));
+            assert_eq!(
+                r["response_tokens"].as_u64().unwrap() > 0,
+                true,
+                "{method}: empty response"
+            );
+            (
+                (
+                    r["session_id"].as_str().unwrap().to_string(),
+                    r["turn"].as_u64().unwrap(),
+                ),
+                *v,
+            )
+        })
+        .collect();
+    for (_, v, s) in &samples {
+        let key = (
+            s["session_id"].as_str().unwrap().to_string(),
+            s["turn"].as_u64().unwrap(),
+        );
+        assert_eq!(
+            turn_version.get(&key),
+            Some(v),
+            "{method}: a sample's version differs from its turn's"
+        );
+        assert!(*v <= t.version);
+    }
+    // Sessions used trained versions, not only the initial one.
+    assert!(
+        turns.iter().any(|(_, v, _)| *v >= 1),
+        "{method}: no turn was generated on a trained version"
+    );
+    for (_, _, j) in rec.of("judge") {
+        for key in [
+            "session_id",
+            "turn",
+            "votes",
+            "reward",
+            "hint_accepted",
+            "hint",
+            "teacher_version",
+        ] {
+            assert!(j.get(key).is_some(), "{method}: judge record lacks {key}: {j}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn binary_job_runs_end_to_end() {
+    let (r, rec) = run("binary").await;
+    check_common("binary", &r, &rec);
+    for (_, _, s) in rec.of("sample") {
+        let a = s["advantage_mean"].as_f64().unwrap();
+        assert!([-1.0, 0.0, 1.0].contains(&a), "binary advantage {a}");
+    }
+    for (_, _, j) in rec.of("judge") {
+        assert_eq!(j["hint_accepted"], false, "binary takes no hint votes: {j}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn opd_job_runs_end_to_end() {
+    let (r, rec) = run("opd").await;
+    check_common("opd", &r, &rec);
+    let judged = rec.of("judge");
+    let with_hint: Vec<_> = judged
+        .iter()
+        .filter(|(_, _, j)| j["hint_accepted"] == true)
+        .collect();
+    assert!(!with_hint.is_empty(), "no hint was accepted");
+    // Only turns with an accepted hint give OPD samples, each scored by a teacher version.
+    assert_eq!(rec.of("sample").len(), with_hint.len());
+    for (_, _, j) in with_hint {
+        assert!(j["teacher_version"].as_u64().is_some(), "{j}");
+        assert!(j["hint"].as_str().unwrap().len() > 10);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn combined_job_runs_end_to_end() {
+    let (r, rec) = run("combined").await;
+    check_common("combined", &r, &rec);
+    // Four cases: a sample for every turn with a hint or a non-zero reward.
+    let expected = rec
+        .of("judge")
+        .iter()
+        .filter(|(_, _, j)| j["hint_accepted"] == true || j["reward"].as_i64() != Some(0))
+        .count();
+    assert_eq!(rec.of("sample").len(), expected);
+}
