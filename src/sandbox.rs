@@ -15,6 +15,8 @@
 //!   (uid/gid 1000 inside, [`HOST_UID`] outside), sets its rlimits and `no_new_privs` and execs.
 //!   When the command exits, the init reports its status and exits, and the kernel kills
 //!   whatever the command left behind; on timeout the host kills the init, with the same effect.
+//!   The init reaps orphans, exits when the host process dies (its end of a pipe closes), runs
+//!   none of the host's signal handlers and unmaps its copy of the host's anonymous memory.
 //!
 //! Fork bombs are contained by `RLIMIT_NPROC`, which binds because the command runs as a
 //! non-root host uid inside its own user namespace (the kernel counts processes per user

@@ -251,13 +251,14 @@ async fn writes_outside_the_work_dir_fail() {
     script.push_str(
         "if rm -f /usr/bin/env 2>/dev/null && [ ! -e /usr/bin/env ]; then echo 'WROTE rm'; else echo 'denied rm'; fi\n\
          if echo h > /proc/sys/kernel/hostname 2>/dev/null; then echo 'WROTE hostname'; else echo 'denied hostname'; fi\n\
-         if mount -t tmpfs none /usr 2>/dev/null; then echo 'WROTE mount'; else echo 'denied mount'; fi\n",
+         if mount -t tmpfs none /usr 2>/dev/null; then echo 'WROTE mount'; else echo 'denied mount'; fi\n\
+         if unshare -Urm true 2>/dev/null; then echo 'WROTE userns'; else echo 'denied userns'; fi\n",
     );
     // /tmp is writable but private to this sandbox.
     script.push_str(&format!("echo tmp > /tmp/{marker} && echo 'tmp ok'\n"));
     let out = run(&sh(&work, &script)).await;
     assert!(!out.stdout.contains("WROTE"), "{}", out.stdout);
-    assert_eq!(out.stdout.matches("denied").count(), targets.len() + 3);
+    assert_eq!(out.stdout.matches("denied").count(), targets.len() + 4);
     assert!(out.stdout.contains("tmp ok"));
     for t in &targets {
         let host = Path::new(t);

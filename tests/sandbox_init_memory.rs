@@ -1,6 +1,7 @@
-//! The sandbox init is a fork of the host process (which may hold a model in memory). It
-//! releases its copy of the host's anonymous memory once the command runs, so a long command
-//! does not pin copy-on-write pages of the host. A separate test binary, because it allocates
+//! The sandbox init is a fork of the host process (which may hold a model in memory and
+//! signal handlers). It releases its copy of the host's anonymous memory once the command runs,
+//! so a long command does not pin copy-on-write pages of the host, and it never runs the host's
+//! handlers (a tokio SIGCHLD handler here). A separate test binary, because it allocates
 //! 256 MiB, which would disturb the memory measurement in `sandbox_attacks`.
 
 use std::time::{Duration, Instant};
@@ -73,4 +74,26 @@ async fn the_init_does_not_pin_host_memory() {
         "the init holds {rss} KiB of the host's memory"
     );
     assert_eq!(big[12345], 7);
+}
+
+/// Hosts often have a SIGCHLD handler (tokio::process installs one). The init is a fork of the
+/// host and gets SIGCHLD when the command exits; it must not run the host's handler (whose data
+/// it has unmapped) and must still report the command's status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_sigchld_handler_does_not_break_the_init() {
+    let _sigchld = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for code in [0, 3, 42] {
+        let spec = SandboxSpec::new(
+            dir.path(),
+            vec![
+                "/bin/sh".into(),
+                "-c".into(),
+                format!("sleep 0.1 & sleep 0.2; exit {code}"),
+            ],
+        );
+        let out = run(&spec).await;
+        assert_eq!(out.exit_code, Some(code), "{out:?}");
+        assert_eq!(out.signal, None, "{out:?}");
+    }
 }

@@ -245,6 +245,22 @@ unsafe fn run_op(op: &Op) -> Result<(), ()> {
             }
             restrict(dst.as_ptr(), attr, true)
         }
+        Op::Sysctl { path, value } => {
+            let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+            if fd < 0 {
+                return if errno() == libc::ENOENT {
+                    Ok(())
+                } else {
+                    Err(())
+                };
+            }
+            let n = libc::write(fd, value.as_ptr().cast(), value.len());
+            libc::close(fd);
+            if n != value.len() as isize {
+                return Err(());
+            }
+            Ok(())
+        }
         Op::Proc { dst, data } => mount(
             c"proc".as_ptr(),
             dst.as_ptr(),
@@ -290,6 +306,19 @@ unsafe fn arrange_fds(fds: &Fds) -> Result<(), ()> {
     Ok(())
 }
 
+/// Sets every catchable signal to its default disposition.
+unsafe fn reset_signals() {
+    let mut sa: libc::sigaction = std::mem::zeroed();
+    sa.sa_sigaction = libc::SIG_DFL;
+    libc::sigemptyset(&mut sa.sa_mask);
+    for sig in 1..=64 {
+        if sig != libc::SIGKILL && sig != libc::SIGSTOP {
+            // Fails harmlessly for the signals glibc reserves.
+            libc::sigaction(sig, &sa, ptr::null_mut());
+        }
+    }
+}
+
 /// The sandbox init. Never returns.
 ///
 /// # Safety
@@ -297,6 +326,9 @@ unsafe fn arrange_fds(fds: &Fds) -> Result<(), ()> {
 /// namespaces, with `fds` valid there.
 pub(super) unsafe fn init(ex: &Exec<'_>, fds: &Fds) -> ! {
     let f = &ex.plan.fixed;
+    // The host's signal handlers (e.g. tokio's SIGCHLD handler) must never run here: they use
+    // host memory that is unmapped below. Default dispositions also undo an ignored SIGPIPE.
+    reset_signals();
     if arrange_fds(fds).is_err() {
         // The report fd may be unusable; exit with a distinct code.
         libc::_exit(125);
@@ -313,7 +345,10 @@ pub(super) unsafe fn init(ex: &Exec<'_>, fds: &Fds) -> ! {
         }
         libc::_exit(125);
     }
-    libc::close(SYNC_FD);
+    // The sync pipe stays open: its end of file tells the init that the host died.
+    if libc::fcntl(SYNC_FD, libc::F_SETFD, libc::FD_CLOEXEC) < 0 {
+        fail(STEP_FDS);
+    }
 
     // Nothing propagates back to the host.
     if mount(
@@ -389,6 +424,18 @@ pub(super) unsafe fn init(ex: &Exec<'_>, fds: &Fds) -> ! {
         fail(STEP_HOSTNAME);
     }
 
+    // SIGCHLD is taken through a signalfd so the init can wait for children and for the
+    // host's end of the sync pipe (closed when the host dies) at once.
+    let mut chld: libc::sigset_t = std::mem::zeroed();
+    libc::sigemptyset(&mut chld);
+    libc::sigaddset(&mut chld, libc::SIGCHLD);
+    if libc::sigprocmask(libc::SIG_BLOCK, &chld, ptr::null_mut()) != 0 {
+        fail(STEP_SIGNALS);
+    }
+    let sfd = libc::signalfd(-1, &chld, libc::SFD_CLOEXEC | libc::SFD_NONBLOCK);
+    if sfd < 0 {
+        fail(STEP_SIGNALS);
+    }
     let pid = libc::syscall(
         libc::SYS_clone,
         libc::SIGCHLD as c_long,
@@ -408,29 +455,72 @@ pub(super) unsafe fn init(ex: &Exec<'_>, fds: &Fds) -> ! {
     libc::close(2);
     shed_host_memory();
     // From here on only raw system calls, the stack and errno are used.
+    let mut polls = [
+        libc::pollfd {
+            fd: sfd,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: SYNC_FD,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
     loop {
-        let mut status: c_int = 0;
-        let r = libc::syscall(
-            libc::SYS_wait4,
-            -1 as c_long,
-            &mut status as *mut c_int,
-            0 as c_long,
-            ptr::null_mut::<libc::rusage>(),
-        );
-        if r == pid {
-            let mut buf = [0u8; 12];
-            buf[0..4].copy_from_slice(&REPORT_STATUS.to_ne_bytes());
-            buf[8..12].copy_from_slice(&status.to_ne_bytes());
-            libc::syscall(
-                libc::SYS_write,
-                REPORT_FD as c_long,
-                buf.as_ptr(),
-                12 as c_long,
+        // Reap everything that is ready: the command, and orphans reparented to the init.
+        loop {
+            let mut status: c_int = 0;
+            let r = libc::syscall(
+                libc::SYS_wait4,
+                -1 as c_long,
+                &mut status as *mut c_int,
+                libc::WNOHANG as c_long,
+                ptr::null_mut::<libc::rusage>(),
             );
+            if r == pid {
+                let mut buf = [0u8; 12];
+                buf[0..4].copy_from_slice(&REPORT_STATUS.to_ne_bytes());
+                buf[8..12].copy_from_slice(&status.to_ne_bytes());
+                libc::syscall(
+                    libc::SYS_write,
+                    REPORT_FD as c_long,
+                    buf.as_ptr(),
+                    12 as c_long,
+                );
+                libc::syscall(libc::SYS_exit_group, 0 as c_long);
+            }
+            if r == 0 {
+                break;
+            }
+            if r < 0 && errno() != libc::EINTR {
+                libc::syscall(libc::SYS_exit_group, 0 as c_long);
+            }
+        }
+        polls[0].revents = 0;
+        polls[1].revents = 0;
+        let n = libc::syscall(
+            libc::SYS_poll,
+            polls.as_mut_ptr(),
+            2 as c_long,
+            -1 as c_long,
+        );
+        if n < 0 {
+            continue;
+        }
+        if polls[1].revents != 0 {
+            // The host is gone (or gave up): the whole namespace dies with the init.
             libc::syscall(libc::SYS_exit_group, 0 as c_long);
         }
-        if r < 0 && errno() != libc::EINTR {
-            libc::syscall(libc::SYS_exit_group, 0 as c_long);
+        if polls[0].revents != 0 {
+            let mut info = [0u8; 128];
+            while libc::syscall(
+                libc::SYS_read,
+                sfd as c_long,
+                info.as_mut_ptr(),
+                128 as c_long,
+            ) > 0
+            {}
         }
     }
 }
@@ -541,16 +631,11 @@ fn hex(s: &[u8]) -> Option<usize> {
 /// The command: drops to the sandbox user and execs. Never returns.
 unsafe fn command(ex: &Exec<'_>) -> ! {
     let plan = ex.plan;
-    // Signal dispositions and mask start clean (the host ignores SIGPIPE).
+    // The signal mask starts clean (dispositions were reset by the init).
     let mut set: libc::sigset_t = std::mem::zeroed();
     libc::sigemptyset(&mut set);
     if libc::sigprocmask(libc::SIG_SETMASK, &set, ptr::null_mut()) != 0 {
         fail(STEP_SIGNALS);
-    }
-    for sig in 1..32 {
-        if sig != libc::SIGKILL && sig != libc::SIGSTOP {
-            libc::signal(sig, libc::SIG_DFL);
-        }
     }
     for (res, lim) in &plan.rlimits {
         if libc::setrlimit(*res, lim) != 0 {

@@ -80,6 +80,9 @@ pub(super) enum Op {
         readonly: bool,
         device: bool,
     },
+    /// Writes a value into an existing file (a sysctl of the sandbox's namespaces); a missing
+    /// file (an older kernel) is skipped.
+    Sysctl { path: CString, value: &'static [u8] },
     /// A fresh procfs for the new pid namespace, showing only the sandbox user's processes
     /// (`hidepid=2`: the init, a fork of the host process, stays invisible).
     Proc { dst: CString, data: CString },
@@ -97,6 +100,7 @@ impl Op {
             Op::Tmpfs { dst, .. } => format!("mount tmpfs on {}", s(dst)),
             Op::Bind { src, dst, .. } => format!("bind {} on {}", s(src), s(dst)),
             Op::Proc { dst, .. } => format!("mount proc on {}", s(dst)),
+            Op::Sysctl { path, .. } => format!("write {}", s(path)),
         }
     }
 }
@@ -397,6 +401,12 @@ pub(super) fn build(spec: &SandboxSpec, workdir: &Path) -> Result<Plan, SandboxE
     ops.push(Op::Proc {
         dst: in_new("/proc"),
         data: cstr("hidepid=2"),
+    });
+    // No nested user namespaces: without one the sandbox user can create no namespace at all,
+    // which keeps that kernel surface out of reach (the limit is per user namespace).
+    ops.push(Op::Sysctl {
+        path: in_new("/proc/sys/user/max_user_namespaces"),
+        value: b"0\n",
     });
     mkdirs(&mut ops, &mut made, Path::new("/tmp"));
     ops.push(Op::Tmpfs {

@@ -47,7 +47,24 @@ fn hand_over(dir: &Path) -> Result<(), SandboxError> {
     Ok(())
 }
 
+/// Raises this process's soft fd limit to the hard one, once: a sandbox holds six host fds
+/// while it runs, so hundreds of concurrent sandboxes need more than the usual 1024.
+fn raise_fd_limit() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: plain getrlimit/setrlimit on a local struct.
+        unsafe {
+            let mut rl: libc::rlimit = std::mem::zeroed();
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) == 0 && rl.rlim_cur < rl.rlim_max {
+                rl.rlim_cur = rl.rlim_max;
+                libc::setrlimit(libc::RLIMIT_NOFILE, &rl);
+            }
+        }
+    });
+}
+
 fn prepare(spec: &SandboxSpec) -> Result<Plan, SandboxError> {
+    raise_fd_limit();
     let workdir = plan::validate(spec)?;
     hand_over(&workdir)?;
     plan::build(spec, &workdir)
@@ -68,6 +85,8 @@ struct Init {
     pid: libc::pid_t,
     pidfd: Option<AsyncFd<OwnedFd>>,
     reaped: bool,
+    /// The host's end of the sync pipe.
+    sync: Option<std::fs::File>,
 }
 
 impl Init {
@@ -192,10 +211,11 @@ fn spawn(plan: &Plan) -> Result<(Init, HostEnds), SandboxError> {
     } else {
         None
     };
-    let init = Init {
+    let mut init = Init {
         pid,
         pidfd,
         reaped: false,
+        sync: None,
     };
     let map = format!("0 0 1\n{INSIDE_ID} {HOST_UID} 1\n");
     for file in ["uid_map", "gid_map"] {
@@ -204,7 +224,9 @@ fn spawn(plan: &Plan) -> Result<(Init, HostEnds), SandboxError> {
     }
     let mut sync = std::fs::File::from(sync_w);
     io::Write::write_all(&mut sync, b"g").map_err(|e| host_err("starting the sandbox init", e))?;
-    drop(sync);
+    // Kept open until the init is reaped: if this process dies, the init sees EOF and exits,
+    // which kills the whole sandbox.
+    init.sync = Some(sync);
     Ok((
         init,
         HostEnds {
