@@ -50,7 +50,7 @@ pub enum RunError {
     #[error(transparent)]
     Spec(#[from] crate::job::JobSpecError),
     /// The environment could not be built.
-    #[error("environment `{kind}` from {tasks}: {message}")]
+    #[error("env.tasks {tasks} (env.kind `{kind}`): {message}")]
     Env {
         /// The kind.
         kind: String,

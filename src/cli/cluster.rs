@@ -11,6 +11,7 @@ use clawrl::job::{JobSpec, SpecValidator};
 use clawrl_actors::cli::{self as client, BlobReply, BlobRequest, CliReply, CliRequest};
 use clawrl_actors::config::NodeConfig;
 use clawrl_actors::control::{ControlReply, ControlRequest, JobRecord};
+use clawrl_actors::loops::JobCounts;
 use clawrl_actors::node::{Node, NodeOptions};
 use clawrl_actors::worker::EnvSpec;
 
@@ -186,7 +187,35 @@ fn print_jobs(jobs: &[JobRecord]) {
             j.needs.env_parallelism,
             j.placement.env_workers.join(",")
         );
+        if let Some(c) = &j.progress {
+            println!("\t{}", progress_line(c));
+        }
     }
+}
+
+/// One line of a job's reported counts: phase, sessions, turns, and the sample balance
+/// `produced = trained + dropped_stale + failed + pending`.
+pub fn progress_line(c: &JobCounts) -> String {
+    let t = &c.trainer;
+    format!(
+        "{:?} {:.1}s | sessions {} running, {} started, {} failed, {} lost | turns {} ({} judged, {} unjudged) | samples produced {} = trained {} + dropped_stale {} + failed {} + pending {} | steps {} version {}",
+        c.phase,
+        c.elapsed_ms as f64 / 1000.0,
+        c.sessions_running,
+        c.sessions_started,
+        c.sessions_failed,
+        c.sessions_lost,
+        c.turns,
+        c.judged,
+        c.unjudged,
+        t.produced,
+        t.trained,
+        t.dropped_stale,
+        t.failed,
+        t.pending,
+        t.steps,
+        t.version
+    )
 }
 
 fn run_node(config: PathBuf, envs: Vec<EnvSpec>) -> anyhow::Result<()> {

@@ -16,6 +16,7 @@ use clawrl_actors::config::NodeConfig;
 use clawrl_actors::control::{ControlReply, ControlRequest};
 use clawrl_actors::loops::{JobCounts, JobPhase, ProgressReport};
 use clawrl_actors::node::{Node, NodeOptions};
+use clawrl_actors::worker::EnvSpec;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 
@@ -201,7 +202,11 @@ fn run_rl(
             &cfg,
             NodeOptions {
                 validator: Some(Arc::new(SpecValidator)),
-                envs: Vec::new(),
+                // Members standing for the job's sessions, so that Control places the job.
+                envs: vec![EnvSpec {
+                    kind: spec.env.kind.clone(),
+                    count: spec.env.parallelism,
+                }],
             },
         )
         .await?;
@@ -269,7 +274,7 @@ fn run_rl(
             Ok(r) => r,
             Err(e) => {
                 node.shutdown().await;
-                return Err(e.into());
+                return Err(anyhow::Error::new(e).context(format!("running job spec {file}")));
             }
         };
         // Control keeps the final counts.

@@ -1,0 +1,114 @@
+//! `clawrl run` through the binary: the shipped demo runs to its stop condition and prints a
+//! JSON summary whose counts balance, the embedded node's Control keeps the job's final counts,
+//! and bad job specs are refused with errors naming the key and the file.
+
+use std::path::Path;
+use std::process::Command;
+
+fn clawrl() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_clawrl"));
+    c.current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("RUST_LOG", "warn");
+    c
+}
+
+#[test]
+fn demo_runs_with_a_json_summary_and_control_keeps_the_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let o = clawrl()
+        .args(["run", "examples/demo.toml", "--json", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "clawrl run failed: {stderr}");
+    let s: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not JSON ({e}): {}",
+            String::from_utf8_lossy(&o.stdout)
+        )
+    });
+    assert_eq!(s["balanced"], true, "{s}");
+    assert_eq!(s["method"], "combined");
+    let t = &s["trainer"];
+    assert!(t["steps"].as_u64().unwrap() >= 3, "{t}");
+    assert!(t["version"].as_u64().unwrap() >= 3, "{t}");
+    let produced = t["produced"].as_u64().unwrap();
+    let sum: u64 = ["trained", "dropped_stale", "failed", "pending"]
+        .iter()
+        .map(|k| t[*k].as_u64().unwrap())
+        .sum();
+    assert_eq!(produced, sum, "{t}");
+    let turns = s["counts"]["turns"].as_u64().unwrap();
+    assert!(turns > 0);
+    assert!(Path::new(s["records_dir"].as_str().unwrap()).is_dir());
+    assert!(s["final_checkpoint"].as_str().is_some(), "{s}");
+
+    // The embedded Control stored the job with its final counts.
+    let id = s["control_id"].as_str().unwrap();
+    let jobs: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("node/control/jobs.json")).unwrap())
+            .unwrap();
+    let job = jobs
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|j| j["id"] == id)
+        .expect("Control knows the job");
+    assert_eq!(job["progress"]["phase"], "finished", "{job}");
+    // The node hosts the job's environment workers, so Control placed it.
+    assert_eq!(job["state"], "Placed", "{job}");
+    assert_eq!(job["progress"]["turns"].as_u64(), Some(turns));
+    assert_eq!(
+        job["progress"]["trainer"]["produced"].as_u64(),
+        Some(produced)
+    );
+    // The node config written for `clawrl status --config` parses.
+    assert!(std::fs::read_to_string(out.join("node.toml"))
+        .unwrap()
+        .contains("[node]"));
+}
+
+fn bad_spec(edit: impl Fn(&str) -> String, key: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let demo = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/demo.toml"))
+        .unwrap();
+    let file = dir.path().join("bad.toml");
+    std::fs::write(&file, edit(&demo)).unwrap();
+    let o = clawrl()
+        .arg("run")
+        .arg(&file)
+        .arg("--out")
+        .arg(dir.path().join("run"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "a bad spec ran: {stderr}");
+    assert!(
+        stderr.contains(key) && stderr.contains("bad.toml"),
+        "the error names neither `{key}` nor the file: {stderr}"
+    );
+    assert!(o.stdout.is_empty(), "nothing on stdout for a refused spec");
+}
+
+#[test]
+fn bad_specs_are_refused_naming_the_key_and_file() {
+    bad_spec(
+        |d| d.replace("lr = 1e-3", "lr = 1e-3\nlerning_rate = 3"),
+        "lerning_rate",
+    );
+    bad_spec(
+        |d| d.replace("parallelism = 4", "parallelism = 0"),
+        "env.parallelism",
+    );
+    bad_spec(
+        |d| d.replace("batch_size = 4", "batch_size = \"four\""),
+        "optim.batch_size",
+    );
+    bad_spec(|d| d.replace("max_steps = 3", ""), "stop");
+    bad_spec(
+        |d| d.replace("tasks = \"demo/tasks.jsonl\"", "tasks = \"missing.jsonl\""),
+        "missing.jsonl",
+    );
+}
