@@ -5,6 +5,7 @@
 //! cluster runtime live in the `clawrl-actors` crate, which knows no LLM.
 
 pub mod device;
+pub mod env;
 pub mod gateway;
 pub mod job;
 pub mod judge;

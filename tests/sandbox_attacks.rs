@@ -419,6 +419,13 @@ async fn invalid_specs_are_rejected() {
     let err = sandbox::exec(&spec).await.unwrap_err();
     assert!(matches!(err, SandboxError::InvalidSpec(_)), "{err}");
     let mut spec = SandboxSpec::new(dir.path(), vec!["true".into()]);
+    spec.limits.timeout = Duration::MAX;
+    let err = sandbox::exec(&spec).await.unwrap_err();
+    assert!(
+        matches!(err, SandboxError::InvalidSpec(ref m) if m.contains("timeout")),
+        "{err}"
+    );
+    let mut spec = SandboxSpec::new(dir.path(), vec!["true".into()]);
     spec.limits.memory_mb = 0;
     let err = sandbox::exec(&spec).await.unwrap_err();
     assert!(

@@ -178,3 +178,29 @@ fn wait_for(path: &Path, limit: Duration) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Where sandboxes cannot start (here: inside a sandbox, which is not root and may create no
+/// namespaces) the CLI fails with a message naming the cause, not a panic.
+#[test]
+fn where_sandboxes_cannot_start_the_error_is_clear() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(env!("CARGO_BIN_EXE_clawrl"), dir.path().join("clawrl")).unwrap();
+    let wd = dir.path().to_str().unwrap();
+    let v = exec_json(
+        &[
+            "--workdir",
+            wd,
+            "--",
+            "/work/clawrl",
+            "sandbox",
+            "exec",
+            "--",
+            "true",
+        ],
+        None,
+    );
+    assert_eq!(v["exit_code"], 1, "{v}");
+    let err = v["stderr"].as_str().unwrap();
+    assert!(err.contains("sandboxes cannot start on this host"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -6,6 +6,7 @@ use std::ffi::{CString, OsStr};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use super::{SandboxError, SandboxSpec};
 
@@ -198,6 +199,9 @@ pub(super) fn validate(spec: &SandboxSpec) -> Result<PathBuf, SandboxError> {
     }
     if l.timeout.is_zero() {
         return bad("limits.timeout is 0".into());
+    }
+    if l.timeout > Duration::from_secs(366 * 86400) {
+        return bad(format!("limits.timeout {:?} is over a year", l.timeout));
     }
     if l.output_bytes == 0 {
         return bad("limits.output_bytes is 0".into());
@@ -495,7 +499,7 @@ pub(super) fn build(spec: &SandboxSpec, workdir: &Path) -> Result<Plan, SandboxE
             libc::RLIMIT_CPU,
             libc::rlimit {
                 rlim_cur: limits.cpu_secs,
-                rlim_max: limits.cpu_secs + 1,
+                rlim_max: limits.cpu_secs.saturating_add(1),
             },
         ),
         (libc::RLIMIT_AS, lim(limits.memory_mb * mb)),

@@ -63,8 +63,49 @@ fn raise_fd_limit() {
     });
 }
 
+/// Whether an id is mapped in one of this process's `/proc/self/{uid,gid}_map` files.
+fn id_mapped(map: &str, id: u32) -> bool {
+    map.lines().any(|l| {
+        let f: Vec<u64> = l
+            .split_whitespace()
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        f.len() == 3 && f[0] <= id as u64 && (id as u64) < f[0] + f[2]
+    })
+}
+
+/// The host side needs root (it writes arbitrary id maps and chowns the work dir) and the
+/// sandbox ids mapped in its user namespace. Checked once.
+fn host_check() -> Result<(), SandboxError> {
+    static CHECK: std::sync::OnceLock<Result<(), SandboxError>> = std::sync::OnceLock::new();
+    CHECK
+        .get_or_init(|| {
+            // SAFETY: geteuid has no preconditions.
+            let euid = unsafe { libc::geteuid() };
+            if euid != 0 {
+                return Err(SandboxError::Unsupported(format!(
+                    "the sandbox host must run as root (it maps ids and mounts); euid is {euid}"
+                )));
+            }
+            for file in ["uid_map", "gid_map"] {
+                let map = std::fs::read_to_string(format!("/proc/self/{file}"))
+                    .map_err(|e| SandboxError::Unsupported(format!("reading /proc/self/{file}: {e}")))?;
+                for id in [0, HOST_UID] {
+                    if !id_mapped(&map, id) {
+                        return Err(SandboxError::Unsupported(format!(
+                            "id {id} is not mapped in this process's user namespace (/proc/self/{file})"
+                        )));
+                    }
+                }
+            }
+            Ok(())
+        })
+        .clone()
+}
+
 fn prepare(spec: &SandboxSpec) -> Result<Plan, SandboxError> {
     raise_fd_limit();
+    host_check()?;
     let workdir = plan::validate(spec)?;
     hand_over(&workdir)?;
     plan::build(spec, &workdir)

@@ -1,0 +1,203 @@
+//! The general-agent environments of DESIGN §4 (terminal, SWE, tool-call) as implementations of
+//! the loops' [`Environment`] / [`Episode`] contract, plus the pure pieces they need: final-answer
+//! normalisation ([`answer`]) and the combination of step votes with episode outcomes into
+//! (group, step index)-normalised advantages ([`reward`]).
+//!
+//! Every command a policy issues runs through [`crate::sandbox::exec`] in a host work dir of its
+//! own (mounted at `/work` inside the sandbox), taken from a warm pool when the episode starts and
+//! removed when it closes ([`workdir`]). [`build_environment`] builds one by kind, which is how the
+//! pipeline gets them.
+
+pub mod answer;
+pub mod exec;
+pub mod reward;
+pub mod scripted;
+pub mod shell;
+pub mod swe;
+pub mod tasks;
+pub mod terminal;
+pub mod tool_call;
+pub mod workdir;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clawrl_actors::loops::Environment;
+
+pub use exec::CommandLimits;
+pub use swe::SweEnv;
+pub use tasks::TaskError;
+pub use terminal::TerminalEnv;
+pub use tool_call::ToolCallEnv;
+
+/// The kinds [`build_environment`] knows.
+pub const KINDS: [&str; 3] = ["terminal", "swe", "tool_call"];
+
+/// How an environment runs its episodes. [`EnvOptions::default`] gives every kind's defaults.
+#[derive(Clone, Debug)]
+pub struct EnvOptions {
+    /// The step limit of an episode; `None` takes the kind's default (terminal 10, SWE 20,
+    /// tool-call `max_tool_calls + 1`).
+    pub max_steps: Option<u32>,
+    /// Limits of one sandboxed command; `None` takes the kind's default
+    /// ([`CommandLimits::terminal`], [`CommandLimits::swe`], [`CommandLimits::tool_call`]).
+    pub limits: Option<CommandLimits>,
+    /// The most bytes of stdout, and separately of stderr, an observation shows; longer output
+    /// keeps its head and tail around a `[... N bytes truncated ...]` marker.
+    pub observation_bytes: usize,
+    /// The wall-clock budget of one episode from its start. A step begun after it ends the
+    /// episode with outcome `-1` (`info.deadline_exceeded = true`); a command's timeout is
+    /// clipped to what is left of it.
+    pub episode_deadline: Duration,
+    /// At most this many sandboxed commands of one environment run at once (others wait).
+    pub max_concurrent_commands: usize,
+    /// Work dirs created ahead of time, so that starting an episode takes one from the pool.
+    pub warm_workdirs: usize,
+    /// Where work dirs are created; `None` is `<temp dir>/clawrl-env-<pid>`.
+    pub work_root: Option<PathBuf>,
+    /// Tool-call only: the most `code_interpreter` calls of an episode.
+    pub max_tool_calls: u32,
+}
+
+impl Default for EnvOptions {
+    fn default() -> Self {
+        Self {
+            max_steps: None,
+            limits: None,
+            observation_bytes: 4096,
+            episode_deadline: Duration::from_secs(15 * 60),
+            max_concurrent_commands: 64,
+            warm_workdirs: 8,
+            work_root: None,
+            max_tool_calls: 16,
+        }
+    }
+}
+
+impl EnvOptions {
+    /// Checks the options that every kind uses.
+    pub fn validate(&self) -> Result<(), EnvBuildError> {
+        let bad = |what: &str, why: &str| {
+            Err(EnvBuildError::Options {
+                option: what.to_string(),
+                reason: why.to_string(),
+            })
+        };
+        if self.max_steps == Some(0) {
+            return bad("max_steps", "must be at least 1");
+        }
+        if self.observation_bytes < 64 {
+            return bad("observation_bytes", "must be at least 64");
+        }
+        if self.episode_deadline.is_zero() {
+            return bad("episode_deadline", "must be positive");
+        }
+        if self.max_concurrent_commands == 0 {
+            return bad("max_concurrent_commands", "must be at least 1");
+        }
+        if self.max_tool_calls == 0 {
+            return bad("max_tool_calls", "must be at least 1");
+        }
+        if let Some(l) = &self.limits {
+            l.validate().map_err(|reason| EnvBuildError::Options {
+                option: "limits".into(),
+                reason,
+            })?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn work_root(&self) -> PathBuf {
+        self.work_root.clone().unwrap_or_else(|| {
+            std::env::temp_dir().join(format!("clawrl-env-{}", std::process::id()))
+        })
+    }
+}
+
+/// Why an environment could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum EnvBuildError {
+    /// The kind is not one of [`KINDS`].
+    #[error("unknown environment kind `{kind}` (known: terminal, swe, tool_call)")]
+    UnknownKind {
+        /// The kind asked for.
+        kind: String,
+    },
+    /// An option is out of range.
+    #[error("environment option `{option}`: {reason}")]
+    Options {
+        /// The option.
+        option: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The task set could not be read or is invalid.
+    #[error(transparent)]
+    Tasks(#[from] TaskError),
+    /// The work dir pool could not be created.
+    #[error("creating work dirs under {root}: {source}")]
+    WorkDir {
+        /// The work root.
+        root: PathBuf,
+        /// The IO error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Builds the environment of `kind` over the tasks at `tasks`:
+///
+/// - `terminal`: a JSONL file of `{"id", "instruction", "setup"?, "check"}` ([`terminal`]);
+/// - `swe`: a directory whose subdirectories each hold `task.json` and `repo/` ([`swe`]);
+/// - `tool_call`: a JSONL file of `{"id", "question", "answer"}` ([`tool_call`]).
+///
+/// The tasks are read and validated here (an error names the file, line and key); the work dir
+/// pool is created warm. Episodes run commands through [`crate::sandbox::exec`], so they need a
+/// host where sandboxes start ([`crate::sandbox::probe`]).
+pub fn build_environment(
+    kind: &str,
+    tasks: &Path,
+    options: EnvOptions,
+) -> Result<Arc<dyn Environment>, EnvBuildError> {
+    Ok(match kind {
+        "terminal" => Arc::new(TerminalEnv::load(tasks, options)?),
+        "swe" => Arc::new(SweEnv::load(tasks, options)?),
+        "tool_call" => Arc::new(ToolCallEnv::load(tasks, options)?),
+        other => {
+            return Err(EnvBuildError::UnknownKind {
+                kind: other.to_string(),
+            })
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_kind_is_named() {
+        let e = build_environment("gui", Path::new("/nonexistent"), EnvOptions::default())
+            .err()
+            .expect("unknown kind");
+        assert!(e.to_string().contains("`gui`"), "{e}");
+    }
+
+    #[test]
+    fn options_are_validated() {
+        let o = EnvOptions {
+            max_steps: Some(0),
+            ..EnvOptions::default()
+        };
+        assert!(
+            matches!(o.validate(), Err(EnvBuildError::Options { option, .. }) if option == "max_steps")
+        );
+        let o = EnvOptions {
+            max_concurrent_commands: 0,
+            ..EnvOptions::default()
+        };
+        assert!(o.validate().is_err());
+        assert!(EnvOptions::default().validate().is_ok());
+    }
+}

@@ -1,0 +1,276 @@
+//! The episode that terminal and SWE tasks share: the policy runs shell commands through one
+//! tool in its sandboxed work dir, finishes with `submit` or a plain answer (or hits the step
+//! limit or the deadline), and a verdict run in the sandbox decides the outcome (a check script,
+//! or the test command after the protected files are restored).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clawrl_actors::loops::{Action, BoxFuture, EnvError, Episode, Observation, StepOutcome};
+use serde_json::{json, Value};
+
+use super::exec::{
+    assistant_message, output_info, render_output, string_argument, tool_message, Runner,
+};
+use super::workdir::WorkDir;
+
+/// The name of the tool that ends an episode.
+pub const SUBMIT_TOOL: &str = "submit";
+
+/// Restores files inside the sandbox (so that links a policy planted resolve inside it, never on
+/// the host): reads `{path: content}` JSON on stdin and replaces each path with a regular file.
+const RESTORE_PY: &str = r#"
+import json, os, shutil, sys
+for rel, content in json.load(sys.stdin).items():
+    p = os.path.join("/work", rel)
+    if os.path.islink(p) or os.path.isfile(p):
+        os.remove(p)
+    elif os.path.isdir(p):
+        shutil.rmtree(p)
+    os.makedirs(os.path.dirname(p), exist_ok=True)
+    with open(p, "w", encoding="utf-8") as f:
+        f.write(content)
+"#;
+
+/// What decides a shell episode's outcome.
+#[derive(Clone, Debug)]
+pub enum Verdict {
+    /// A bash script; exit 0 is success.
+    Check(String),
+    /// Protected files (relative path, original content) are restored, then the bash test
+    /// command runs; exit 0 is success.
+    Tests {
+        /// The test command.
+        command: String,
+        /// Files put back before the tests run.
+        restore: Arc<Vec<(String, String)>>,
+    },
+}
+
+/// The parts of a shell episode that come from its environment.
+#[derive(Clone, Debug)]
+pub struct ShellConfig {
+    /// The command tool's name (`shell_exec`, `bash`).
+    pub tool: &'static str,
+    /// The tool schemas offered.
+    pub tools: Arc<Vec<Value>>,
+    /// The step limit.
+    pub max_steps: u32,
+    /// Bytes shown of each output stream.
+    pub observation_bytes: usize,
+    /// The episode's wall-clock budget.
+    pub deadline: Duration,
+    /// Runs the commands.
+    pub runner: Runner,
+}
+
+/// A running terminal or SWE episode.
+pub struct ShellEpisode {
+    task_id: String,
+    instruction: String,
+    messages: Vec<Value>,
+    cfg: ShellConfig,
+    verdict: Verdict,
+    workdir: Option<WorkDir>,
+    steps: u32,
+    done: bool,
+    deadline: Instant,
+}
+
+impl ShellEpisode {
+    /// An episode over a prepared work dir, with the first messages (system, user).
+    pub fn new(
+        task_id: String,
+        instruction: String,
+        messages: Vec<Value>,
+        cfg: ShellConfig,
+        verdict: Verdict,
+        workdir: WorkDir,
+        started: Instant,
+    ) -> Self {
+        let deadline = started + cfg.deadline;
+        Self {
+            task_id,
+            instruction,
+            messages,
+            cfg,
+            verdict,
+            workdir: Some(workdir),
+            steps: 0,
+            done: false,
+            deadline,
+        }
+    }
+
+    fn step_error(&self, reason: impl std::fmt::Display) -> EnvError {
+        EnvError::Step {
+            task: self.task_id.clone(),
+            reason: reason.to_string(),
+        }
+    }
+
+    async fn judge(&self) -> Result<(f64, Value), EnvError> {
+        let wd = self
+            .workdir
+            .as_ref()
+            .expect("open episode has a work dir")
+            .path();
+        let runner = &self.cfg.runner;
+        let script = match &self.verdict {
+            Verdict::Check(s) => s,
+            Verdict::Tests { command, restore } => {
+                if !restore.is_empty() {
+                    let files: serde_json::Map<String, Value> = restore
+                        .iter()
+                        .map(|(p, c)| (p.clone(), Value::String(c.clone())))
+                        .collect();
+                    let out = runner
+                        .run(
+                            wd,
+                            vec!["python3".into(), "-c".into(), RESTORE_PY.into()],
+                            Some(Value::Object(files).to_string().into_bytes()),
+                            None,
+                        )
+                        .await
+                        .map_err(|e| self.step_error(format!("restoring test files: {e}")))?;
+                    if out.exit_code != Some(0) {
+                        return Err(self.step_error(format!(
+                            "restoring test files failed ({:?}): {}",
+                            out.exit_code, out.stderr
+                        )));
+                    }
+                }
+                command
+            }
+        };
+        let out = runner
+            .bash(wd, script, None)
+            .await
+            .map_err(|e| self.step_error(format!("running the check: {e}")))?;
+        let outcome = if out.exit_code == Some(0) { 1.0 } else { -1.0 };
+        let (tail, _) = super::exec::truncate_middle(&out.stdout, 2048);
+        let (err_tail, _) = super::exec::truncate_middle(&out.stderr, 2048);
+        let mut info = output_info(&out);
+        info["stdout"] = Value::String(tail);
+        info["stderr"] = Value::String(err_tail);
+        Ok((outcome, info))
+    }
+
+    async fn do_step(&mut self, action: &Action) -> Result<StepOutcome, EnvError> {
+        if self.done {
+            return Err(EnvError::Finished {
+                task: self.task_id.clone(),
+            });
+        }
+        self.steps += 1;
+        self.messages.push(assistant_message(action));
+        let step = self.steps;
+        if Instant::now() >= self.deadline {
+            self.done = true;
+            return Ok(StepOutcome {
+                next_state: vec![],
+                done: true,
+                outcome: Some(-1.0),
+                info: json!({"step": step, "finish": "deadline", "deadline_exceeded": true}),
+            });
+        }
+        let mut next_state = Vec::new();
+        let mut commands = Vec::new();
+        let mut finish: Option<&str> = action.tool_calls.is_empty().then_some("answer");
+        for call in &action.tool_calls {
+            if finish.is_some() {
+                next_state.push(tool_message(
+                    call,
+                    "not run: the episode was already submitted".into(),
+                ));
+                continue;
+            }
+            if call.name == SUBMIT_TOOL {
+                finish = Some("submit");
+                next_state.push(tool_message(call, "submitted".into()));
+                continue;
+            }
+            if call.name != self.cfg.tool {
+                next_state.push(tool_message(
+                    call,
+                    format!(
+                        "error: unknown tool `{}`; the tools are `{}` and `{SUBMIT_TOOL}`",
+                        call.name, self.cfg.tool
+                    ),
+                ));
+                continue;
+            }
+            let command = match string_argument(call, "command") {
+                Ok(c) => c,
+                Err(msg) => {
+                    next_state.push(tool_message(call, msg));
+                    continue;
+                }
+            };
+            let left = self.deadline.saturating_duration_since(Instant::now());
+            let wd = self.workdir.as_ref().expect("open episode has a work dir");
+            let out = self
+                .cfg
+                .runner
+                .bash(wd.path(), command, Some(left))
+                .await
+                .map_err(|e| self.step_error(e))?;
+            let (text, cut) = render_output(&out, self.cfg.observation_bytes);
+            let mut info = output_info(&out);
+            info["observation_truncated"] = Value::Bool(cut);
+            commands.push(info);
+            next_state.push(tool_message(call, text));
+        }
+        if finish.is_none() && step >= self.cfg.max_steps {
+            finish = Some("step_limit");
+        }
+        let mut info = json!({"step": step, "commands": commands});
+        let mut outcome = None;
+        if let Some(how) = finish {
+            let (o, check) = self.judge().await?;
+            self.done = true;
+            outcome = Some(o);
+            info["finish"] = Value::String(how.into());
+            info["check"] = check;
+        }
+        self.messages.extend(next_state.iter().cloned());
+        Ok(StepOutcome {
+            next_state,
+            done: self.done,
+            outcome,
+            info,
+        })
+    }
+}
+
+impl Episode for ShellEpisode {
+    fn task_id(&self) -> &str {
+        &self.task_id
+    }
+
+    fn instruction(&self) -> &str {
+        &self.instruction
+    }
+
+    fn observation(&self) -> Observation {
+        Observation {
+            messages: self.messages.clone(),
+            tools: self.cfg.tools.as_ref().clone(),
+        }
+    }
+
+    fn step<'a>(&'a mut self, action: &'a Action) -> BoxFuture<'a, Result<StepOutcome, EnvError>> {
+        Box::pin(self.do_step(action))
+    }
+
+    fn close(mut self: Box<Self>) -> BoxFuture<'static, ()> {
+        let wd = self.workdir.take();
+        Box::pin(async move {
+            if let Some(wd) = wd {
+                if let Err(e) = wd.remove().await {
+                    tracing::warn!("removing an episode's work dir: {e}");
+                }
+            }
+        })
+    }
+}

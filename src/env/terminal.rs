@@ -1,0 +1,327 @@
+//! The terminal environment (DESIGN §4): tasks from JSONL, a `shell_exec` tool running bash in
+//! the sandbox over the task's work dir, `submit` (or a plain answer) to finish, 10 steps by
+//! default, and a check script that decides the outcome.
+//!
+//! A task line is `{"id", "instruction", "setup"?, "check"}` with `setup` an object holding
+//! `files` (`{relative path: content}`, written before the episode starts) and/or `script` (bash
+//! run in the sandbox after the files are written; it must exit 0). Unknown keys, missing fields,
+//! blank texts and paths that leave the work dir are errors naming the line and the key.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use clawrl_actors::loops::{BoxFuture, EnvError, Environment, Episode};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::exec::{no_arg_tool, string_tool, CommandLimits, Runner};
+use super::shell::{ShellConfig, ShellEpisode, Verdict, SUBMIT_TOOL};
+use super::tasks::{check_id, check_nonblank, check_relative_path, read_jsonl, TaskError};
+use super::workdir::WorkDirPool;
+use super::{EnvBuildError, EnvOptions};
+
+/// The default step limit.
+pub const DEFAULT_MAX_STEPS: u32 = 10;
+
+/// The shell tool's name.
+pub const SHELL_TOOL: &str = "shell_exec";
+
+const SYSTEM_PROMPT: &str = "You are an agent working in a Linux shell. Your working directory \
+is /work; there is no network. Run commands with the `shell_exec` tool (each call is a fresh \
+bash; files in /work persist between calls). When the task is done, call `submit`.";
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTask {
+    id: String,
+    instruction: String,
+    #[serde(default)]
+    setup: Option<RawSetup>,
+    check: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSetup {
+    #[serde(default)]
+    files: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    script: Option<String>,
+}
+
+/// One terminal task.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TerminalTask {
+    /// Its id.
+    pub id: String,
+    /// What the agent must do.
+    pub instruction: String,
+    /// Files written into the work dir before the episode (relative path, content).
+    pub files: Vec<(PathBuf, String)>,
+    /// A bash setup script run in the sandbox after the files are written.
+    pub setup_script: Option<String>,
+    /// The bash check script: exit 0 is success.
+    pub check: String,
+}
+
+/// Reads and validates a terminal task file.
+pub fn load_tasks(path: &Path) -> Result<Vec<TerminalTask>, TaskError> {
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    for (line, raw) in read_jsonl::<RawTask>(path)? {
+        check_id(path, line, &raw.id, &mut seen)?;
+        check_nonblank(path, line, "instruction", &raw.instruction)?;
+        check_nonblank(path, line, "check", &raw.check)?;
+        let mut files = Vec::new();
+        let mut setup_script = None;
+        if let Some(setup) = raw.setup {
+            if setup.files.is_none() && setup.script.is_none() {
+                return Err(TaskError::invalid(
+                    path,
+                    line,
+                    "setup",
+                    "needs `files` and/or `script` (omit `setup` for none)",
+                ));
+            }
+            for (rel, content) in setup.files.unwrap_or_default() {
+                let p = check_relative_path(&rel).map_err(|reason| {
+                    TaskError::invalid(path, line, &format!("setup.files.{rel}"), reason)
+                })?;
+                files.push((p, content));
+            }
+            if let Some(s) = setup.script {
+                check_nonblank(path, line, "setup.script", &s)?;
+                setup_script = Some(s);
+            }
+        }
+        out.push(TerminalTask {
+            id: raw.id,
+            instruction: raw.instruction,
+            files,
+            setup_script,
+            check: raw.check,
+        });
+    }
+    Ok(out)
+}
+
+/// The terminal environment over a task set.
+pub struct TerminalEnv {
+    tasks: Vec<Arc<TerminalTask>>,
+    cfg: ShellConfig,
+    pool: Arc<WorkDirPool>,
+}
+
+impl TerminalEnv {
+    /// Reads the tasks at `path` and prepares the work dir pool.
+    pub fn load(path: &Path, options: EnvOptions) -> Result<Self, EnvBuildError> {
+        Self::new(load_tasks(path)?, options)
+    }
+
+    /// An environment over `tasks` (at least one).
+    pub fn new(tasks: Vec<TerminalTask>, options: EnvOptions) -> Result<Self, EnvBuildError> {
+        options.validate()?;
+        if tasks.is_empty() {
+            return Err(EnvBuildError::Options {
+                option: "tasks".into(),
+                reason: "the task set is empty".into(),
+            });
+        }
+        let root = options.work_root().join("terminal");
+        let pool = WorkDirPool::new(&root, options.warm_workdirs).map_err(|source| {
+            EnvBuildError::WorkDir {
+                root: root.clone(),
+                source,
+            }
+        })?;
+        let limits = options
+            .limits
+            .clone()
+            .unwrap_or_else(CommandLimits::terminal);
+        let tools = vec![
+            string_tool(
+                SHELL_TOOL,
+                "Run a bash command in /work and return its exit code, stdout and stderr.",
+                "command",
+                "The bash command line.",
+            ),
+            no_arg_tool(SUBMIT_TOOL, "Finish the task; the result is then checked."),
+        ];
+        Ok(Self {
+            tasks: tasks.into_iter().map(Arc::new).collect(),
+            cfg: ShellConfig {
+                tool: SHELL_TOOL,
+                tools: Arc::new(tools),
+                max_steps: options.max_steps.unwrap_or(DEFAULT_MAX_STEPS),
+                observation_bytes: options.observation_bytes,
+                deadline: options.episode_deadline,
+                runner: Runner::new(limits, Vec::new(), options.max_concurrent_commands),
+            },
+            pool,
+        })
+    }
+
+    /// The tasks.
+    pub fn tasks(&self) -> &[Arc<TerminalTask>] {
+        &self.tasks
+    }
+
+    async fn start_episode(&self, index: usize) -> Result<Box<dyn Episode>, EnvError> {
+        let started = Instant::now();
+        let task = self.tasks.get(index).ok_or(EnvError::NoSuchTask {
+            index,
+            count: self.tasks.len(),
+        })?;
+        let setup_err = |reason: String| EnvError::Setup {
+            task: task.id.clone(),
+            reason,
+        };
+        let wd = self
+            .pool
+            .take()
+            .map_err(|e| setup_err(format!("creating the work dir: {e}")))?;
+        for (rel, content) in &task.files {
+            let p = wd.path().join(rel);
+            if let Some(parent) = p.parent() {
+                std::fs::create_dir_all(parent)
+                    .map_err(|e| setup_err(format!("creating {}: {e}", parent.display())))?;
+            }
+            std::fs::write(&p, content)
+                .map_err(|e| setup_err(format!("writing {}: {e}", rel.display())))?;
+        }
+        if let Some(script) = &task.setup_script {
+            let out = self
+                .cfg
+                .runner
+                .bash(wd.path(), script, None)
+                .await
+                .map_err(|e| setup_err(format!("running the setup script: {e}")))?;
+            if out.exit_code != Some(0) {
+                return Err(setup_err(format!(
+                    "the setup script failed (exit {:?}, signal {:?}, timed out {}): {}",
+                    out.exit_code, out.signal, out.timed_out, out.stderr
+                )));
+            }
+        }
+        let messages: Vec<Value> = vec![
+            json!({"role": "system", "content": SYSTEM_PROMPT}),
+            json!({"role": "user", "content": task.instruction}),
+        ];
+        Ok(Box::new(ShellEpisode::new(
+            task.id.clone(),
+            task.instruction.clone(),
+            messages,
+            self.cfg.clone(),
+            Verdict::Check(task.check.clone()),
+            wd,
+            started,
+        )))
+    }
+}
+
+impl Environment for TerminalEnv {
+    fn kind(&self) -> &str {
+        "terminal"
+    }
+
+    fn task_count(&self) -> usize {
+        self.tasks.len()
+    }
+
+    fn max_steps(&self) -> u32 {
+        self.cfg.max_steps
+    }
+
+    fn start(&self, index: usize, _seed: u64) -> BoxFuture<'_, Result<Box<dyn Episode>, EnvError>> {
+        Box::pin(self.start_episode(index))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(text: &str) -> Result<Vec<TerminalTask>, TaskError> {
+        let dir = std::env::temp_dir().join(format!(
+            "clawrl-terminal-tasks-{}-{}",
+            std::process::id(),
+            text.len()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("t.jsonl");
+        std::fs::write(&f, text).unwrap();
+        let r = load_tasks(&f);
+        std::fs::remove_dir_all(&dir).unwrap();
+        r
+    }
+
+    fn key_of(text: &str) -> (usize, String) {
+        match load(text).unwrap_err() {
+            TaskError::Invalid { line, key, .. } => (line, key),
+            e => panic!("{e}"),
+        }
+    }
+
+    #[test]
+    fn valid_tasks_load() {
+        let t = load(concat!(
+            r#"{"id":"a","instruction":"do","setup":{"files":{"d/x.txt":"hi"}},"check":"true"}"#,
+            "\n",
+            r#"{"id":"b","instruction":"do","setup":{"script":"echo > y"},"check":"test -f y"}"#,
+            "\n",
+            r#"{"id":"c","instruction":"do","check":"true"}"#,
+        ))
+        .unwrap();
+        assert_eq!(t.len(), 3);
+        assert_eq!(
+            t[0].files,
+            vec![(PathBuf::from("d/x.txt"), "hi".to_string())]
+        );
+        assert_eq!(t[1].setup_script.as_deref(), Some("echo > y"));
+        assert!(t[2].files.is_empty() && t[2].setup_script.is_none());
+    }
+
+    #[test]
+    fn invalid_tasks_name_line_and_key() {
+        let ok = r#"{"id":"a","instruction":"do","check":"true"}"#;
+        let cases = [
+            (r#"{"id":"b","instruction":"do"}"#, "check"),
+            (
+                r#"{"id":"b","instruction":"do","check":"true","extra":1}"#,
+                "extra",
+            ),
+            (
+                r#"{"id":"b","instruction":"do","check":"true","setup":{"file":{}}}"#,
+                "setup.file",
+            ),
+            (
+                r#"{"id":"b","instruction":"do","check":"true","setup":{"files":{"../x":"1"}}}"#,
+                "setup.files.../x",
+            ),
+            (
+                r#"{"id":"b","instruction":"do","check":"true","setup":{"files":{"/etc/x":"1"}}}"#,
+                "setup.files./etc/x",
+            ),
+            (
+                r#"{"id":"b","instruction":"do","check":"true","setup":{"files":{"x":1}}}"#,
+                "setup.files.x",
+            ),
+            (
+                r#"{"id":"b","instruction":"do","check":"true","setup":{}}"#,
+                "setup",
+            ),
+            (
+                r#"{"id":"b","instruction":"  ","check":"true"}"#,
+                "instruction",
+            ),
+            (r#"{"id":"a","instruction":"do","check":"true"}"#, "id"),
+            (r#"{"id":"b c","instruction":"do","check":"true"}"#, "id"),
+        ];
+        for (bad, key) in cases {
+            let (line, got) = key_of(&format!("{ok}\n\n{bad}\n"));
+            assert_eq!((line, got.as_str()), (3, key), "{bad}");
+        }
+    }
+}

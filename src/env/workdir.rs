@@ -1,0 +1,170 @@
+//! Host work dirs for episodes: a pool of empty directories created ahead of time under one
+//! root, handed out one per episode and removed (then replaced in the pool) when it closes.
+//!
+//! Removal never follows symbolic links a policy may have planted (`std::fs::remove_dir_all`
+//! removes the link, not its target). A [`WorkDir`] dropped without [`WorkDir::remove`] is
+//! removed synchronously in `Drop`, so a panicking episode leaks nothing.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// A pool of empty work dirs under one root.
+#[derive(Debug)]
+pub struct WorkDirPool {
+    root: PathBuf,
+    warm: usize,
+    ready: Mutex<Vec<PathBuf>>,
+    counter: AtomicU64,
+}
+
+impl WorkDirPool {
+    /// Creates `root` (and parents) and `warm` empty dirs in it.
+    pub fn new(root: &Path, warm: usize) -> io::Result<Arc<Self>> {
+        std::fs::create_dir_all(root)?;
+        let pool = Arc::new(Self {
+            root: root.to_path_buf(),
+            warm,
+            ready: Mutex::new(Vec::with_capacity(warm)),
+            counter: AtomicU64::new(0),
+        });
+        for _ in 0..warm {
+            let d = pool.create()?;
+            pool.ready.lock().expect("pool lock").push(d);
+        }
+        Ok(pool)
+    }
+
+    /// The root the dirs live under.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// How many dirs are ready now.
+    pub fn ready(&self) -> usize {
+        self.ready.lock().expect("pool lock").len()
+    }
+
+    fn create(&self) -> io::Result<PathBuf> {
+        loop {
+            let n = self.counter.fetch_add(1, Ordering::Relaxed);
+            let p = self.root.join(format!("w{n}"));
+            match std::fs::create_dir(&p) {
+                Ok(()) => return Ok(p),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// An empty work dir: one from the pool when there is one, else a new one.
+    pub fn take(self: &Arc<Self>) -> io::Result<WorkDir> {
+        let ready = self.ready.lock().expect("pool lock").pop();
+        let path = match ready {
+            Some(p) => p,
+            None => self.create()?,
+        };
+        Ok(WorkDir {
+            path: Some(path),
+            pool: Arc::clone(self),
+        })
+    }
+
+    fn refill(&self) {
+        if self.ready() >= self.warm {
+            return;
+        }
+        if let Ok(p) = self.create() {
+            self.ready.lock().expect("pool lock").push(p);
+        }
+    }
+}
+
+impl Drop for WorkDirPool {
+    fn drop(&mut self) {
+        for p in self.ready.get_mut().expect("pool lock").drain(..) {
+            let _ = std::fs::remove_dir(&p);
+        }
+        // Removes the root only when no work dir is left in it.
+        let _ = std::fs::remove_dir(&self.root);
+    }
+}
+
+/// One episode's work dir; removed by [`WorkDir::remove`] or, failing that, on drop.
+#[derive(Debug)]
+pub struct WorkDir {
+    path: Option<PathBuf>,
+    pool: Arc<WorkDirPool>,
+}
+
+impl WorkDir {
+    /// The host path (mounted at `/work` inside the sandbox).
+    pub fn path(&self) -> &Path {
+        self.path.as_deref().expect("present until removed")
+    }
+
+    /// Removes the dir and everything in it on a blocking thread, then tops the pool up.
+    pub async fn remove(mut self) -> io::Result<()> {
+        let path = self.path.take().expect("present until removed");
+        let pool = Arc::clone(&self.pool);
+        tokio::task::spawn_blocking(move || {
+            let r = remove_tree(&path);
+            pool.refill();
+            r
+        })
+        .await
+        .unwrap_or_else(|e| Err(io::Error::other(e.to_string())))
+    }
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        if let Some(p) = self.path.take() {
+            let _ = remove_tree(&p);
+        }
+    }
+}
+
+fn remove_tree(path: &Path) -> io::Result<()> {
+    match std::fs::remove_dir_all(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        r => r,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn pool_hands_out_fresh_dirs_and_refills_on_remove() {
+        let root = std::env::temp_dir().join(format!("clawrl-workdir-test-{}", std::process::id()));
+        let pool = WorkDirPool::new(&root, 2).unwrap();
+        assert_eq!(pool.ready(), 2);
+        let a = pool.take().unwrap();
+        let b = pool.take().unwrap();
+        let c = pool.take().unwrap();
+        assert_eq!(pool.ready(), 0);
+        assert_ne!(a.path(), b.path());
+        assert_ne!(b.path(), c.path());
+        std::fs::write(a.path().join("f"), "x").unwrap();
+        std::fs::create_dir(a.path().join("d")).unwrap();
+        // A link out of the dir is removed, its target is not.
+        let outside = root.join("outside-target");
+        std::fs::write(&outside, "keep").unwrap();
+        std::os::unix::fs::symlink(&outside, a.path().join("link")).unwrap();
+        let pa = a.path().to_path_buf();
+        a.remove().await.unwrap();
+        assert!(!pa.exists());
+        assert_eq!(std::fs::read_to_string(&outside).unwrap(), "keep");
+        assert_eq!(pool.ready(), 1);
+        let pc = c.path().to_path_buf();
+        drop(c);
+        assert!(!pc.exists());
+        b.remove().await.unwrap();
+        std::fs::remove_file(&outside).unwrap();
+        drop(pool);
+        assert!(!root.exists());
+    }
+}
