@@ -1,0 +1,515 @@
+//! EnvSession, PrmVoter and the job supervisor with small deterministic environments, policies,
+//! judges, builders and trainers: episodes are closed exactly once (done, deadline, failure,
+//! stop), failed judging leaves turns unjudged with the reason, failed sessions are restarted
+//! then counted as lost, and a job's counts balance at its stop condition.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use clawrl_actors::loops::{
+    spawn_job, Action, BoxFuture, Built, EndReason, EnvError, EnvSession, Environment, Episode,
+    EpisodeTurns, JobArgs, JobSample, JobSettings, JudgedTurn, Judgement, Observation, PolicyError,
+    PolicyTurn, PrmVoter, SampleBuilder, SessionArgs, SessionEvent, StepOutcome, StopCondition,
+    TrainerCounts, TrainerLink, Turn, TurnJudge, TurnPolicy, VoterArgs, VoterMsg,
+};
+use ractor::Actor;
+use serde_json::json;
+use tokio::sync::mpsc;
+
+/// Tasks: index `i` has `steps[i]` steps; a task in `fail_start` cannot start; a task in
+/// `fail_step` errors on its second step.
+struct Env {
+    steps: Vec<u32>,
+    fail_start: Vec<usize>,
+    fail_step: Vec<usize>,
+    started: AtomicUsize,
+    closed: Arc<AtomicUsize>,
+}
+
+impl Env {
+    fn new(steps: Vec<u32>) -> Self {
+        Env {
+            steps,
+            fail_start: vec![],
+            fail_step: vec![],
+            started: AtomicUsize::new(0),
+            closed: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+}
+
+struct Ep {
+    id: String,
+    steps: u32,
+    taken: u32,
+    fail_step: bool,
+    messages: Vec<serde_json::Value>,
+    closed: Arc<AtomicUsize>,
+}
+
+impl Environment for Env {
+    fn kind(&self) -> &str {
+        "test"
+    }
+    fn task_count(&self) -> usize {
+        self.steps.len()
+    }
+    fn max_steps(&self) -> u32 {
+        100
+    }
+    fn start(&self, index: usize, _seed: u64) -> BoxFuture<'_, Result<Box<dyn Episode>, EnvError>> {
+        Box::pin(async move {
+            if self.fail_start.contains(&index) {
+                return Err(EnvError::Setup {
+                    task: format!("t{index}"),
+                    reason: "cannot start".into(),
+                });
+            }
+            self.started.fetch_add(1, Ordering::SeqCst);
+            Ok(Box::new(Ep {
+                id: format!("t{index}"),
+                steps: self.steps[index],
+                taken: 0,
+                fail_step: self.fail_step.contains(&index),
+                messages: vec![json!({"role": "user", "content": "go"})],
+                closed: self.closed.clone(),
+            }) as Box<dyn Episode>)
+        })
+    }
+}
+
+impl Episode for Ep {
+    fn task_id(&self) -> &str {
+        &self.id
+    }
+    fn instruction(&self) -> &str {
+        "go"
+    }
+    fn observation(&self) -> Observation {
+        Observation {
+            messages: self.messages.clone(),
+            tools: vec![],
+        }
+    }
+    fn step<'a>(&'a mut self, action: &'a Action) -> BoxFuture<'a, Result<StepOutcome, EnvError>> {
+        Box::pin(async move {
+            if self.fail_step && self.taken == 1 {
+                return Err(EnvError::Step {
+                    task: self.id.clone(),
+                    reason: "sandbox died".into(),
+                });
+            }
+            self.taken += 1;
+            let reply = json!({"role": "user", "content": format!("reply {}", self.taken)});
+            self.messages
+                .push(json!({"role": "assistant", "content": action.content}));
+            self.messages.push(reply.clone());
+            let done = self.taken >= self.steps;
+            Ok(StepOutcome {
+                next_state: vec![reply],
+                done,
+                outcome: done.then_some(1.0),
+                info: json!({}),
+            })
+        })
+    }
+    fn close(self: Box<Self>) -> BoxFuture<'static, ()> {
+        let closed = self.closed.clone();
+        Box::pin(async move {
+            closed.fetch_add(1, Ordering::SeqCst);
+        })
+    }
+}
+
+/// Answers with the number of messages seen; version = a settable counter.
+struct Policy {
+    delay: Duration,
+    version: AtomicU64,
+}
+
+impl TurnPolicy for Policy {
+    fn act<'a>(&'a self, o: &'a Observation) -> BoxFuture<'a, Result<PolicyTurn, PolicyError>> {
+        Box::pin(async move {
+            tokio::time::sleep(self.delay).await;
+            let text = format!("seen {}", o.messages.len());
+            Ok(PolicyTurn {
+                action: Action {
+                    content: text.clone(),
+                    tool_calls: vec![],
+                    raw: text.clone(),
+                },
+                prompt_ids: vec![1, 2, 3],
+                response_ids: vec![4, 5],
+                logprobs: vec![-0.5, -0.25],
+                version: self.version.load(Ordering::SeqCst),
+                prompt_text: "p".into(),
+                response_text: text,
+            })
+        })
+    }
+}
+
+fn policy(delay_ms: u64) -> Arc<Policy> {
+    Arc::new(Policy {
+        delay: Duration::from_millis(delay_ms),
+        version: AtomicU64::new(0),
+    })
+}
+
+async fn run_session(
+    env: Arc<Env>,
+    task: usize,
+    policy: Arc<Policy>,
+    deadline: Duration,
+    stop_after: Option<Duration>,
+) -> Vec<SessionEvent> {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (actor, handle) = Actor::spawn(
+        None,
+        EnvSession,
+        SessionArgs {
+            session_id: "s1".into(),
+            env,
+            task_index: task,
+            seed: 0,
+            policy,
+            deadline,
+            max_steps: None,
+            report: Arc::new(move |ev| {
+                let _ = tx.send(ev);
+            }),
+        },
+    )
+    .await
+    .unwrap();
+    if let Some(d) = stop_after {
+        tokio::time::sleep(d).await;
+        actor.stop(None);
+    }
+    handle.await.unwrap();
+    let mut events = Vec::new();
+    while let Ok(ev) = rx.try_recv() {
+        events.push(ev);
+    }
+    events
+}
+
+fn ended(events: &[SessionEvent]) -> (u32, EndReason) {
+    let ends: Vec<_> = events
+        .iter()
+        .filter_map(|e| match e {
+            SessionEvent::Ended { turns, reason, .. } => Some((*turns, reason.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ends.len(), 1, "exactly one Ended: {events:?}");
+    assert!(
+        matches!(events.last(), Some(SessionEvent::Ended { .. })),
+        "Ended comes last"
+    );
+    ends[0].clone()
+}
+
+fn turns(events: &[SessionEvent]) -> Vec<&Turn> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            SessionEvent::Turn(t) => Some(t.as_ref()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_session_runs_its_episode_to_done_and_closes_it_once() {
+    let env = Arc::new(Env::new(vec![3]));
+    let ev = run_session(env.clone(), 0, policy(0), Duration::from_secs(10), None).await;
+    let t = turns(&ev);
+    assert_eq!(t.len(), 3);
+    for (i, turn) in t.iter().enumerate() {
+        assert_eq!(turn.turn, i as u32);
+        assert_eq!(turn.task_id, "t0");
+        // The observation is what the policy saw: 1 message, then 3, then 5.
+        assert_eq!(turn.observation.messages.len(), 1 + 2 * i);
+        assert_eq!(turn.policy.action.content, format!("seen {}", 1 + 2 * i));
+        assert_eq!(
+            turn.outcome.next_state[0]["content"],
+            format!("reply {}", i + 1)
+        );
+    }
+    assert_eq!(ended(&ev), (3, EndReason::Done { outcome: Some(1.0) }));
+    assert_eq!(env.closed.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn deadline_failure_and_stop_each_close_the_episode_once() {
+    // Deadline: each policy call takes 80 ms, the episode may take 200 ms.
+    let env = Arc::new(Env::new(vec![50]));
+    let ev = run_session(env.clone(), 0, policy(80), Duration::from_millis(200), None).await;
+    let (n, reason) = ended(&ev);
+    assert_eq!(reason, EndReason::Deadline);
+    assert!((1..=3).contains(&n), "{n}");
+    assert_eq!(turns(&ev).len() as u32, n);
+    assert_eq!(env.closed.load(Ordering::SeqCst), 1);
+
+    // A step error fails the session after its first turn.
+    let mut e = Env::new(vec![5]);
+    e.fail_step = vec![0];
+    let env = Arc::new(e);
+    let ev = run_session(env.clone(), 0, policy(0), Duration::from_secs(10), None).await;
+    let (n, reason) = ended(&ev);
+    assert_eq!(n, 1);
+    assert!(
+        matches!(&reason, EndReason::Failed { error } if error.contains("sandbox died")),
+        "{reason:?}"
+    );
+    assert_eq!(env.closed.load(Ordering::SeqCst), 1);
+
+    // A start error: no episode, nothing to close.
+    let mut e = Env::new(vec![5]);
+    e.fail_start = vec![0];
+    let env = Arc::new(e);
+    let ev = run_session(env.clone(), 0, policy(0), Duration::from_secs(10), None).await;
+    assert!(matches!(ended(&ev), (0, EndReason::Failed { .. })));
+    assert_eq!(env.closed.load(Ordering::SeqCst), 0);
+
+    // Stopped from outside mid-episode.
+    let env = Arc::new(Env::new(vec![1000]));
+    let ev = run_session(
+        env.clone(),
+        0,
+        policy(20),
+        Duration::from_secs(10),
+        Some(Duration::from_millis(150)),
+    )
+    .await;
+    assert_eq!(ended(&ev).1, EndReason::Stopped);
+    assert_eq!(env.closed.load(Ordering::SeqCst), 1);
+}
+
+/// Judges by the turn index: 0 → +1, 1 → error, 2 → hangs, 3 → panics, else -1.
+struct Judge;
+
+impl TurnJudge for Judge {
+    fn judge<'a>(&'a self, turn: &'a Turn) -> BoxFuture<'a, Result<Judgement, String>> {
+        Box::pin(async move {
+            match turn.turn {
+                0 => Ok(Judgement {
+                    reward: 1.0,
+                    hint: None,
+                    unjudged: None,
+                    record: json!({"turn": 0}),
+                }),
+                1 => Err("endpoint unreachable".into()),
+                2 => {
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                    unreachable!()
+                }
+                3 => panic!("judge bug"),
+                _ => Ok(Judgement {
+                    reward: -1.0,
+                    hint: None,
+                    unjudged: None,
+                    record: json!({}),
+                }),
+            }
+        })
+    }
+}
+
+#[tokio::test]
+async fn failed_judging_leaves_turns_unjudged_with_the_reason() {
+    let env = Arc::new(Env::new(vec![5]));
+    let ev = run_session(env, 0, policy(0), Duration::from_secs(10), None).await;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (voter, _) = Actor::spawn(
+        None,
+        PrmVoter,
+        VoterArgs {
+            judge: Arc::new(Judge),
+            timeout: Duration::from_millis(200),
+            max_concurrent: 2,
+            report: Arc::new(move |jt| {
+                let _ = tx.send(jt);
+            }),
+        },
+    )
+    .await
+    .unwrap();
+    for t in turns(&ev) {
+        voter.cast(VoterMsg::Judge(Box::new(t.clone()))).unwrap();
+    }
+    let mut got: HashMap<u32, JudgedTurn> = HashMap::new();
+    while got.len() < 5 {
+        let jt = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .expect("every turn comes back")
+            .unwrap();
+        got.insert(jt.turn.turn, jt);
+    }
+    assert_eq!(got[&0].judgement.reward, 1.0);
+    assert!(got[&0].judgement.unjudged.is_none());
+    let reason = |i: u32| got[&i].judgement.unjudged.clone().unwrap();
+    assert!(reason(1).contains("unreachable"));
+    assert!(reason(2).contains("timed out"));
+    assert!(reason(3).contains("judge task failed"), "{}", reason(3));
+    for i in 1..=3 {
+        let j = &got[&i].judgement;
+        assert_eq!((j.reward, j.hint.as_deref()), (0.0, None));
+        assert_eq!(j.record["unjudged"], reason(i));
+        assert_eq!(j.record["turn"], i);
+    }
+    assert_eq!(got[&4].judgement.reward, -1.0);
+    let stats = ractor::call_t!(voter, VoterMsg::Stats, 1000).unwrap();
+    assert_eq!(
+        (
+            stats.received,
+            stats.judged,
+            stats.unjudged,
+            stats.in_flight
+        ),
+        (5, 2, 3, 0)
+    );
+}
+
+/// A sample: (session, turn, version).
+struct Sample(String, u32, u64);
+
+impl JobSample for Sample {
+    fn version(&self) -> u64 {
+        self.2
+    }
+    fn record(&self) -> serde_json::Value {
+        json!({"session_id": self.0, "turn": self.1})
+    }
+}
+
+/// One sample per judged turn with a non-zero reward.
+struct Builder;
+
+impl SampleBuilder<Sample> for Builder {
+    fn build(
+        &self,
+        eps: Arc<Vec<EpisodeTurns>>,
+    ) -> BoxFuture<'static, Result<Built<Sample>, String>> {
+        Box::pin(async move {
+            let samples = eps
+                .iter()
+                .flat_map(|e| e.turns.iter())
+                .filter(|jt| jt.judgement.reward != 0.0)
+                .map(|jt| {
+                    Sample(
+                        jt.turn.session_id.clone(),
+                        jt.turn.turn,
+                        jt.turn.policy.version,
+                    )
+                })
+                .collect();
+            Ok(Built {
+                samples,
+                teacher_versions: HashMap::new(),
+            })
+        })
+    }
+}
+
+/// Steps every 4 samples; each step raises the policy's version.
+struct Trainer {
+    counts: Mutex<TrainerCounts>,
+    policy: Arc<Policy>,
+    seen: Mutex<Vec<(String, u32)>>,
+}
+
+impl TrainerLink<Sample> for Trainer {
+    fn submit(&self, samples: Vec<Sample>) -> Result<(), String> {
+        let mut c = self.counts.lock().unwrap();
+        for s in samples {
+            self.seen.lock().unwrap().push((s.0, s.1));
+            c.produced += 1;
+            c.pending += 1;
+            if c.pending == 4 {
+                c.pending = 0;
+                c.trained += 4;
+                c.steps += 1;
+                c.version += 1;
+                self.policy.version.store(c.version, Ordering::SeqCst);
+            }
+        }
+        Ok(())
+    }
+    fn counts(&self) -> BoxFuture<'_, Result<TrainerCounts, String>> {
+        let c = self.counts.lock().unwrap().clone();
+        Box::pin(async move { Ok(c) })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_restarts_failed_sessions_counts_lost_ones_and_balances() {
+    // Task 1 never starts; task 2 fails at its second step; 0 and 3 run 3 steps.
+    let mut e = Env::new(vec![3, 3, 3, 3]);
+    e.fail_start = vec![1];
+    e.fail_step = vec![2];
+    let env = Arc::new(e);
+    let p = policy(2);
+    let trainer = Arc::new(Trainer {
+        counts: Mutex::new(TrainerCounts::default()),
+        policy: p.clone(),
+        seen: Mutex::new(Vec::new()),
+    });
+    let (_job, done) = spawn_job(JobArgs {
+        job: "j".into(),
+        env: env.clone(),
+        policy: p.clone(),
+        judge: Arc::new(Judge),
+        builder: Arc::new(Builder),
+        trainer: trainer.clone(),
+        recorder: None,
+        settings: JobSettings {
+            parallelism: 3,
+            episode_deadline: Duration::from_secs(10),
+            judge_timeout: Duration::from_millis(100),
+            max_restarts: 2,
+            stop: StopCondition {
+                max_trainer_steps: Some(3),
+                ..StopCondition::default()
+            },
+            poll: Duration::from_millis(20),
+            ..JobSettings::default()
+        },
+        progress: None,
+        done: None,
+    })
+    .await
+    .unwrap();
+    let c = tokio::time::timeout(Duration::from_secs(60), done)
+        .await
+        .expect("the job stops")
+        .unwrap();
+    assert!(c.trainer.steps >= 3, "{c:?}");
+    assert!(c.balanced());
+    assert_eq!(c.turns, c.judged + c.unjudged, "{c:?}");
+    assert_eq!(c.sessions_running, 0);
+    // Every started session ended one way or the other.
+    assert_eq!(
+        c.sessions_started,
+        c.sessions_finished + c.sessions_failed,
+        "{c:?}"
+    );
+    // Task 1's slot: the first try and max_restarts restarts fail, then it is lost.
+    assert!(c.sessions_lost >= 1, "{c:?}");
+    assert!(c.sessions_restarted >= 2, "{c:?}");
+    assert!(c.sessions_failed >= c.sessions_lost, "{c:?}");
+    // Samples handed over are exactly those the trainer saw; unjudged turns (1, 2, 3 of each
+    // episode) give none.
+    assert_eq!(c.samples_submitted, c.trainer.produced);
+    let seen = trainer.seen.lock().unwrap();
+    assert_eq!(seen.len() as u64, c.samples_submitted);
+    assert!(seen.iter().all(|(_, turn)| *turn == 0 || *turn >= 4));
+    // Every episode that started was closed.
+    assert_eq!(
+        env.closed.load(Ordering::SeqCst),
+        env.started.load(Ordering::SeqCst)
+    );
+}
