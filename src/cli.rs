@@ -2,6 +2,7 @@
 
 pub mod cluster;
 pub mod model;
+pub mod run;
 pub mod sandbox;
 pub mod serve;
 pub mod train;

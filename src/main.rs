@@ -24,6 +24,8 @@ enum Command {
     Serve(cli::serve::Commands),
     #[command(flatten)]
     Sandbox(cli::sandbox::Commands),
+    #[command(flatten)]
+    Run(cli::run::Commands),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -34,5 +36,6 @@ fn main() -> anyhow::Result<()> {
         Command::Train(c) => cli::train::run(c),
         Command::Serve(c) => cli::serve::run(c),
         Command::Sandbox(c) => cli::sandbox::run(c),
+        Command::Run(c) => cli::run::run(c),
     }
 }
