@@ -3,12 +3,13 @@
 //! next state, for training.
 //!
 //! Layout: [`server`] (axum routes, auth, limits, OpenAI wire format, SSE streaming),
-//! [`generate`] (the token-by-token batching scheduler), [`text`] (ids → served text, tool-call
+//! [`policy`] (the served weight versions over the generation engine, token-by-token streaming,
+//! hot swap without pausing), [`text`] (ids → served text, tool-call
 //! splitting; pure), [`session`] (the clock-free session table), [`sink`] (the JSONL turn
 //! writer), [`metrics`] (Prometheus text) and [`GatewayConfig`] here.
 
-pub mod generate;
 pub mod metrics;
+pub mod policy;
 pub mod server;
 pub mod session;
 pub mod sink;
@@ -20,6 +21,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+pub use policy::{GatewayPolicy, InstallError, PolicyStats, ServingVersion};
 pub use server::{Gateway, GatewayError};
 pub use session::{EndPolicy, SessionConfig, SessionTable, TurnEnd, TurnType};
 pub use sink::{TurnRecord, TurnSink};
@@ -41,7 +43,7 @@ pub use sink::{TurnRecord, TurnSink};
 /// max_context = 4096               # prompt + response positions per sequence
 /// default_max_tokens = 256         # when a request gives none
 /// max_tokens_limit = 4096          # the most a request may ask for
-/// version = 0                      # weight version recorded with each turn
+/// version = 0                      # weight version the loaded checkpoint is served as
 /// ```
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -74,7 +76,8 @@ pub struct GatewayConfig {
     pub default_max_tokens: usize,
     /// The largest `max_tokens` a request may ask for.
     pub max_tokens_limit: usize,
-    /// The weight version recorded with each turn.
+    /// The weight version the loaded checkpoint is served as (later ones come through
+    /// [`GatewayPolicy::install`]); every turn records the version that generated it.
     pub version: u64,
 }
 

@@ -29,14 +29,16 @@ use serde::Deserialize;
 use serde_json::{json, Value as Json_};
 use tokio::sync::mpsc;
 
-use super::generate::{StreamingEngine, TokenEvent};
 use super::metrics::Metrics;
+use super::policy::{GatewayPolicy, ServingVersion};
 use super::session::{Finished, SessionTable, TurnType};
 use super::sink::{SinkError, TurnRecord, TurnSink};
 use super::text::{split_all, Piece, TextStream, ToolCallSplitter};
 use super::GatewayConfig;
 use crate::model::chat::{encode_text, validate_messages, validate_tools, ChatTemplate};
-use crate::model::engine::{EngineError, EngineOptions, FinishReason};
+use crate::model::engine::{
+    EngineError, EngineOptions, FinishReason, GenerationRequest, StreamEvent,
+};
 use crate::model::qwen3::Qwen3;
 use crate::model::sampling::SamplingParams;
 use crate::model::tool_call::ToolCall;
@@ -60,7 +62,7 @@ struct AppState {
     cfg: GatewayConfig,
     model_name: String,
     keys: Vec<String>,
-    engine: StreamingEngine,
+    policy: GatewayPolicy,
     tokenizer: Arc<tokenizers::Tokenizer>,
     template: ChatTemplate,
     stop_ids: Vec<u32>,
@@ -71,14 +73,17 @@ struct AppState {
 }
 
 /// A built gateway: the model loaded, the generation thread and the turn writer running.
+/// [`Gateway::policy`] is the handle new weight versions are installed through, while serving.
 pub struct Gateway {
     state: Arc<AppState>,
     writer: std::thread::JoinHandle<()>,
 }
 
 impl Gateway {
-    /// Builds the gateway over a loaded checkpoint. `default_name` is the model id used when the
-    /// config names none.
+    /// Builds the gateway over a loaded checkpoint, serving it as weight version `cfg.version`.
+    /// `default_name` is the model id used when the config names none. Versions installed
+    /// later are read with the learner's export config
+    /// ([`crate::train::learner::float32_config`] of the checkpoint's).
     pub fn new<B: Backend>(
         ck: Checkpoint<B>,
         cfg: GatewayConfig,
@@ -86,18 +91,22 @@ impl Gateway {
     ) -> Result<Self, GatewayError>
     where
         Qwen3<B>: Send + Sync,
+        B::Device: Send + Sync,
     {
         cfg.validate()?;
         let stop_ids = ck.stop_token_ids();
         let Checkpoint {
+            config,
             model,
             tokenizer,
             chat_template,
             ..
         } = ck;
         let tokenizer = Arc::new(tokenizer);
-        let engine = StreamingEngine::spawn(
-            Arc::new(model),
+        let policy = GatewayPolicy::new(
+            model,
+            cfg.version,
+            crate::train::learner::float32_config(&config),
             Some(tokenizer.clone()),
             EngineOptions {
                 max_batch: cfg.max_batch,
@@ -111,7 +120,7 @@ impl Gateway {
                 .clone()
                 .unwrap_or_else(|| default_name.to_string()),
             keys: cfg.resolved_api_keys(),
-            engine,
+            policy,
             tokenizer,
             template: chat_template,
             stop_ids,
@@ -125,6 +134,12 @@ impl Gateway {
             state: Arc::new(state),
             writer,
         })
+    }
+
+    /// The handle that installs new weight versions while the gateway serves (clone it before
+    /// [`serve`](Self::serve) consumes the gateway).
+    pub fn policy(&self) -> GatewayPolicy {
+        self.state.policy.clone()
     }
 
     /// The model id clients must name.
@@ -358,7 +373,8 @@ fn unknown_model(id: &str, s: &AppState) -> ApiError {
 }
 
 async fn healthz(State(s): State<Arc<AppState>>) -> Response {
-    Json(json!({"status": "ok", "model": s.model_name, "version": s.cfg.version})).into_response()
+    Json(json!({"status": "ok", "model": s.model_name, "version": s.policy.version()}))
+        .into_response()
 }
 
 async fn not_found() -> Response {
@@ -378,8 +394,33 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
         (t.stats(), t.open_sessions())
     };
     let sk = s.sink.stats();
+    let ps = s.policy.stats();
     let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
     let extra = [
+        (
+            "clawrl_gateway_weight_version",
+            "gauge",
+            "The weight version new requests run on.",
+            ps.version as f64,
+        ),
+        (
+            "clawrl_gateway_weight_switches_total",
+            "counter",
+            "Weight versions switched to while serving.",
+            ps.switches as f64,
+        ),
+        (
+            "clawrl_gateway_weight_installs_stale_total",
+            "counter",
+            "Weight installs refused as not newer than the served version.",
+            ps.stale_installs as f64,
+        ),
+        (
+            "clawrl_gateway_weight_installs_failed_total",
+            "counter",
+            "Weight installs whose load failed (the served version kept serving).",
+            ps.failed_installs as f64,
+        ),
         (
             "clawrl_gateway_sessions_open",
             "gauge",
@@ -885,13 +926,16 @@ async fn chat_completions(
     record_all(&s, out).await;
 
     s.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
-    let mut rx = s
-        .engine
-        .submit(prepared.prompt_ids.clone(), prepared.params.clone());
+    // The request runs, to its end, on the version current now.
+    let served = s.policy.current();
+    let mut rx = served.engine().submit_streaming(GenerationRequest {
+        prompt_ids: prepared.prompt_ids.clone(),
+        params: prepared.params.clone(),
+    });
     // Wait for the first event so refusals are proper HTTP errors, streaming or not.
     let first = rx.recv().await;
     let first = match first {
-        Some(TokenEvent::Failed(e)) => {
+        Some(StreamEvent::Failed(e)) => {
             s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
             if prepared.done {
                 let out = s.sessions.lock().unwrap().end_session(&prepared.session_id);
@@ -913,16 +957,18 @@ async fn chat_completions(
         .fetch_add(prepared.prompt_ids.len() as u64, Ordering::Relaxed);
     let id = format!("chatcmpl-{}", random_hex(24));
     let sid = HeaderValue::from_str(&prepared.session_id).ok();
+    let version = HeaderValue::from(served.version());
     let mut resp = if prepared.stream {
-        stream_response(s.clone(), prepared, rx, first, id, t0).into_response()
+        stream_response(s.clone(), prepared, served, rx, first, id, t0).into_response()
     } else {
-        complete_response(&s, prepared, rx, first, id, t0)
+        complete_response(&s, prepared, served, rx, first, id, t0)
             .await
             .into_response()
     };
     if let Some(v) = sid {
         resp.headers_mut().insert("x-session-id", v);
     }
+    resp.headers_mut().insert("x-clawrl-version", version);
     resp
 }
 
@@ -943,14 +989,20 @@ impl Collected {
     }
 
     /// Applies one event; `Err` when the request failed.
-    fn apply(&mut self, ev: TokenEvent) -> Result<(), EngineError> {
+    fn apply(&mut self, ev: StreamEvent) -> Result<(), EngineError> {
         match ev {
-            TokenEvent::Token { id, logprob } => {
+            StreamEvent::Token { id, logprob } => {
                 self.ids.push(id);
                 self.logprobs.push(logprob);
             }
-            TokenEvent::Done(r) => self.reason = Some(r),
-            TokenEvent::Failed(e) => return Err(e),
+            StreamEvent::Finished(r) => {
+                // The result repeats the streamed tokens; it is the authority.
+                debug_assert_eq!(r.response_ids, self.ids);
+                self.ids = r.response_ids;
+                self.logprobs = r.logprobs;
+                self.reason = Some(r.finish_reason);
+            }
+            StreamEvent::Failed(e) => return Err(e),
         }
         Ok(())
     }
@@ -960,6 +1012,7 @@ impl Collected {
 async fn finish_turn(
     s: &AppState,
     p: Prepared,
+    version: u64,
     c: Collected,
     message: Json_,
     finish: &str,
@@ -974,7 +1027,7 @@ async fn finish_turn(
         .fetch_add(c.ids.len() as u64, Ordering::Relaxed);
     let record = TurnRecord {
         session_id: p.session_id.clone(),
-        version: s.cfg.version,
+        version,
         model: s.model_name.clone(),
         messages: p.messages,
         tools: p.tools,
@@ -1005,15 +1058,22 @@ fn usage(prompt: usize, completion: usize) -> Json_ {
 async fn complete_response(
     s: &AppState,
     p: Prepared,
-    mut rx: mpsc::UnboundedReceiver<TokenEvent>,
-    first: TokenEvent,
+    served: Arc<ServingVersion>,
+    mut rx: mpsc::UnboundedReceiver<StreamEvent>,
+    first: StreamEvent,
     id: String,
     t0: Instant,
 ) -> Response {
     let mut c = Collected::new();
     let mut ev = Some(first);
     while c.reason.is_none() {
-        let Some(e) = ev.take().or(rx.recv().await) else {
+        // Not `ev.take().or(rx.recv().await)`: `or` evaluates its argument first, which
+        // received (and lost) the second token of every answer.
+        let next = match ev.take() {
+            Some(e) => Some(e),
+            None => rx.recv().await,
+        };
+        let Some(e) = next else {
             s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
             return engine_error(EngineError::Closed).into_response();
         };
@@ -1042,27 +1102,29 @@ async fn complete_response(
         "usage": usage(p.prompt_ids.len(), c.ids.len()),
         "session_id": p.session_id,
         "turn_type": p.turn_type,
-        "version": s.cfg.version,
+        "version": served.version(),
     });
-    finish_turn(s, p, c, message, reason, t0).await;
+    finish_turn(s, p, served.version(), c, message, reason, t0).await;
     Json(body).into_response()
 }
 
 fn stream_response(
     s: Arc<AppState>,
     p: Prepared,
-    mut rx: mpsc::UnboundedReceiver<TokenEvent>,
-    first: TokenEvent,
+    served: Arc<ServingVersion>,
+    mut rx: mpsc::UnboundedReceiver<StreamEvent>,
+    first: StreamEvent,
     id: String,
     t0: Instant,
 ) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
     let (tx, out) = mpsc::channel::<Event>(64);
     tokio::spawn(async move {
         let created = unix_now();
+        let version = served.version();
         let chunk = |delta: Json_, finish: Option<&str>| {
             let v = json!({
                 "id": id, "object": "chat.completion.chunk", "created": created,
-                "model": s.model_name, "session_id": p.session_id,
+                "model": s.model_name, "session_id": p.session_id, "version": version,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}],
             });
             Event::default().data(v.to_string())
@@ -1079,7 +1141,11 @@ fn stream_response(
         let mut ev = Some(first);
         let mut failed = false;
         while ok && c.reason.is_none() {
-            let Some(e) = ev.take().or(rx.recv().await) else {
+            let next = match ev.take() {
+                Some(e) => Some(e),
+                None => rx.recv().await,
+            };
+            let Some(e) = next else {
                 failed = true;
                 break;
             };
@@ -1129,7 +1195,8 @@ fn stream_response(
         if p.include_usage {
             let v = json!({
                 "id": id, "object": "chat.completion.chunk", "created": created,
-                "model": s.model_name, "session_id": p.session_id, "choices": [],
+                "model": s.model_name, "session_id": p.session_id, "version": version,
+                "choices": [],
                 "usage": usage(p.prompt_ids.len(), c.ids.len()),
             });
             let _ = tx.send(Event::default().data(v.to_string())).await;
@@ -1145,7 +1212,9 @@ fn stream_response(
             }
             message["tool_calls"] = Json_::Array(calls);
         }
-        finish_turn(&s, p, c, message, reason, t0).await;
+        finish_turn(&s, p, version, c, message, reason, t0).await;
+        // The version is let go of only now: its engine stops after its last request.
+        drop(served);
     });
     let stream = futures::stream::unfold(out, |mut out| async move {
         out.recv().await.map(|e| (Ok::<_, Infallible>(e), out))

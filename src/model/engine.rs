@@ -1,5 +1,6 @@
 //! The generation engine: one scheduler thread that owns all sequence state and batches
-//! concurrent requests. Callers hold an [`EngineHandle`] and send commands with a oneshot reply.
+//! concurrent requests. Callers hold an [`EngineHandle`] and send commands with a oneshot reply
+//! (the whole result) or a stream ([`EngineHandle::submit_streaming`]: each token as sampled).
 //! Between decode steps the scheduler admits waiting requests (prefilling each into its own
 //! [`KvCache`]) and retires finished ones (dropping their cache), so sequences join and leave a
 //! running batch. The weights are shared behind an `Arc` and never copied per sequence.
@@ -110,11 +111,63 @@ pub enum EngineError {
     Closed,
 }
 
+/// One event of a streamed request ([`EngineHandle::submit_streaming`]), in order: a `Token`
+/// per sampled id, the moment it is sampled, then exactly one `Finished` or `Failed`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StreamEvent {
+    /// One sampled id and its log-prob (as in [`GenerationResult::logprobs`]).
+    Token {
+        /// The id.
+        id: u32,
+        /// Its log-prob.
+        logprob: f32,
+    },
+    /// Generation ended; the result repeats every id and log-prob sent as `Token`s.
+    Finished(GenerationResult),
+    /// The request was refused (nothing was sampled).
+    Failed(EngineError),
+}
+
+/// Where a request's outcome goes.
+enum Reply {
+    /// The whole result at the end.
+    Once(oneshot::Sender<Result<GenerationResult, EngineError>>),
+    /// Every token as it is sampled, then the result.
+    Stream(mpsc::UnboundedSender<StreamEvent>),
+}
+
+impl Reply {
+    /// Whether the caller has gone away (the request is then cancelled).
+    fn is_closed(&self) -> bool {
+        match self {
+            Reply::Once(tx) => tx.is_closed(),
+            Reply::Stream(tx) => tx.is_closed(),
+        }
+    }
+
+    fn token(&self, id: u32, logprob: f32) {
+        if let Reply::Stream(tx) = self {
+            let _ = tx.send(StreamEvent::Token { id, logprob });
+        }
+    }
+
+    fn send(self, result: Result<GenerationResult, EngineError>) {
+        match self {
+            Reply::Once(tx) => {
+                let _ = tx.send(result);
+            }
+            Reply::Stream(tx) => {
+                let _ = tx.send(match result {
+                    Ok(r) => StreamEvent::Finished(r),
+                    Err(e) => StreamEvent::Failed(e),
+                });
+            }
+        }
+    }
+}
+
 enum Command {
-    Generate(
-        GenerationRequest,
-        oneshot::Sender<Result<GenerationResult, EngineError>>,
-    ),
+    Generate(GenerationRequest, Reply),
 }
 
 /// A cheap, cloneable handle to a running engine. The engine stops when every handle is dropped
@@ -133,7 +186,23 @@ impl EngineHandle {
     ) -> oneshot::Receiver<Result<GenerationResult, EngineError>> {
         let (tx, rx) = oneshot::channel();
         // If the engine is gone, `tx` is dropped and the receiver reports it.
-        let _ = self.tx.send(Command::Generate(request, tx));
+        let _ = self.tx.send(Command::Generate(request, Reply::Once(tx)));
+        rx
+    }
+
+    /// Submits a request whose tokens are reported as they are sampled (see [`StreamEvent`]).
+    /// Dropping the receiver cancels the request at the next decode step. If the engine is
+    /// gone, the receiver yields `Failed(EngineError::Closed)`.
+    pub fn submit_streaming(
+        &self,
+        request: GenerationRequest,
+    ) -> mpsc::UnboundedReceiver<StreamEvent> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        if let Err(mpsc::error::SendError(Command::Generate(_, reply))) =
+            self.tx.send(Command::Generate(request, Reply::Stream(tx)))
+        {
+            reply.send(Err(EngineError::Closed));
+        }
         rx
     }
 
@@ -182,7 +251,7 @@ struct Active<B: Backend> {
     cache: KvCache<B>,
     response: Vec<u32>,
     logprobs: Vec<f32>,
-    reply: oneshot::Sender<Result<GenerationResult, EngineError>>,
+    reply: Reply,
 }
 
 /// The scheduler state, owned by the engine thread.
@@ -190,10 +259,7 @@ pub struct Scheduler<B: Backend> {
     model: Arc<Qwen3<B>>,
     tokenizer: Option<Arc<tokenizers::Tokenizer>>,
     options: EngineOptions,
-    waiting: VecDeque<(
-        GenerationRequest,
-        oneshot::Sender<Result<GenerationResult, EngineError>>,
-    )>,
+    waiting: VecDeque<(GenerationRequest, Reply)>,
     active: Vec<Active<B>>,
 }
 
@@ -289,7 +355,7 @@ impl<B: Backend> Scheduler<B> {
                 continue;
             }
             if let Err(e) = self.validate(&req) {
-                let _ = reply.send(Err(e));
+                reply.send(Err(e));
                 continue;
             }
             let mut cache = self.model.new_cache(self.max_context());
@@ -319,6 +385,7 @@ impl<B: Backend> Scheduler<B> {
         let (tok, lp) = sample_token(row, &seq.params, &mut seq.rng);
         seq.response.push(tok);
         seq.logprobs.push(lp);
+        seq.reply.token(tok, lp);
         if seq.params.stop_token_ids.contains(&tok) {
             return Some(FinishReason::Stop);
         }
@@ -349,7 +416,7 @@ impl<B: Backend> Scheduler<B> {
             reply,
             ..
         } = seq; // the cache is dropped here, freeing its memory
-        let _ = reply.send(Ok(GenerationResult {
+        reply.send(Ok(GenerationResult {
             response_ids: response,
             logprobs,
             finish_reason: reason,
