@@ -141,7 +141,8 @@ pub enum SandboxError {
 }
 
 /// Runs one command in a fresh sandbox and waits for it (at most `limits.timeout`, plus the
-/// time to tear the sandbox down). Dropping the future kills the sandbox.
+/// time to tear the sandbox down). Dropping the future kills the sandbox. Must be polled inside
+/// a tokio runtime with the IO and time drivers enabled.
 pub async fn exec(spec: &SandboxSpec) -> Result<ExecOutput, SandboxError> {
     run::exec(spec).await
 }
