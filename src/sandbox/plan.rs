@@ -24,14 +24,15 @@ const SYSTEM_DIRS: &[&str] = &[
     "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
 ];
 
-/// Entries of the host's `/etc` that are visible (read-only) when they exist. `passwd`, `group`,
-/// `hosts`, `hostname` and `resolv.conf` are synthetic; everything else in `/etc` is absent.
+/// Entries of the host's `/etc` that are visible (read-only) when they exist: what the dynamic
+/// loader, shells, Python, Perl, git and TLS clients read. `passwd`, `group`, `hosts`,
+/// `hostname` and `resolv.conf` are synthetic; everything else in `/etc` (`shadow`,
+/// `environment`, `ssl/private`, service configs) is absent.
 const ETC_ENTRIES: &[&str] = &[
     "alternatives",
     "bash.bashrc",
     "ca-certificates.conf",
     "debian_version",
-    "environment",
     "fonts",
     "gai.conf",
     "gitconfig",

@@ -88,12 +88,13 @@ fn host_check() -> Result<(), SandboxError> {
                 )));
             }
             for file in ["uid_map", "gid_map"] {
-                let map = std::fs::read_to_string(format!("/proc/self/{file}"))
-                    .map_err(|e| SandboxError::Unsupported(format!("reading /proc/self/{file}: {e}")))?;
+                let path = format!("/proc/self/{file}");
+                let map = std::fs::read_to_string(&path)
+                    .map_err(|e| SandboxError::Unsupported(format!("reading {path}: {e}")))?;
                 for id in [0, HOST_UID] {
                     if !id_mapped(&map, id) {
                         return Err(SandboxError::Unsupported(format!(
-                            "id {id} is not mapped in this process's user namespace (/proc/self/{file})"
+                            "id {id} is not mapped in this process's user namespace ({path})"
                         )));
                     }
                 }
