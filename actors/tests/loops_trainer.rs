@@ -6,7 +6,6 @@
 //! worker switching over the bulk plane on loopback QUIC, steps off the message loop, failed
 //! steps retried then counted, checkpoint + resume with the version counting on.
 
-#[allow(dead_code)]
 #[path = "bulk_net/loopback.rs"]
 mod loopback;
 
