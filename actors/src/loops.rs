@@ -43,9 +43,9 @@ pub use session::{
 };
 pub use trainer::{
     rollout_subscriber, Delivery, ExportedWeights, Importance, ImportanceSummary, Learner,
-    LocalPublisher, PublishFailed, SampleLimits, StalenessMode, StepEvent, StepReport, Subscriber,
-    TrainSample, Trainer, TrainerArgs, TrainerConfig, TrainerEvent, TrainerMsg, TrainerStartError,
-    TrainerStats, WeightPublisher,
+    LocalPublisher, PublishFailed, RelayPublisher, SampleLimits, StalenessMode, StepEvent,
+    StepReport, Subscriber, TrainSample, Trainer, TrainerArgs, TrainerConfig, TrainerEvent,
+    TrainerMsg, TrainerStartError, TrainerStats, WeightPublisher,
 };
 pub use voter::{JudgedTurn, Judgement, PrmVoter, TurnJudge, VoterArgs, VoterMsg, VoterStats};
 

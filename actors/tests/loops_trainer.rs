@@ -19,9 +19,9 @@ use clawrl_actors::bulk::BulkConfig;
 use clawrl_actors::loops::trainer::exported_weights;
 use clawrl_actors::loops::{
     content_hash, rollout_subscriber, Delivery, ExportedWeights, Importance, ImportanceSummary,
-    Learner, LocalPublisher, PolicyReplica, RolloutArgs, RolloutMsg, RolloutWorker, SampleLimits,
-    StalenessMode, StepReport, TrainSample, Trainer, TrainerArgs, TrainerConfig, TrainerEvent,
-    TrainerMsg, TrainerStats, WeightPublisher,
+    Learner, LocalPublisher, PolicyReplica, RelayPublisher, RolloutArgs, RolloutMsg, RolloutWorker,
+    SampleLimits, StalenessMode, StepReport, TrainSample, Trainer, TrainerArgs, TrainerConfig,
+    TrainerEvent, TrainerMsg, TrainerStats, WeightPublisher,
 };
 use ractor::{Actor, ActorRef};
 
@@ -861,4 +861,74 @@ async fn rollout_workers_fetch_versions_over_the_bulk_plane() {
     assert_eq!(wait_serving(&local_worker, 2).await, hashes[2].1);
     // Only the newest version stays on the trainer's plane.
     assert_eq!(plane.stats().blobs, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relaying_publisher_delivers_before_announcing_and_sends_one_copy() {
+    let ca = loopback::TestCa::new();
+    let book = loopback::Book::default();
+    let trainer_node = loopback::node(&ca, &book, "trainer", BulkConfig::new("unset"));
+    let replicas: Vec<_> = (0..2)
+        .map(|r| loopback::node(&ca, &book, &format!("replica{r}"), BulkConfig::new("unset")))
+        .collect();
+    let mut workers = Vec::new();
+    for node in &replicas {
+        let (w, _) = Actor::spawn(
+            None,
+            RolloutWorker::<HashReplica>::new(),
+            RolloutArgs {
+                policy: Arc::new(HashReplica),
+                source: Some(Arc::new(node.plane.clone())),
+                initial: None,
+            },
+        )
+        .await
+        .unwrap();
+        workers.push(w);
+    }
+    // When a version is announced, every replica's plane already holds its bytes.
+    let planes: Vec<_> = replicas.iter().map(|n| n.plane.clone()).collect();
+    let held: Arc<Mutex<Vec<(u64, bool)>>> = Arc::default();
+    let h = held.clone();
+    let check: clawrl_actors::loops::Subscriber = Arc::new(move |e: &TrainerEvent| {
+        if let TrainerEvent::Published { announce, .. } = e {
+            let all = planes.iter().all(|p| p.get(&announce.blob).is_some());
+            h.lock().unwrap().push((announce.version, all));
+        }
+        true
+    });
+    let mut subscribers = vec![check];
+    for w in &workers {
+        subscribers.push(rollout_subscriber(w.clone(), Delivery::Announce));
+    }
+    let publisher = RelayPublisher::new(
+        trainer_node.plane.clone(),
+        vec!["replica0".into(), "replica1".into()],
+    )
+    .unwrap();
+    let t = spawn(
+        config(2),
+        Unigram::new(Arc::default()),
+        Arc::new(publisher),
+        subscribers,
+    )
+    .await;
+    t.cast(TrainerMsg::Samples(vec![
+        sample(0, "a", 0, &[3], 1.0),
+        sample(0, "a", 1, &[8], -1.0),
+    ]))
+    .unwrap();
+    idle(&t).await;
+    let mut hashes = Vec::new();
+    for w in &workers {
+        hashes.push(wait_serving(w, 1).await);
+    }
+    assert_eq!(hashes[0], hashes[1]);
+    assert_eq!(*held.lock().unwrap(), vec![(0, true), (1, true)]);
+    // A relay chain: the trainer sent one copy of each version (VOCAB f32 weights), the
+    // first replica forwarded it, and the workers' fetches were local.
+    let blob = (VOCAB * 4) as u64;
+    assert_eq!(trainer_node.plane.stats().bytes_sent, 2 * blob);
+    assert_eq!(replicas[0].plane.stats().bytes_sent, 2 * blob);
+    assert_eq!(replicas[1].plane.stats().bytes_sent, 0);
 }

@@ -208,6 +208,65 @@ impl<C: PeerConnector> WeightPublisher for BulkPlane<C> {
     }
 }
 
+/// A publisher that, after publishing on the bulk plane, pushes the blob to `targets` (node
+/// names) through the plane's relay groups ([`BulkPlane::broadcast`]) before the version is
+/// announced: the trainer's uplink sends about one copy whatever the number of replicas, and
+/// the replicas' fetches find the blob already local. A target the relay could not reach is
+/// logged and fetches the blob from the trainer itself when the announcement arrives.
+pub struct RelayPublisher<C> {
+    plane: BulkPlane<C>,
+    targets: std::sync::Mutex<Vec<String>>,
+    runtime: tokio::runtime::Handle,
+}
+
+impl<C: PeerConnector> RelayPublisher<C> {
+    /// A relaying publisher on `plane`; must be called inside a tokio runtime (the broadcast
+    /// runs on it, driven from the learner thread).
+    pub fn new(plane: BulkPlane<C>, targets: Vec<String>) -> Result<Self, PublishFailed> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(|e| PublishFailed {
+            version: 0,
+            reason: format!("a relaying publisher needs a tokio runtime: {e}"),
+        })?;
+        Ok(RelayPublisher {
+            plane,
+            targets: std::sync::Mutex::new(targets),
+            runtime,
+        })
+    }
+
+    /// Replaces the relay targets (e.g. when replicas join or leave).
+    pub fn set_targets(&self, targets: Vec<String>) {
+        *self.targets.lock().unwrap_or_else(|p| p.into_inner()) = targets;
+    }
+}
+
+impl<C: PeerConnector> WeightPublisher for RelayPublisher<C> {
+    fn publish(&self, weights: &ExportedWeights) -> Result<WeightAnnounce, PublishFailed> {
+        let announce = WeightPublisher::publish(&self.plane, weights)?;
+        let targets = self
+            .targets
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if !targets.is_empty() {
+            if let Err(e) = self
+                .runtime
+                .block_on(self.plane.broadcast(announce.blob, &targets))
+            {
+                tracing::warn!(
+                    version = announce.version,
+                    "relaying the weights failed for some replicas (they will fetch): {e}"
+                );
+            }
+        }
+        Ok(announce)
+    }
+
+    fn retire(&self, announce: &WeightAnnounce) {
+        self.plane.remove(&announce.blob);
+    }
+}
+
 /// A publisher without a bulk plane: the announcement names the blob id the plane would give
 /// the bytes (default chunk size) and node `source`; subscribers get the bytes in-process.
 #[derive(Debug, Clone)]
