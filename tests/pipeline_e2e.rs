@@ -158,9 +158,8 @@ fn check_common(method: &str, r: &RunReport, rec: &Records) {
         .iter()
         .map(|(_, v, r)| {
             assert_eq!(r["version"].as_u64(), Some(*v));
-            assert_eq!(
+            assert!(
                 r["response_tokens"].as_u64().unwrap() > 0,
-                true,
                 "{method}: empty response"
             );
             (
