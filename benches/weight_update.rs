@@ -11,8 +11,10 @@
 //!
 //! Latency = the last replica's switch − the step's end. All nodes are in this one process on one
 //! machine (they share its cores), so with 4 replicas the 4 fetches and 4 loads compete for the
-//! same CPUs; on separate machines they would run in parallel. Replicas fetch from the trainer
-//! (no relay chain: announced versions are fetched, not broadcast).
+//! same CPUs; on separate machines they would run in parallel. Two ways to move the bytes:
+//! `fetch` (the trainer publishes; every replica fetches from the trainer: a star) and, for
+//! more than one replica, `relay` (`RelayPublisher`: the trainer pushes the blob through a
+//! relay chain to the replicas' nodes before announcing; their fetches are then local).
 //!
 //! Shapes: the test fixture `tests/fixtures/qwen3-tiny` and `benches/shapes/qwen3-20m` (random
 //! weights). Reference in the same run: one replica's load of the same bytes alone
@@ -37,8 +39,8 @@ use clawrl::train::TrainConfig;
 use clawrl::{CpuAutodiff, CpuBackend};
 use clawrl_actors::bulk::BulkConfig;
 use clawrl_actors::loops::{
-    PolicyReplica, RolloutArgs, RolloutMsg, RolloutWorker, TrainSample, Trainer, TrainerArgs,
-    TrainerConfig, TrainerEvent, TrainerMsg, UpdateOutcome,
+    PolicyReplica, RelayPublisher, RolloutArgs, RolloutMsg, RolloutWorker, TrainSample, Trainer,
+    TrainerArgs, TrainerConfig, TrainerEvent, TrainerMsg, UpdateOutcome,
 };
 use ractor::{Actor, ActorRef};
 
@@ -137,6 +139,7 @@ async fn wait_all(switches: &Switches, version: u64, replicas: usize) -> Instant
 
 struct Row {
     shape: String,
+    mode: &'static str,
     replicas: usize,
     blob_mib: f64,
     latency_ms: Vec<f64>,
@@ -146,7 +149,7 @@ struct Row {
     fetch_ref_ms: f64,
 }
 
-async fn measure(shape: &str, replicas: usize, rounds: u32) -> Row {
+async fn measure(shape: &str, replicas: usize, relay: bool, rounds: u32) -> Row {
     let policy_learner = PolicyLearner::new(learner(shape), 0);
     let model_config = policy_learner.model_config().clone();
     let vocab = model_config.vocab_size as u32;
@@ -246,7 +249,12 @@ async fn measure(shape: &str, replicas: usize, rounds: u32) -> Row {
         TrainerArgs {
             config,
             learner: policy_learner,
-            publisher: Arc::new(trainer_node.plane.clone()),
+            publisher: if relay {
+                let names = (0..replicas).map(|r| format!("replica{r}")).collect();
+                Arc::new(RelayPublisher::new(trainer_node.plane.clone(), names).unwrap())
+            } else {
+                Arc::new(trainer_node.plane.clone())
+            },
             subscribers: vec![subscriber],
         },
     )
@@ -256,6 +264,7 @@ async fn measure(shape: &str, replicas: usize, rounds: u32) -> Row {
 
     let mut row = Row {
         shape: shape.to_string(),
+        mode: if relay { "relay" } else { "fetch" },
         replicas,
         blob_mib: 0.0,
         latency_ms: Vec::new(),
@@ -321,8 +330,11 @@ fn main() {
         .unwrap();
     let mut rows = Vec::new();
     for shape in &shapes {
-        for &n in &replicas {
-            let row = rt.block_on(measure(shape, n, rounds));
+        let modes = replicas
+            .iter()
+            .flat_map(|&n| [(n, false)].into_iter().chain((n > 1).then_some((n, true))));
+        for (n, relay) in modes {
+            let row = rt.block_on(measure(shape, n, relay, rounds));
             let mut l = row.latency_ms.clone();
             let mut e = row.export_ms.clone();
             let mut p = row.publish_ms.clone();
@@ -331,6 +343,7 @@ fn main() {
                 serde_json::json!({
                     "bench": "weight_update",
                     "shape": row.shape,
+                    "mode": row.mode,
                     "replicas": row.replicas,
                     "blob_mib": row.blob_mib,
                     "rounds": rounds,
@@ -347,8 +360,9 @@ fn main() {
     }
     println!();
     println!(
-        "{:<6} {:>8} {:>9} {:>12} {:>10} {:>10} {:>10} {:>10} {:>14}",
+        "{:<6} {:<6} {:>8} {:>9} {:>12} {:>10} {:>10} {:>10} {:>10} {:>14}",
         "shape",
+        "mode",
         "replicas",
         "blob MiB",
         "latency p50",
@@ -364,8 +378,9 @@ fn main() {
         let mut e = row.export_ms.clone();
         let mut p = row.publish_ms.clone();
         println!(
-            "{:<6} {:>8} {:>9.2} {:>10.1}ms {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>12.1}ms",
+            "{:<6} {:<6} {:>8} {:>9.2} {:>10.1}ms {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>12.1}ms",
             row.shape,
+            row.mode,
             row.replicas,
             row.blob_mib,
             median(&mut l),
@@ -378,14 +393,20 @@ fn main() {
     }
     // Scaling ratio per shape: 4 replicas vs 1 (same run).
     for shape in &shapes {
-        let find = |n: usize| {
+        let find = |n: usize, mode: &str| {
             rows.iter()
-                .find(|r| &r.shape == shape && r.replicas == n)
+                .find(|r| &r.shape == shape && r.replicas == n && r.mode == mode)
                 .map(|r| median(&mut r.latency_ms.clone()))
         };
-        if let (Some(one), Some(four)) = (find(1), find(4)) {
+        if let (Some(one), Some(four)) = (find(1, "fetch"), find(4, "fetch")) {
             println!(
-                "{shape}: latency with 4 replicas / with 1 = {:.2}",
+                "{shape}: latency with 4 replicas / with 1 = {:.2} (fetch)",
+                four / one
+            );
+        }
+        if let (Some(one), Some(four)) = (find(1, "fetch"), find(4, "relay")) {
+            println!(
+                "{shape}: latency with 4 replicas (relay) / with 1 = {:.2}",
                 four / one
             );
         }
