@@ -132,6 +132,9 @@ pub enum EnvBuildError {
         /// What is wrong with it.
         reason: String,
     },
+    /// Sandboxes cannot start on this host.
+    #[error("environment needs the sandbox: {0}")]
+    Sandbox(#[from] crate::sandbox::SandboxError),
     /// The task set could not be read or is invalid.
     #[error(transparent)]
     Tasks(#[from] TaskError),
@@ -153,13 +156,19 @@ pub enum EnvBuildError {
 /// - `tool_call`: a JSONL file of `{"id", "question", "answer"}` ([`tool_call`]).
 ///
 /// The tasks are read and validated here (an error names the file, line and key); the work dir
-/// pool is created warm. Episodes run commands through [`crate::sandbox::exec`], so they need a
-/// host where sandboxes start ([`crate::sandbox::probe`]).
+/// pool is created warm, and one sandbox is started ([`crate::sandbox::probe`], once per
+/// process) so that a host where sandboxes cannot start fails here rather than in every episode.
 pub fn build_environment(
     kind: &str,
     tasks: &Path,
     options: EnvOptions,
 ) -> Result<Arc<dyn Environment>, EnvBuildError> {
+    if !KINDS.contains(&kind) {
+        return Err(EnvBuildError::UnknownKind {
+            kind: kind.to_string(),
+        });
+    }
+    crate::sandbox::probe()?;
     Ok(match kind {
         "terminal" => Arc::new(TerminalEnv::load(tasks, options)?),
         "swe" => Arc::new(SweEnv::load(tasks, options)?),
