@@ -5,6 +5,7 @@ pub mod model;
 pub mod run;
 pub mod sandbox;
 pub mod serve;
+pub mod sft;
 pub mod train;
 
 /// Logs go to stderr through `tracing`; `RUST_LOG` filters them (default `info`).

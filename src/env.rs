@@ -10,6 +10,7 @@
 
 pub mod answer;
 pub mod exec;
+pub mod personal;
 pub mod reward;
 pub mod scripted;
 pub mod shell;

@@ -10,6 +10,7 @@ pub mod gateway;
 pub mod job;
 pub mod judge;
 pub mod model;
+pub mod personal;
 pub mod pipeline;
 pub mod rl;
 pub mod sandbox;

@@ -25,6 +25,8 @@ enum Command {
     #[command(flatten)]
     Sandbox(cli::sandbox::Commands),
     #[command(flatten)]
+    Sft(cli::sft::Commands),
+    #[command(flatten)]
     Run(cli::run::Commands),
 }
 
@@ -36,6 +38,7 @@ fn main() -> anyhow::Result<()> {
         Command::Train(c) => cli::train::run(c),
         Command::Serve(c) => cli::serve::run(c),
         Command::Sandbox(c) => cli::sandbox::run(c),
+        Command::Sft(c) => cli::sft::run(c),
         Command::Run(c) => cli::run::run(c),
     }
 }

@@ -66,6 +66,13 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 /// Runs one subcommand of this area.
 pub fn run(cmd: Commands) -> anyhow::Result<()> {
     match cmd {
+        // The personal-agent experiment (issue 7) is a file of its own kind.
+        Commands::Run { job, out, json, .. }
+            if clawrl::personal::experiment::is_experiment_file(&job) =>
+        {
+            clawrl::personal::experiment::cli_main(&job, out, json)?;
+            Ok(())
+        }
         Commands::Run {
             job,
             out,
