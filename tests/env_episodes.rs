@@ -458,3 +458,36 @@ async fn tool_call_budget_errors_and_step_limit() {
     assert!(tool_text(&out, 0).contains("unknown tool"));
     ep.close().await;
 }
+
+#[test]
+fn build_environment_knows_every_kind_and_names_bad_input() {
+    let root = tempfile::tempdir().unwrap();
+    for (kind, path, count, steps) in [
+        ("terminal", fixture("terminal.jsonl"), 5, 10),
+        ("tool_call", fixture("tool_call.jsonl"), 6, 17),
+        ("swe", fixture("swe"), 5, 20),
+    ] {
+        let env = build_environment(kind, &path, options(root.path())).unwrap();
+        assert_eq!(env.kind(), kind);
+        assert_eq!(env.task_count(), count, "{kind}");
+        assert_eq!(env.max_steps(), steps, "{kind}");
+    }
+    let e = build_environment("terminal", &fixture("missing.jsonl"), options(root.path()))
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("missing.jsonl"), "{e}");
+    // A tool-call file given to the terminal kind: the first line names the missing key.
+    let e = build_environment(
+        "terminal",
+        &fixture("tool_call.jsonl"),
+        options(root.path()),
+    )
+    .err()
+    .unwrap();
+    let text = e.to_string();
+    assert!(text.contains("tool_call.jsonl:1:"), "{text}");
+    let e = build_environment("browser", &fixture("terminal.jsonl"), options(root.path()))
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("`browser`"), "{e}");
+}
