@@ -251,7 +251,7 @@ fn report(name: &str, r: &mut Run) -> (f64, f64) {
     println!("  latency (whole answer)  p50 {p50:.3} s   p99 {p99:.3} s");
     println!("  first SSE byte          p50 {f50:.3} s   p99 {f99:.3} s");
     println!(
-        "  weight updates installed: {}   answers per version: {:?}   sessions seeing a version go backwards: {}",
+        "  weight updates installed: {}   answers per version: {:?}   answers older than their session's previous answer: {}",
         r.updates, r.per_version, r.backwards
     );
     (p50, p99)

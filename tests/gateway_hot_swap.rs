@@ -3,7 +3,9 @@
 //! are installed through [`GatewayPolicy::install`]. No request fails, every response names its
 //! version (body, SSE chunks, `X-Clawrl-Version`), each client's versions never go backwards,
 //! every version serves, and each recorded turn's log-probs are those of the version it names —
-//! also for requests that were in flight across a switch. Also: the engine's per-token stream.
+//! also for requests that were in flight across a switch. A sixth version arrives the way the
+//! trainer delivers it (a subscriber hearing `Published`; a corrupt copy is refused). Also: the
+//! engine's per-token stream.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -17,13 +19,17 @@ use clawrl::model::{
     load_checkpoint, load_model, model_from_safetensors, score_batch, spawn_engine, EngineError,
     EngineOptions, GenerationRequest, SamplingParams,
 };
+use clawrl::serve::local_announce;
 use clawrl::train::learner::Learner;
 use clawrl::train::{Sample, TrainConfig};
 use clawrl::{CpuAutodiff, CpuBackend};
+use clawrl_actors::loops::TrainerEvent;
 use serde_json::{json, Value};
 
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3-tiny");
 const UPDATES: u64 = 5;
+/// One more version, delivered the trainer's way (a subscriber hearing `Published`).
+const LAST: u64 = UPDATES + 1;
 /// Largest |served log-prob − scored log-prob| under the weights that produced a token.
 const SAME_WEIGHTS_TOL: f32 = 2e-3;
 
@@ -118,7 +124,7 @@ async fn gateway_switches_five_weight_versions_without_pausing() {
     };
     let mut learner = Learner::new(cfg, model, train, device, 5);
     let mut blobs = Vec::new();
-    for v in 1..=UPDATES {
+    for v in 1..=LAST {
         let samples: Vec<Sample> = (0..2u32)
             .map(|i| {
                 let response: Vec<u32> = (0..8).map(|j| 40 + 7 * (i + j + v as u32)).collect();
@@ -147,7 +153,7 @@ async fn gateway_switches_five_weight_versions_without_pausing() {
     };
     let gw = Gateway::new(ck, gcfg, "qwen3-tiny").unwrap();
     let policy: GatewayPolicy = gw.policy();
-    let turns: Vec<_> = (0..=UPDATES).map(|v| gw.turns_path(v)).collect();
+    let turns: Vec<_> = (0..=LAST).map(|v| gw.turns_path(v)).collect();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let (stop_server, rx) = tokio::sync::oneshot::channel::<()>();
@@ -239,6 +245,30 @@ async fn gateway_switches_five_weight_versions_without_pausing() {
         (stats.switches, stats.stale_installs, stats.failed_installs),
         (UPDATES, 1, 1)
     );
+    // The trainer's way in: a subscriber installs a published version whose bytes match the
+    // announcement, and refuses one that does not.
+    let subscriber = policy.trainer_subscriber();
+    let (announce, bytes) = local_announce(&blobs[LAST as usize - 1], "trainer").unwrap();
+    let mut corrupt = announce.clone();
+    corrupt.hash = "0".repeat(64);
+    for a in [corrupt, announce] {
+        assert!(subscriber(&TrainerEvent::Published {
+            announce: a,
+            bytes: bytes.clone(),
+            step_finished: None,
+        }));
+    }
+    wait_all_on(LAST).await;
+    assert_eq!(policy.version(), LAST);
+    let stats = policy.stats();
+    assert_eq!((stats.switches, stats.failed_installs), (LAST, 2));
+    assert!(
+        stats
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("blake3")),
+        "{stats:?}"
+    );
     stop.store(true, Ordering::Relaxed);
     for c in clients {
         c.await.unwrap();
@@ -322,13 +352,13 @@ async fn gateway_switches_five_weight_versions_without_pausing() {
     }
     assert_eq!(
         per_version.keys().copied().collect::<Vec<_>>(),
-        (0..=UPDATES).collect::<Vec<_>>(),
+        (0..=LAST).collect::<Vec<_>>(),
         "every version serves"
     );
     eprintln!(
         "{} answers over {} versions ({per_version:?}), {crossed} checked across a switch, {:.1?}",
         answers.len(),
-        UPDATES + 1,
+        LAST + 1,
         started.elapsed()
     );
 }

@@ -81,16 +81,18 @@ async fn killed_workers_and_control_are_restarted_and_control_keeps_its_jobs() {
     let old_ids: Vec<_> = names
         .iter()
         .map(|n| {
-            let w = ractor::registry::where_is(n.to_string()).expect("worker registered");
+            let w = ractor::registry::where_is(n).expect("worker registered");
             w.kill();
             w.get_id()
         })
         .collect();
     assert!(
         wait_until(Duration::from_secs(15), || {
-            names.iter().zip(&old_ids).all(|(n, old)| {
-                ractor::registry::where_is(n.to_string()).is_some_and(|w| w.get_id() != *old)
-            }) && ractor::pg::get_members(&group).len() == 2
+            names
+                .iter()
+                .zip(&old_ids)
+                .all(|(n, old)| ractor::registry::where_is(n).is_some_and(|w| w.get_id() != *old))
+                && ractor::pg::get_members(&group).len() == 2
         })
         .await,
         "a killed worker was not restarted into its group"
@@ -103,7 +105,7 @@ async fn killed_workers_and_control_are_restarted_and_control_keeps_its_jobs() {
     members.sort();
     let mut expected: Vec<_> = names
         .iter()
-        .map(|n| ractor::registry::where_is(n.to_string()).unwrap().get_id())
+        .map(|n| ractor::registry::where_is(n).unwrap().get_id())
         .collect();
     expected.sort();
     assert_eq!(members, expected);

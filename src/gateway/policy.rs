@@ -10,6 +10,11 @@
 //! during an update. The old engine finishes the sequences it runs and stops when its last
 //! request lets go of it. Versions never go backwards: an install not newer than the serving
 //! version is refused ([`InstallError::Stale`]); installs run one at a time, in arrival order.
+//!
+//! The training pipeline installs either directly ([`GatewayPolicy::install`], or
+//! [`GatewayPolicy::install_announced`] with a [`WeightAnnounce`] whose size and hash are
+//! checked) or by subscribing the gateway to its trainer
+//! ([`GatewayPolicy::trainer_subscriber`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -17,6 +22,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use bytes::Bytes;
+use clawrl_actors::loops::{content_hash, Subscriber, TrainerEvent, WeightAnnounce};
 
 use crate::model::engine::{spawn_engine, EngineHandle, EngineOptions};
 use crate::model::qwen3::Qwen3;
@@ -50,6 +56,14 @@ pub enum InstallError {
         version: u64,
         /// The version served.
         serving: u64,
+    },
+    /// The bytes are not those announced (size or blake3 hash differ).
+    #[error("weight version {version}: {reason}")]
+    Corrupt {
+        /// The version offered.
+        version: u64,
+        /// What differs.
+        reason: String,
     },
     /// The bytes are not a usable safetensors blob for this model.
     #[error("loading weight version {version}: {source}")]
@@ -195,6 +209,52 @@ impl GatewayPolicy {
         self.inner.switches.fetch_add(1, Ordering::Relaxed);
         tracing::info!(version, "gateway switched to a new weight version");
         Ok(version)
+    }
+
+    /// As [`install`](Self::install), after checking `bytes` against the announcement's size
+    /// and blake3 hash.
+    pub async fn install_announced(
+        &self,
+        announce: &WeightAnnounce,
+        bytes: Bytes,
+    ) -> Result<u64, InstallError> {
+        let version = announce.version;
+        if bytes.len() as u64 != announce.size {
+            return Err(self.failed(InstallError::Corrupt {
+                version,
+                reason: format!("{} bytes, {} announced", bytes.len(), announce.size),
+            }));
+        }
+        let hash = content_hash(&bytes);
+        if hash != announce.hash {
+            return Err(self.failed(InstallError::Corrupt {
+                version,
+                reason: format!("blake3 {hash}, {} announced", announce.hash),
+            }));
+        }
+        self.install(version, bytes).await
+    }
+
+    /// A subscriber for the job's `Trainer` that installs every published version here, in the
+    /// order published, on a task of the current Tokio runtime (the trainer's loop only queues
+    /// it). Refused installs are counted in [`stats`](Self::stats) and logged. Must be called
+    /// from a Tokio runtime; the task ends when the trainer drops the subscriber.
+    pub fn trainer_subscriber(&self) -> Subscriber {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(WeightAnnounce, Bytes)>();
+        let policy = self.clone();
+        tokio::spawn(async move {
+            while let Some((announce, bytes)) = rx.recv().await {
+                if let Err(e) = policy.install_announced(&announce, bytes).await {
+                    tracing::warn!(error = %e, "trainer version not installed on the gateway");
+                }
+            }
+        });
+        Arc::new(move |event| match event {
+            TrainerEvent::Published {
+                announce, bytes, ..
+            } => tx.send((announce.clone(), bytes.clone())).is_ok(),
+            _ => true,
+        })
     }
 
     fn failed(&self, e: InstallError) -> InstallError {
