@@ -870,3 +870,55 @@ pub fn cli_main(path: &Path, out: Option<PathBuf>, json: bool) -> Result<PathBuf
     }
     Ok(run_dir)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn example_text() -> String {
+        std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/examples/personal.toml"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn the_example_parses_and_bad_files_name_the_key() {
+        let text = example_text();
+        let f = ExperimentFile::from_toml_str(&text, "personal.toml").unwrap();
+        assert_eq!(f.experiment.eval_at, vec![0, 8, 16]);
+        assert_eq!(f.experiment.batch_size, 16);
+        let err = |t: String| {
+            ExperimentFile::from_toml_str(&t, "x.toml")
+                .unwrap_err()
+                .to_string()
+        };
+        let e = err(text.replace("kind = \"personal_experiment\"", "kind = \"rl\""));
+        assert!(
+            e.contains("x.toml") && e.contains("personal_experiment"),
+            "{e}"
+        );
+        let e = err(text.replace("eval_at = [0, 8, 16]", "eval_at = [0, 8, 17]"));
+        assert!(e.contains("experiment.eval_at"), "{e}");
+        let e = err(text.replace("batch_size = 16", "batch_size = 0"));
+        assert!(e.contains("experiment.batch_size"), "{e}");
+        let e = err(text.replace("heads = 4", "heads = 3"));
+        assert!(e.contains("sft.heads"), "{e}");
+        let e = err(text.replace("max_rounds = 8", "max_rounds = 8\nbogus = 1"));
+        assert!(e.contains("bogus"), "{e}");
+        let e = err(text.replace("score = -1", "score = -10"));
+        assert!(e.contains("judge"), "{e}");
+    }
+
+    #[test]
+    fn experiment_files_are_recognised_by_kind() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.toml");
+        std::fs::write(&p, example_text()).unwrap();
+        assert!(is_experiment_file(&p));
+        std::fs::write(&p, "kind = \"rl\"\n").unwrap();
+        assert!(!is_experiment_file(&p));
+        assert!(!is_experiment_file(&dir.path().join("missing.toml")));
+    }
+}
