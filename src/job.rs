@@ -752,4 +752,67 @@ max_steps = 100
                 .contains("judge.endpoint")
         );
     }
+    #[test]
+    fn new_keys_parse_and_paths_resolve_against_the_spec() {
+        let text = GOOD
+            .replace("kind = \"terminal\"", "kind = \"scripted\"\nmax_steps = 3")
+            .replace("votes = 3", "votes = 3\nhint_votes = 2\nrules = [{ pattern = \"ok\", score = 1 }]\nhint = { pattern = \"hint: (.*)\" }")
+            .replace("max_steps = 100", "max_steps = 100\nmax_turns = 50")
+            .replace("checkpoint = \"tests/fixtures/qwen3-tiny\"", "checkpoint = \"ck\"\nreplicas = 4\ntemperature = 0.7");
+        let s = JobSpec::parse(&text, "jobs/x.toml").unwrap();
+        assert_eq!((s.policy.replicas, s.policy.temperature), (4, 0.7));
+        assert_eq!(
+            (s.judge.hint_votes, s.env.max_steps, s.stop.max_turns),
+            (Some(2), Some(3), Some(50))
+        );
+        assert_eq!(s.resolve("ck"), std::path::Path::new("jobs/ck"));
+        assert_eq!(s.resolve("/abs/ck"), std::path::Path::new("/abs/ck"));
+        let c = s.scripted_config("jobs/x.toml").unwrap();
+        assert_eq!((c.rules.len(), c.hint.is_some()), (1, true));
+    }
+
+    #[test]
+    fn scripted_rules_are_checked_and_only_for_the_scripted_backend() {
+        let bad_regex = GOOD.replace(
+            "votes = 3",
+            "votes = 3\nrules = [{ pattern = \"(\", score = 1 }]",
+        );
+        assert!(err(&bad_regex).contains("judge.rules"));
+        let not_scripted = GOOD
+            .replace("backend = \"scripted\"", "backend = \"model\"")
+            .replace("votes = 3", "votes = 3\ndefault_score = 1");
+        assert!(err(&not_scripted).contains("judge.rules"));
+        let both = GOOD.replace(
+            "votes = 3",
+            "votes = 3\nrules_file = \"r.toml\"\ndefault_score = 1",
+        );
+        assert!(err(&both).contains("judge.rules_file"));
+        let missing = GOOD.replace(
+            "votes = 3",
+            "votes = 3\nrules_file = \"no/such/rules.toml\"",
+        );
+        let e = err(&missing);
+        assert!(
+            e.contains("judge.rules_file") && e.contains("no/such/rules.toml"),
+            "{e}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("r.toml"),
+            "default_score = 1\nnoise_rate = 0.5\n",
+        )
+        .unwrap();
+        let f = dir.path().join("job.toml");
+        let s = JobSpec::parse(
+            &GOOD.replace("votes = 3", "votes = 3\nrules_file = \"r.toml\""),
+            &f.display().to_string(),
+        )
+        .unwrap();
+        let c = s.scripted_config(&f.display().to_string()).unwrap();
+        assert_eq!((c.default_score, c.noise_rate), (Some(1), 0.5));
+        assert!(err(&GOOD.replace("max_steps = 100", "max_turns = 0")).contains("stop.max_turns"));
+        assert!(
+            err(&GOOD.replace("[policy]", "[policy]\nreplicas = 0")).contains("policy.replicas")
+        );
+    }
 }

@@ -198,7 +198,10 @@ fn check_common(method: &str, r: &RunReport, rec: &Records) {
             "hint",
             "teacher_version",
         ] {
-            assert!(j.get(key).is_some(), "{method}: judge record lacks {key}: {j}");
+            assert!(
+                j.get(key).is_some(),
+                "{method}: judge record lacks {key}: {j}"
+            );
         }
     }
 }
@@ -245,4 +248,17 @@ async fn combined_job_runs_end_to_end() {
         .filter(|(_, _, j)| j["hint_accepted"] == true || j["reward"].as_i64() != Some(0))
         .count();
     assert_eq!(rec.of("sample").len(), expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stepwise_job_runs_end_to_end() {
+    let (r, rec) = run("stepwise").await;
+    check_common("stepwise", &r, &rec);
+    // Step judges score with the step prompt; every sample's advantage is finite.
+    for (_, _, s) in rec.of("sample") {
+        assert!(s["advantage_mean"].as_f64().unwrap().is_finite());
+    }
+    for (_, _, j) in rec.of("judge") {
+        assert_eq!(j["hint_accepted"], false);
+    }
 }
