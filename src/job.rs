@@ -568,6 +568,17 @@ impl JobSpec {
                 return bad(key, format!("{w} must be a finite number >= 0"));
             }
         }
+        if self.method.kind.uses_hints() && self.policy.temperature != 1.0 {
+            return bad(
+                "policy.temperature",
+                format!(
+                    "{} with method `{}`: the OPD term uses the rollout log-probs as log π_old, \
+                     which are the policy's own only at temperature 1",
+                    self.policy.temperature,
+                    self.method.kind.name()
+                ),
+            );
+        }
         if self.method.group_episodes == Some(0) {
             return bad("method.group_episodes", "must be at least 1".into());
         }
@@ -759,6 +770,9 @@ max_steps = 100
             .replace("votes = 3", "votes = 3\nhint_votes = 2\nrules = [{ pattern = \"ok\", score = 1 }]\nhint = { pattern = \"hint: (.*)\" }")
             .replace("max_steps = 100", "max_steps = 100\nmax_turns = 50")
             .replace("checkpoint = \"tests/fixtures/qwen3-tiny\"", "checkpoint = \"ck\"\nreplicas = 4\ntemperature = 0.7");
+        // OPD needs the rollout log-probs to be the policy's own: temperature 1.
+        assert!(err(&text).contains("policy.temperature"));
+        let text = text.replace("kind = \"combined\"", "kind = \"binary\"");
         let s = JobSpec::parse(&text, "jobs/x.toml").unwrap();
         assert_eq!((s.policy.replicas, s.policy.temperature), (4, 0.7));
         assert_eq!(
