@@ -8,10 +8,10 @@ pub mod serve;
 pub mod sft;
 pub mod train;
 
-/// Logs go to stderr through `tracing`; `RUST_LOG` filters them (default `info`).
-pub fn init_tracing() {
+/// Logs go to stderr through `tracing`; `RUST_LOG` filters them (default `default_level`).
+pub fn init_tracing(default_level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -31,8 +31,12 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
-    cli::init_tracing();
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    // Progress bars of `run` and `sft` would be interleaved with info logs: those two default
+    // to warnings only (RUST_LOG still overrides).
+    let quiet = matches!(cli.command, Command::Run(_) | Command::Sft(_));
+    cli::init_tracing(if quiet { "warn" } else { "info" });
+    match cli.command {
         Command::Cluster(c) => cli::cluster::run(c),
         Command::Model(c) => cli::model::run(c),
         Command::Train(c) => cli::train::run(c),

@@ -4,7 +4,6 @@
 //! version serving, loads run off the message loop, and announced versions arrive over the bulk
 //! plane on real QUIC endpoints.
 
-#[allow(dead_code)]
 #[path = "bulk_net/loopback.rs"]
 mod loopback;
 
