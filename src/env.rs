@@ -109,6 +109,25 @@ impl EnvOptions {
         Ok(())
     }
 
+    /// What every kind does first: validate the options, refuse an empty task set, and create
+    /// the work dir pool under `<work root>/<kind>`.
+    pub(crate) fn prepare(
+        &self,
+        kind: &str,
+        task_count: usize,
+    ) -> Result<std::sync::Arc<workdir::WorkDirPool>, EnvBuildError> {
+        self.validate()?;
+        if task_count == 0 {
+            return Err(EnvBuildError::Options {
+                option: "tasks".into(),
+                reason: "the task set is empty".into(),
+            });
+        }
+        let root = self.work_root().join(kind);
+        workdir::WorkDirPool::new(&root, self.warm_workdirs)
+            .map_err(|source| EnvBuildError::WorkDir { root, source })
+    }
+
     pub(crate) fn work_root(&self) -> PathBuf {
         self.work_root.clone().unwrap_or_else(|| {
             std::env::temp_dir().join(format!("clawrl-env-{}", std::process::id()))

@@ -16,24 +16,10 @@ use crate::sandbox::{self, ExecOutput, Limits, SandboxError, SandboxSpec};
 /// The `PATH` every sandboxed command gets unless an environment adds to it.
 pub const DEFAULT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
 
-/// Limits of one sandboxed command (mirrors [`crate::sandbox::Limits`]).
-#[derive(Clone, Debug, PartialEq)]
-pub struct CommandLimits {
-    /// CPU seconds (`RLIMIT_CPU`).
-    pub cpu_secs: u64,
-    /// Memory in MiB.
-    pub memory_mb: u64,
-    /// Processes.
-    pub processes: u64,
-    /// Largest file written, in MiB.
-    pub file_size_mb: u64,
-    /// Wall-clock timeout.
-    pub timeout: Duration,
-    /// Bytes of stdout and stderr the sandbox keeps.
-    pub output_bytes: usize,
-}
+/// Limits of one sandboxed command: the sandbox's own [`Limits`], with per-kind presets.
+pub type CommandLimits = Limits;
 
-impl CommandLimits {
+impl Limits {
     /// Terminal commands: 30 s, 1 GiB, 128 processes.
     pub fn terminal() -> Self {
         Self {
@@ -83,17 +69,6 @@ impl CommandLimits {
         }
         Ok(())
     }
-
-    fn to_sandbox(&self, timeout: Duration) -> Limits {
-        Limits {
-            cpu_secs: self.cpu_secs,
-            memory_mb: self.memory_mb,
-            processes: self.processes,
-            file_size_mb: self.file_size_mb,
-            timeout,
-            output_bytes: self.output_bytes,
-        }
-    }
 }
 
 /// Runs commands of one environment in the sandbox, at most `slots` at a time.
@@ -137,7 +112,10 @@ impl Runner {
             command: argv,
             stdin,
             env: self.env.as_ref().clone(),
-            limits: self.limits.to_sandbox(timeout),
+            limits: Limits {
+                timeout,
+                ..self.limits.clone()
+            },
         };
         let _slot = self.slots.acquire().await.expect("semaphore never closed");
         sandbox::exec(&spec).await

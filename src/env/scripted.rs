@@ -18,6 +18,8 @@ use clawrl_actors::loops::{
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use super::exec::assistant_message;
+
 /// One scripted task.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -170,25 +172,6 @@ struct ScriptedEpisode {
     task: ScriptedTask,
     messages: Vec<Value>,
     step: usize,
-}
-
-/// The assistant message of an action, OpenAI format.
-pub fn assistant_message(action: &Action) -> Value {
-    let mut m = json!({"role": "assistant", "content": action.content});
-    if !action.tool_calls.is_empty() {
-        m["tool_calls"] = action
-            .tool_calls
-            .iter()
-            .map(|c| {
-                json!({
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments},
-                })
-            })
-            .collect();
-    }
-    m
 }
 
 impl Episode for ScriptedEpisode {

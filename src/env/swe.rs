@@ -238,20 +238,7 @@ impl SweEnv {
 
     /// An environment over `tasks` (at least one).
     pub fn new(tasks: Vec<SweTask>, options: EnvOptions) -> Result<Self, EnvBuildError> {
-        options.validate()?;
-        if tasks.is_empty() {
-            return Err(EnvBuildError::Options {
-                option: "tasks".into(),
-                reason: "the task set is empty".into(),
-            });
-        }
-        let root = options.work_root().join("swe");
-        let pool = WorkDirPool::new(&root, options.warm_workdirs).map_err(|source| {
-            EnvBuildError::WorkDir {
-                root: root.clone(),
-                source,
-            }
-        })?;
+        let pool = options.prepare("swe", tasks.len())?;
         let limits = options.limits.clone().unwrap_or_else(CommandLimits::swe);
         let tools = vec![
             string_tool(

@@ -122,20 +122,7 @@ impl TerminalEnv {
 
     /// An environment over `tasks` (at least one).
     pub fn new(tasks: Vec<TerminalTask>, options: EnvOptions) -> Result<Self, EnvBuildError> {
-        options.validate()?;
-        if tasks.is_empty() {
-            return Err(EnvBuildError::Options {
-                option: "tasks".into(),
-                reason: "the task set is empty".into(),
-            });
-        }
-        let root = options.work_root().join("terminal");
-        let pool = WorkDirPool::new(&root, options.warm_workdirs).map_err(|source| {
-            EnvBuildError::WorkDir {
-                root: root.clone(),
-                source,
-            }
-        })?;
+        let pool = options.prepare("terminal", tasks.len())?;
         let limits = options
             .limits
             .clone()

@@ -116,20 +116,7 @@ impl ToolCallEnv {
 
     /// An environment over `tasks` (at least one).
     pub fn new(tasks: Vec<MathTask>, options: EnvOptions) -> Result<Self, EnvBuildError> {
-        options.validate()?;
-        if tasks.is_empty() {
-            return Err(EnvBuildError::Options {
-                option: "tasks".into(),
-                reason: "the task set is empty".into(),
-            });
-        }
-        let root = options.work_root().join("tool_call");
-        let pool = WorkDirPool::new(&root, options.warm_workdirs).map_err(|source| {
-            EnvBuildError::WorkDir {
-                root: root.clone(),
-                source,
-            }
-        })?;
+        let pool = options.prepare("tool_call", tasks.len())?;
         let limits = options
             .limits
             .clone()
