@@ -61,6 +61,10 @@ use crate::rl::Aggregation;
 pub enum JobKind {
     /// Online reinforcement learning from environment / user signals.
     Rl,
+    /// Live learning from a personal agent's conversations: the OpenAI-compatible gateway
+    /// (`[gateway]`) serves the policy, and its completed main turns are judged and trained on
+    /// (no `[env]`; `crate::pipeline::gateway_job`).
+    Personal,
 }
 
 fn default_replicas() -> u32 {
@@ -287,7 +291,7 @@ pub struct OptimSpec {
 }
 
 /// The environment.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EnvSpec {
     /// Environment kind (`scripted`, `terminal`, `swe`, `tool_call`, `gui`, `personal`).
@@ -335,8 +339,13 @@ pub struct JobSpec {
     pub method: MethodSpec,
     /// Optimiser settings.
     pub optim: OptimSpec,
-    /// The environment.
+    /// The environment (required for `rl`; absent for `personal`).
+    #[serde(default)]
     pub env: EnvSpec,
+    /// The gateway of a `personal` job (`crate::gateway::GatewayConfig`'s keys; default: its
+    /// defaults). Only for `personal`.
+    #[serde(default, skip_serializing)]
+    pub gateway: Option<crate::gateway::GatewayConfig>,
     /// The stop condition.
     pub stop: StopSpec,
     /// The directory relative paths are resolved against (the spec file's).
@@ -355,6 +364,9 @@ pub struct JobSpecError {
     /// What is wrong.
     pub message: String,
 }
+
+/// The environment kind Control places a `personal` job on (the gateway).
+pub const PERSONAL_ENV_KIND: &str = "gateway";
 
 /// Environment kinds a spec may name.
 pub const ENV_KINDS: &[&str] = &[
@@ -607,27 +619,48 @@ impl JobSpec {
                 return bad("optim.importance_cap", format!("{c} must be > 0"));
             }
         }
-        if !ENV_KINDS.contains(&self.env.kind.as_str()) {
-            return bad(
-                "env.kind",
-                format!("`{}` is not one of {}", self.env.kind, ENV_KINDS.join(", ")),
-            );
-        }
-        if !(1..=4096).contains(&self.env.parallelism) {
-            return bad(
-                "env.parallelism",
-                format!("{} is not in 1..=4096", self.env.parallelism),
-            );
-        }
-        if self.env.tasks.trim().is_empty() {
-            return bad("env.tasks", "must not be empty".into());
-        }
-        if self.env.max_steps == Some(0) {
-            return bad("env.max_steps", "must be at least 1".into());
-        }
-        if let Some(t) = self.env.episode_timeout_s {
-            if !(t.is_finite() && t > 0.0) {
-                return bad("env.episode_timeout_s", format!("{t} must be > 0"));
+        match self.kind {
+            JobKind::Rl => {
+                if self.gateway.is_some() {
+                    return bad("gateway", "only read when kind = \"personal\"".into());
+                }
+                self.validate_env(file)?;
+            }
+            JobKind::Personal => {
+                if self.env != EnvSpec::default() {
+                    return bad(
+                        "env",
+                        "a personal job has no environment: its turns come from the gateway".into(),
+                    );
+                }
+                if self.method.kind == MethodKind::Stepwise {
+                    return bad(
+                        "method.kind",
+                        "stepwise needs episodes with outcomes; a personal job takes binary, \
+                         opd or combined"
+                            .into(),
+                    );
+                }
+                if self.stop.max_turns.is_some() {
+                    return bad(
+                        "stop.max_turns",
+                        "not used by a personal job (use max_steps, max_samples or max_hours)"
+                            .into(),
+                    );
+                }
+                if let Some(g) = &self.gateway {
+                    if let Err(e) = g.validate() {
+                        return bad("gateway", e.to_string());
+                    }
+                    if g.version != 0 {
+                        return bad(
+                            "gateway.version",
+                            "set by the trainer in a personal job (it serves the trainer's \
+                             versions, from 0 or the resumed checkpoint's)"
+                                .into(),
+                        );
+                    }
+                }
             }
         }
         let s = &self.stop;
@@ -658,12 +691,57 @@ impl JobSpec {
         Ok(())
     }
 
+    fn validate_env(&self, file: &str) -> Result<(), JobSpecError> {
+        let bad = |key: &str, message: String| {
+            Err(JobSpecError {
+                file: file.to_string(),
+                key: key.to_string(),
+                message,
+            })
+        };
+        if self.env == EnvSpec::default() {
+            return bad("env", "required when kind = \"rl\"".into());
+        }
+        if !ENV_KINDS.contains(&self.env.kind.as_str()) {
+            return bad(
+                "env.kind",
+                format!("`{}` is not one of {}", self.env.kind, ENV_KINDS.join(", ")),
+            );
+        }
+        if !(1..=4096).contains(&self.env.parallelism) {
+            return bad(
+                "env.parallelism",
+                format!("{} is not in 1..=4096", self.env.parallelism),
+            );
+        }
+        if self.env.tasks.trim().is_empty() {
+            return bad("env.tasks", "must not be empty".into());
+        }
+        if self.env.max_steps == Some(0) {
+            return bad("env.max_steps", "must be at least 1".into());
+        }
+        if let Some(t) = self.env.episode_timeout_s {
+            if !(t.is_finite() && t > 0.0) {
+                return bad("env.episode_timeout_s", format!("{t} must be > 0"));
+            }
+        }
+        Ok(())
+    }
+
     /// What Control needs to place this job.
     pub fn needs(&self, file: &str) -> JobNeeds {
-        JobNeeds {
-            name: self.display_name(file),
-            env_kind: self.env.kind.clone(),
-            env_parallelism: self.env.parallelism,
+        match self.kind {
+            JobKind::Rl => JobNeeds {
+                name: self.display_name(file),
+                env_kind: self.env.kind.clone(),
+                env_parallelism: self.env.parallelism,
+            },
+            // The gateway stands for the environment: one member of kind `gateway`.
+            JobKind::Personal => JobNeeds {
+                name: self.display_name(file),
+                env_kind: PERSONAL_ENV_KIND.into(),
+                env_parallelism: 1,
+            },
         }
     }
 }
@@ -828,5 +906,66 @@ max_steps = 100
         assert!(
             err(&GOOD.replace("[policy]", "[policy]\nreplicas = 0")).contains("policy.replicas")
         );
+    }
+
+    const PERSONAL: &str = r#"
+kind = "personal"
+[policy]
+checkpoint = "tests/fixtures/qwen3-tiny"
+[gateway]
+listen = "127.0.0.1:0"
+api_keys = ["k"]
+on_session_end = "drop"
+[judge]
+backend = "scripted"
+votes = 1
+[method]
+kind = "binary"
+[optim]
+batch_size = 2
+lr = 1e-6
+clip = 0.2
+kl = 0.0
+staleness = 2
+[stop]
+max_steps = 3
+"#;
+
+    #[test]
+    fn personal_jobs_take_a_gateway_and_no_env() {
+        let s = JobSpec::parse(PERSONAL, "p.toml").unwrap();
+        assert_eq!(s.kind, JobKind::Personal);
+        let g = s.gateway.as_ref().unwrap();
+        assert_eq!(
+            (g.api_keys.clone(), g.on_session_end),
+            (vec!["k".to_string()], crate::gateway::EndPolicy::Drop)
+        );
+        assert_eq!(s.needs("p.toml").env_kind, PERSONAL_ENV_KIND);
+        let with_env =
+            format!("{PERSONAL}[env]\nkind = \"scripted\"\nparallelism = 1\ntasks = \"t\"\n");
+        assert!(err(&with_env).contains("`env`"));
+        assert!(
+            err(&PERSONAL.replace("kind = \"binary\"", "kind = \"stepwise\""))
+                .contains("method.kind")
+        );
+        assert!(err(&PERSONAL.replace("max_steps = 3", "max_turns = 3")).contains("stop.max_turns"));
+        assert!(
+            err(&PERSONAL.replace("api_keys = [\"k\"]", "api_key = \"k\"")).contains("api_key")
+        );
+        assert!(
+            err(&PERSONAL.replace("api_keys = [\"k\"]", "version = 2")).contains("gateway.version")
+        );
+        assert!(
+            err(&PERSONAL.replace("api_keys = [\"k\"]", "max_batch = 0")).contains("max_batch")
+        );
+        // `rl` keeps its rules: an environment, and no gateway.
+        assert!(
+            err(&PERSONAL.replace("kind = \"personal\"", "kind = \"rl\"")).contains("`gateway`")
+        );
+        let mut no_env = GOOD.to_string();
+        let i = no_env.find("[env]").unwrap();
+        let j = no_env.find("[stop]").unwrap();
+        no_env.replace_range(i..j, "");
+        assert!(err(&no_env).contains("`env`"));
     }
 }

@@ -13,6 +13,7 @@
 //! Modules: [`policy`] (the chat policy over the replica pool), [`judge`] (the judge adapter),
 //! [`samples`] (samples per method, the teacher).
 
+pub mod gateway_job;
 pub mod judge;
 pub mod learner;
 pub mod policy;

@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Subcommand;
-use clawrl::job::{JobKind, JobSpec, SpecValidator};
+use clawrl::job::{JobKind, JobSpec, SpecValidator, PERSONAL_ENV_KIND};
+use clawrl::pipeline::gateway_job::{run_gateway_job, GatewayJobOptions, GatewayJobReport};
 use clawrl::pipeline::{run_job, RunOptions, RunReport};
 use clawrl_actors::config::NodeConfig;
 use clawrl_actors::control::{ControlReply, ControlRequest};
@@ -82,6 +83,7 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
             let spec = JobSpec::load(&job)?;
             match spec.kind {
                 JobKind::Rl => run_rl(spec, &job, out, json, &listen),
+                JobKind::Personal => run_personal(spec, &job, out, json, &listen),
             }
         }
     }
@@ -177,6 +179,240 @@ impl Bars {
         }
         let _ = self.multi.clear();
     }
+}
+
+/// The run directory: `--out`, else `runs/<name>-<unix time>`; created, absolute.
+fn run_dir(out: Option<PathBuf>, name: &str) -> anyhow::Result<PathBuf> {
+    let out = match out {
+        Some(o) => o,
+        None => {
+            let unix = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0);
+            PathBuf::from("runs").join(format!("{name}-{unix}"))
+        }
+    };
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    std::path::absolute(&out).with_context(|| format!("resolving {}", out.display()))
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn interrupted() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM: {e}");
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+/// The JSON summary of `clawrl run --json` for a `personal` job.
+#[derive(Serialize)]
+struct PersonalSummary<'a> {
+    control_id: &'a str,
+    spec: String,
+    out: &'a Path,
+    balanced: bool,
+    #[serde(flatten)]
+    report: &'a GatewayJobReport,
+}
+
+/// A `personal` job: the gateway serves and trains until `[stop]` or Ctrl-C.
+fn run_personal(
+    spec: JobSpec,
+    job: &Path,
+    out: Option<PathBuf>,
+    json: bool,
+    listen: &str,
+) -> anyhow::Result<()> {
+    let file = job.display().to_string();
+    let name = spec.display_name(&file);
+    let out = run_dir(out, &name)?;
+    let spec_text = std::fs::read_to_string(job).with_context(|| format!("reading {file}"))?;
+    let node_file = out.join("node.toml");
+    let cfg = NodeConfig::parse(&node_config_text(listen, &out.join("node")), &node_file)?;
+    runtime()?.block_on(async move {
+        let node = Node::start(
+            &cfg,
+            NodeOptions {
+                validator: Some(Arc::new(SpecValidator)),
+                envs: vec![EnvSpec {
+                    kind: PERSONAL_ENV_KIND.into(),
+                    count: 1,
+                }],
+            },
+        )
+        .await?;
+        std::fs::write(
+            &node_file,
+            node_config_text(&node.addr().to_string(), &out.join("node")),
+        )
+        .with_context(|| format!("writing {}", node_file.display()))?;
+        let id = match control_call(&ControlRequest::Submit {
+            file: file.clone(),
+            spec: spec_text,
+        })
+        .await?
+        {
+            ControlReply::Jobs(j) if !j.is_empty() => j[0].id.clone(),
+            ControlReply::Jobs(_) => bail!("Control accepted the job but returned no record"),
+            ControlReply::Error(e) => bail!("{e}"),
+        };
+        let last_sent = Arc::new(AtomicU64::new(0));
+        let t0 = Instant::now();
+        let progress: ProgressReport = {
+            let id = id.clone();
+            Arc::new(move |c: &JobCounts| {
+                let now = t0.elapsed().as_millis() as u64;
+                let due = now.saturating_sub(last_sent.load(Ordering::Relaxed)) >= 1000;
+                if due || c.phase == JobPhase::Finished {
+                    last_sent.store(now, Ordering::Relaxed);
+                    let req = ControlRequest::Progress {
+                        id: id.clone(),
+                        counts: c.clone(),
+                    };
+                    tokio::spawn(async move {
+                        if let Err(e) = control_call(&req).await {
+                            tracing::debug!("reporting progress to Control: {e}");
+                        }
+                    });
+                }
+            })
+        };
+        let method = spec.method.kind.name();
+        let announce_id = id.clone();
+        let on_listening: clawrl::pipeline::gateway_job::OnListening =
+            Box::new(move |addr, model| {
+                // One line on stderr in every mode, so scripts and tests can find the port.
+                eprintln!(
+                    "clawrl run: {announce_id} (method {method}) listening on http://{addr} \
+                     model={model}"
+                );
+            });
+        let result = run_gateway_job(
+            &spec,
+            &file,
+            GatewayJobOptions {
+                out: out.clone(),
+                job_id: id.clone(),
+                progress: Some(progress),
+                poll: Duration::from_millis(200),
+                on_listening: Some(on_listening),
+            },
+            interrupted(),
+        )
+        .await;
+        let report = match result {
+            Ok(r) => r,
+            Err(e) => {
+                node.shutdown().await;
+                return Err(anyhow::Error::new(e).context(format!("running job spec {file}")));
+            }
+        };
+        let _ = control_call(&ControlRequest::Progress {
+            id: id.clone(),
+            counts: report.counts.clone(),
+        })
+        .await;
+        node.shutdown().await;
+        let balanced = report.balanced();
+        if json {
+            let s = PersonalSummary {
+                control_id: &id,
+                spec: file.clone(),
+                out: &out,
+                balanced,
+                report: &report,
+            };
+            println!("{}", serde_json::to_string_pretty(&s)?);
+        } else {
+            print_personal_table(&report, &out, balanced);
+        }
+        Ok(())
+    })
+}
+
+fn print_personal_table(r: &GatewayJobReport, out: &Path, balanced: bool) {
+    let c = &r.counts;
+    let t = &r.trainer;
+    let rows: Vec<(&str, String)> = vec![
+        ("job", format!("{} (method {})", r.job, r.method)),
+        (
+            "gateway",
+            format!(
+                "http://{} model {}, serving v{} ({} switches, {} failed installs)",
+                r.addr, r.model, r.gateway.version, r.gateway.switches, r.gateway.failed_installs
+            ),
+        ),
+        (
+            "wall time",
+            format!("{:.1} s, stopped by {}", r.wall_s, r.stopped_by),
+        ),
+        (
+            "main turns",
+            format!(
+                "{} in {} sessions ({} with a next state; {} judged, {} unjudged)",
+                c.turns, c.sessions_started, r.turns_with_next_state, c.judged, c.unjudged
+            ),
+        ),
+        (
+            "samples",
+            format!(
+                "{} produced = {} trained + {} dropped stale + {} failed + {} pending ({})",
+                t.produced,
+                t.trained,
+                t.dropped_stale,
+                t.failed,
+                t.pending,
+                if balanced { "balanced" } else { "NOT BALANCED" }
+            ),
+        ),
+        (
+            "trainer",
+            format!("{} steps, version {}", t.steps, t.version),
+        ),
+        (
+            "records",
+            format!(
+                "{} written, {} failed, in {}",
+                r.records.written,
+                c.records_failed,
+                r.records_dir.display()
+            ),
+        ),
+        ("turn files", r.turns_dir.display().to_string()),
+        (
+            "checkpoint",
+            r.final_checkpoint
+                .as_ref()
+                .map_or("none".into(), |p| p.display().to_string()),
+        ),
+        ("run dir", out.display().to_string()),
+    ];
+    let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    println!("{:-<1$}", "", w + 60);
+    for (k, v) in rows {
+        println!("{k:<w$}  {v}");
+    }
+    if let Some(e) = &c.last_error {
+        println!("{:<w$}  {e}", "last error");
+    }
+    println!("{:-<1$}", "", w + 60);
 }
 
 fn run_rl(

@@ -68,6 +68,9 @@ struct AppState {
     stop_ids: Vec<u32>,
     sessions: Mutex<SessionTable<TurnRecord>>,
     sink: TurnSink,
+    /// Where completed main turns are also sent, when a training job taps them
+    /// ([`Gateway::tap_turns`]).
+    tap: std::sync::OnceLock<mpsc::Sender<TurnRecord>>,
     metrics: Metrics,
     created: u64,
 }
@@ -126,6 +129,7 @@ impl Gateway {
             stop_ids,
             sessions: Mutex::new(SessionTable::new(cfg.session_config())),
             sink,
+            tap: std::sync::OnceLock::new(),
             metrics: Metrics::default(),
             created: unix_now(),
             cfg,
@@ -150,6 +154,15 @@ impl Gateway {
     /// The file turns of `version` are written to.
     pub fn turns_path(&self, version: u64) -> std::path::PathBuf {
         self.state.sink.path(version)
+    }
+
+    /// Also hands every completed main turn (the record the sink writes, next state and end
+    /// reason set) to the returned receiver, for a training job; the sender waits when
+    /// `capacity` records are queued. Side turns are never recorded, so never tapped. The
+    /// receiver ends when the gateway has stopped. `None` when the turns are already tapped.
+    pub fn tap_turns(&self, capacity: usize) -> Option<mpsc::Receiver<TurnRecord>> {
+        let (tx, rx) = mpsc::channel(capacity.max(1));
+        self.state.tap.set(tx).ok().map(|()| rx)
     }
 
     /// The routes.
@@ -224,6 +237,12 @@ async fn record_all(s: &AppState, out: Vec<Finished<TurnRecord>>) {
         let mut rec = f.turn;
         rec.next_state = f.next_state;
         rec.end = Some(f.end);
+        if let Some(tap) = s.tap.get() {
+            if tap.send(rec.clone()).await.is_err() {
+                tracing::warn!("the turn tap is closed; turn not handed to training");
+                s.metrics.count_error("tap_closed");
+            }
+        }
         if let Err(e) = s.sink.send(rec).await {
             tracing::error!(error = %e, "turn not recorded");
             s.metrics.count_error("record_failed");

@@ -1,0 +1,223 @@
+//! The `personal` job kind through the binary: `clawrl run` serves the fixture policy over the
+//! gateway, sessions driven over HTTP are judged by a scripted judge from the user's next
+//! message and trained on (batch 2), the gateway then answers with a newer weight version, side
+//! turns give no samples, and at SIGTERM the job drains and prints a summary whose counts
+//! balance, with judge records on disk.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+const KEY: &str = "sk-personal-test";
+
+fn spec(out: &Path) -> String {
+    let ck = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3-tiny");
+    format!(
+        r#"
+kind = "personal"
+name = "personal-test"
+seed = 3
+[policy]
+checkpoint = {ck:?}
+max_new_tokens = 6
+[gateway]
+listen = "127.0.0.1:0"
+model_name = "tiny"
+api_keys = ["{KEY}"]
+data_dir = {turns:?}
+default_max_tokens = 6
+[judge]
+backend = "scripted"
+votes = 1
+rules = [{{ pattern = "(?i)thanks", score = 1 }}, {{ pattern = "(?i)wrong", score = -1 }}]
+default_score = 0
+[method]
+kind = "binary"
+[optim]
+batch_size = 2
+lr = 1e-3
+clip = 0.2
+kl = 0.0
+staleness = 8
+[stop]
+max_hours = 1.0
+"#,
+        ck = ck.display().to_string(),
+        turns = out.join("turns").display().to_string(),
+    )
+}
+
+async fn chat(
+    http: &reqwest::Client,
+    base: &str,
+    messages: Value,
+    headers: &[(&str, &str)],
+) -> (Value, String) {
+    let mut req = http
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth(KEY)
+        .json(&json!({"model": "tiny", "messages": messages, "max_tokens": 6}));
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let r = req.send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let header = r
+        .headers()
+        .get("x-clawrl-version")
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    let body: Value = r.json().await.unwrap();
+    (body, header)
+}
+
+fn content(body: &Value) -> String {
+    body["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or("")
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn personal_job_trains_from_gateway_turns_and_serves_the_new_version() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let job = dir.path().join("personal.toml");
+    std::fs::write(&job, spec(&out)).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_clawrl"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("RUST_LOG", "warn")
+        .args(["run", "--json", "--out"])
+        .arg(&out)
+        .arg(&job)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The port is announced on stderr; the rest of stderr is kept for failure messages.
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let log2 = log.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            log2.lock().unwrap().push_str(&format!("{line}\n"));
+            if let Some(i) = line.find("listening on http://") {
+                let rest = &line[i + "listening on ".len()..];
+                let _ = tx.send(rest.split_whitespace().next().unwrap().to_string());
+            }
+        }
+    });
+    let base = match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(b) => b,
+        Err(_) => {
+            let _ = child.kill();
+            panic!("the job never listened: {}", log.lock().unwrap());
+        }
+    };
+    let http = reqwest::Client::new();
+
+    // Three sessions of three main turns: the user praises turn 0, corrects turn 1, and ends
+    // the session (turn 2 is kept without a next state, so unjudged). A side session runs too.
+    for s in 0..3 {
+        let sid = format!("user-{s}");
+        let h = [("X-Session-Id", sid.as_str())];
+        let mut messages = vec![json!({"role": "user", "content": format!("Explain item {s}.")})];
+        let (b, _) = chat(&http, &base, json!(messages), &h).await;
+        assert_eq!(b["session_id"], sid.as_str());
+        messages.push(json!({"role": "assistant", "content": content(&b)}));
+        messages.push(json!({"role": "user", "content": "Thanks, that helps!"}));
+        let (b, _) = chat(&http, &base, json!(messages), &h).await;
+        messages.push(json!({"role": "assistant", "content": content(&b)}));
+        messages.push(json!({"role": "user", "content": "That is wrong, try again."}));
+        let side = [("X-Session-Id", "side-task"), ("X-Turn-Type", "side")];
+        chat(
+            &http,
+            &base,
+            json!([{"role": "user", "content": "Summarize: thanks"}]),
+            &side,
+        )
+        .await;
+        let done = [("X-Session-Id", sid.as_str()), ("X-Session-Done", "1")];
+        chat(&http, &base, json!(messages), &done).await;
+    }
+
+    // 6 judged turns with reward ±1 → 6 samples → 3 steps of 2; the gateway installs them.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (body, header) = loop {
+        let probe = [("X-Turn-Type", "side")];
+        let (b, h) = chat(
+            &http,
+            &base,
+            json!([{"role": "user", "content": "hi"}]),
+            &probe,
+        )
+        .await;
+        if b["version"].as_u64().unwrap_or(0) >= 1 {
+            break (b, h);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!(
+                "the gateway never served a trained version: {}",
+                log.lock().unwrap()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(header, body["version"].as_u64().unwrap().to_string());
+
+    // Ctrl-C equivalent: drain and print the summary.
+    let pid = child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let o = child.wait_with_output().unwrap();
+    let err = log.lock().unwrap().clone();
+    assert!(o.status.success(), "clawrl run failed: {err}");
+    let s: Value = serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {err}"));
+    assert_eq!(s["stopped_by"], "interrupted", "{s}");
+    assert_eq!(s["balanced"], true, "{s}");
+    let t = &s["trainer"];
+    assert!(t["steps"].as_u64().unwrap() >= 1, "{t}");
+    assert_eq!(t["produced"], 6, "binary: the ±1 turns only: {t}");
+    let c = &s["counts"];
+    assert_eq!(c["turns"], 9, "main turns only: {c}");
+    assert_eq!(c["sessions_started"], 3, "{c}");
+    assert_eq!(s["turns_with_next_state"], 6, "{s}");
+    assert_eq!(
+        (c["judged"].as_u64(), c["unjudged"].as_u64()),
+        (Some(6), Some(3))
+    );
+    assert_eq!(c["samples_submitted"], 6, "{c}");
+    assert!(s["gateway"]["version"].as_u64().unwrap() >= 1, "{s}");
+
+    // Records: a judge record per main turn, a sample record per sample, trainer steps; nothing
+    // of the side session.
+    let mut kinds = std::collections::HashMap::<String, usize>::new();
+    for e in std::fs::read_dir(out.join("records")).unwrap() {
+        let text = std::fs::read_to_string(e.unwrap().path()).unwrap();
+        assert!(
+            !text.contains("side-task"),
+            "a side turn reached the records"
+        );
+        for line in text.lines() {
+            let v: Value = serde_json::from_str(line).unwrap();
+            *kinds
+                .entry(v["kind"].as_str().unwrap_or("?").to_string())
+                .or_default() += 1;
+        }
+    }
+    assert_eq!(kinds.get("judge"), Some(&9), "{kinds:?}");
+    assert_eq!(kinds.get("sample"), Some(&6), "{kinds:?}");
+    assert!(
+        kinds.get("trainer_step").copied().unwrap_or(0) >= 1,
+        "{kinds:?}"
+    );
+}
