@@ -202,6 +202,17 @@ pub struct ControlState {
 
 const DESCRIBE_TIMEOUT: Duration = Duration::from_secs(2);
 
+impl JobRecord {
+    /// Whether the job still holds (or waits for) workers: not cancelled, not finished.
+    pub fn is_active(&self) -> bool {
+        let finished = self
+            .progress
+            .as_ref()
+            .is_some_and(|p| p.phase == crate::loops::job::JobPhase::Finished);
+        self.state != JobState::Cancelled && !finished
+    }
+}
+
 fn now_unix() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -285,7 +296,9 @@ impl ControlState {
         let mut changed = false;
         let ids: Vec<u64> = self.jobs.keys().copied().collect();
         for id in ids {
-            if self.jobs[&id].state == JobState::Cancelled {
+            // A cancelled or finished job keeps the placement it ran with: workers leaving
+            // afterwards (a node shutting down) must not rewrite its history.
+            if !self.jobs[&id].is_active() {
                 continue;
             }
             let (busy, load) = self.usage(id);
@@ -316,7 +329,7 @@ impl ControlState {
         let mut busy = BTreeSet::new();
         let mut load = BTreeMap::new();
         for (id, j) in &self.jobs {
-            if *id == except || j.state == JobState::Cancelled {
+            if *id == except || !j.is_active() {
                 continue;
             }
             busy.extend(j.placement.env_workers.iter().cloned());
@@ -507,6 +520,36 @@ mod tests {
                 env.iter().map(|s| s.to_string()).collect(),
             )]),
         }
+    }
+
+    #[test]
+    fn only_running_jobs_are_active() {
+        let mut job = JobRecord {
+            id: "job-1".into(),
+            file: "j.toml".into(),
+            spec: String::new(),
+            needs: needs(1),
+            state: JobState::Placed,
+            placement: Placement::default(),
+            submitted_unix: 0,
+            progress: None,
+        };
+        assert!(job.is_active());
+        let mut counts = crate::loops::job::JobCounts {
+            phase: crate::loops::job::JobPhase::Draining,
+            ..Default::default()
+        };
+        job.progress = Some(counts.clone());
+        assert!(job.is_active(), "a draining job still holds its workers");
+        counts.phase = crate::loops::job::JobPhase::Finished;
+        job.progress = Some(counts);
+        assert!(
+            !job.is_active(),
+            "a finished job keeps its placement and frees its workers"
+        );
+        job.progress = None;
+        job.state = JobState::Cancelled;
+        assert!(!job.is_active());
     }
 
     #[test]
