@@ -513,3 +513,56 @@ async fn a_job_restarts_failed_sessions_counts_lost_ones_and_balances() {
         env.started.load(Ordering::SeqCst)
     );
 }
+
+#[tokio::test]
+async fn a_job_whose_sessions_all_fail_stops_with_the_error() {
+    // No task can start: the job must stop on its own (not spin through the task set) and say
+    // why, although its stop condition (trainer steps) can never be reached.
+    let mut e = Env::new(vec![3, 3]);
+    e.fail_start = vec![0, 1];
+    let env = Arc::new(e);
+    let p = policy(1);
+    let trainer = Arc::new(Trainer {
+        counts: Mutex::new(TrainerCounts::default()),
+        policy: p.clone(),
+        seen: Mutex::new(Vec::new()),
+    });
+    let (_job, done) = spawn_job(JobArgs {
+        job: "j".into(),
+        env: env.clone(),
+        policy: p.clone(),
+        judge: Arc::new(Judge),
+        builder: Arc::new(Builder),
+        trainer: trainer.clone(),
+        recorder: None,
+        settings: JobSettings {
+            parallelism: 2,
+            episode_deadline: Duration::from_secs(10),
+            judge_timeout: Duration::from_millis(100),
+            max_restarts: 1,
+            stop: StopCondition {
+                max_trainer_steps: Some(1),
+                ..StopCondition::default()
+            },
+            poll: Duration::from_millis(20),
+            ..JobSettings::default()
+        },
+        progress: None,
+        done: None,
+    })
+    .await
+    .unwrap();
+    let c = tokio::time::timeout(Duration::from_secs(30), done)
+        .await
+        .expect("a job whose sessions all fail stops")
+        .unwrap();
+    let why = c.gave_up.as_deref().expect("the job says it gave up");
+    assert!(why.contains("every session failed"), "{why}");
+    assert!(
+        why.contains("cannot start"),
+        "the sessions' error is named: {why}"
+    );
+    assert!(c.sessions_lost >= 2, "{c:?}");
+    assert_eq!(c.trainer.steps, 0);
+    assert!(c.balanced());
+}

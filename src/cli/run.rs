@@ -540,6 +540,9 @@ fn run_rl(
         } else {
             print_table(&report, &out, balanced);
         }
+        if let Some(why) = &report.counts.gave_up {
+            bail!("job {id} ({file}) gave up: {why}");
+        }
         Ok(())
     })
 }

@@ -10,7 +10,8 @@
 //!   next task;
 //! - a session that fails (environment or policy error, or a panic) is restarted on the same task
 //!   up to `max_restarts` times in a row; after that its slot moves on to the next task and the
-//!   failure is counted as a *lost* session;
+//!   failure is counted as a *lost* session; when as many sessions as there are slots are lost
+//!   before any session has finished, the job stops (drains) with that error instead of spinning;
 //! - a failing voter, builder or trainer call never stops the job: turns go on unjudged, a failed
 //!   build is counted, a refused submission is counted.
 //!
@@ -278,6 +279,9 @@ pub struct JobCounts {
     pub records_failed: u64,
     /// The last problem worth showing (a failed session, build or submission).
     pub last_error: Option<String>,
+    /// Why the job gave up before its stop condition (every session failed), if it did.
+    #[serde(default)]
+    pub gave_up: Option<String>,
 }
 
 impl JobCounts {
@@ -594,6 +598,25 @@ impl<S: JobSample> JobState<S> {
                     .await;
             }
             self.counts.sessions_lost += 1;
+            // Not one session has ever finished and a whole round of slots is lost: the
+            // environment or the policy cannot work at all (a prompt longer than the context,
+            // a sandbox that cannot start). Stop instead of spinning through the task set.
+            let parallelism = self.args.settings.parallelism.max(1) as u64;
+            if self.counts.sessions_finished == 0 && self.counts.sessions_lost >= parallelism {
+                let why = format!(
+                    "every session failed ({} lost, none finished); last: {}",
+                    self.counts.sessions_lost,
+                    self.counts
+                        .last_error
+                        .as_deref()
+                        .unwrap_or("no error recorded")
+                );
+                tracing::error!(job = %self.args.job, "{why}");
+                self.counts.last_error = Some(why.clone());
+                self.counts.gave_up = Some(why.clone());
+                self.begin_drain(&why);
+                return Ok(());
+            }
         }
         let t = self.take_task();
         self.spawn_session(myself, t, 0).await
