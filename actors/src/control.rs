@@ -104,7 +104,7 @@ pub enum ControlRequest {
         /// The job id.
         id: String,
         /// The counts.
-        counts: crate::loops::job::JobCounts,
+        counts: Box<crate::loops::job::JobCounts>,
     },
 }
 
@@ -383,7 +383,7 @@ impl ControlState {
                 Some(k) => {
                     let j = self.jobs.get_mut(&k).expect("found above");
                     let finished = counts.phase == crate::loops::job::JobPhase::Finished;
-                    j.progress = Some(counts);
+                    j.progress = Some(*counts);
                     if finished {
                         self.persist();
                     }

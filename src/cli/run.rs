@@ -284,7 +284,7 @@ fn run_personal(
                     last_sent.store(now, Ordering::Relaxed);
                     let req = ControlRequest::Progress {
                         id: id.clone(),
-                        counts: c.clone(),
+                        counts: Box::new(c.clone()),
                     };
                     tokio::spawn(async move {
                         if let Err(e) = control_call(&req).await {
@@ -326,7 +326,7 @@ fn run_personal(
         };
         let _ = control_call(&ControlRequest::Progress {
             id: id.clone(),
-            counts: report.counts.clone(),
+            counts: Box::new(report.counts.clone()),
         })
         .await;
         node.shutdown().await;
@@ -484,7 +484,7 @@ fn run_rl(
                     last_sent.store(now, Ordering::Relaxed);
                     let req = ControlRequest::Progress {
                         id: id.clone(),
-                        counts: c.clone(),
+                        counts: Box::new(c.clone()),
                     };
                     tokio::spawn(async move {
                         if let Err(e) = control_call(&req).await {
@@ -523,7 +523,7 @@ fn run_rl(
         // Control keeps the final counts.
         let _ = control_call(&ControlRequest::Progress {
             id: id.clone(),
-            counts: report.counts.clone(),
+            counts: Box::new(report.counts.clone()),
         })
         .await;
         node.shutdown().await;
