@@ -91,6 +91,54 @@ fn actor_err<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> RunError
     }
 }
 
+/// The OPD teacher of a job whose method uses hints (`None` otherwise): a rollout worker whose
+/// "generation" scores the original response under the hint-enhanced prompt. With
+/// `teacher = current_policy` it installs every published version (a subscriber is added);
+/// with `frozen_initial` only the first.
+pub(crate) async fn spawn_teacher(
+    spec: &JobSpec,
+    model_config: &crate::model::Qwen3Config,
+    template: &Arc<crate::model::ChatTemplate>,
+    tokenizer: &Arc<tokenizers::Tokenizer>,
+    subscribers: &mut Vec<Subscriber>,
+) -> Result<Option<ActorRef<RolloutMsg<samples::TeacherScorer>>>, RunError> {
+    if !spec.method.kind.uses_hints() {
+        return Ok(None);
+    }
+    let scorer =
+        samples::TeacherScorer::new(model_config.clone(), template.clone(), tokenizer.clone());
+    let (w, _) = Actor::spawn(
+        None,
+        RolloutWorker::new(),
+        RolloutArgs {
+            policy: Arc::new(scorer),
+            source: None,
+            initial: None,
+        },
+    )
+    .await
+    .map_err(actor_err("OPD teacher"))?;
+    match spec.judge.teacher {
+        Teacher::CurrentPolicy => {
+            subscribers.push(rollout_subscriber(w.clone(), Delivery::Install))
+        }
+        Teacher::FrozenInitial => {
+            // Only the version at start: a subscriber that leaves after the first version.
+            let once = w.clone();
+            subscribers.push(Arc::new(move |ev: &TrainerEvent| match ev {
+                TrainerEvent::Published {
+                    announce, bytes, ..
+                } => {
+                    let _ = once.cast(RolloutMsg::Install(announce.clone(), bytes.clone(), None));
+                    false
+                }
+                _ => true,
+            }));
+        }
+    }
+    Ok(Some(w))
+}
+
 /// How [`run_job`] runs.
 pub struct RunOptions {
     /// The run directory (records, checkpoints).
@@ -392,42 +440,8 @@ pub async fn run_job(
 
     // The OPD teacher.
     let method = spec.method.kind;
-    let mut teacher = None;
-    if method.uses_hints() {
-        let scorer =
-            samples::TeacherScorer::new(model_config.clone(), template.clone(), tokenizer.clone());
-        let (w, _) = Actor::spawn(
-            None,
-            RolloutWorker::new(),
-            RolloutArgs {
-                policy: Arc::new(scorer),
-                source: None,
-                initial: None,
-            },
-        )
-        .await
-        .map_err(actor_err("OPD teacher"))?;
-        match spec.judge.teacher {
-            Teacher::CurrentPolicy => {
-                subscribers.push(rollout_subscriber(w.clone(), Delivery::Install))
-            }
-            Teacher::FrozenInitial => {
-                // Only the version at start: a subscriber that leaves after the first version.
-                let once = w.clone();
-                subscribers.push(Arc::new(move |ev: &TrainerEvent| match ev {
-                    TrainerEvent::Published {
-                        announce, bytes, ..
-                    } => {
-                        let _ =
-                            once.cast(RolloutMsg::Install(announce.clone(), bytes.clone(), None));
-                        false
-                    }
-                    _ => true,
-                }));
-            }
-        }
-        teacher = Some(w);
-    }
+    let teacher =
+        spawn_teacher(spec, &model_config, &template, &tokenizer, &mut subscribers).await?;
 
     // The trainer.
     let (trainer, _) = Actor::spawn(

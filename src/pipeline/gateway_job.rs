@@ -25,10 +25,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clawrl_actors::loops::{
-    rollout_subscriber, Delivery, EndReason, EpisodeTurns, JobCounts, JobPhase, JobSample,
-    JudgedTurn, Judgement, LocalPublisher, Observation, PolicyTurn, ProgressReport, Recorder,
-    RecorderConfig, RecorderHandle, RecorderMsg, RecorderStats, RolloutArgs, RolloutMsg,
-    RolloutWorker, SampleBuilder, StepOutcome, Subscriber, Trainer, TrainerArgs, TrainerEvent,
+    EndReason, EpisodeTurns, JobCounts, JobPhase, JobSample, JudgedTurn, Judgement, LocalPublisher,
+    Observation, PolicyTurn, ProgressReport, Recorder, RecorderConfig, RecorderHandle, RecorderMsg,
+    RecorderStats, SampleBuilder, StepOutcome, Subscriber, Trainer, TrainerArgs, TrainerEvent,
     TrainerLink, TrainerMsg, TrainerStats, Turn, TurnJudge,
 };
 use ractor::{Actor, ActorRef};
@@ -41,9 +40,7 @@ use super::{
 };
 use crate::gateway::{Gateway, GatewayConfig, GatewayError, PolicyStats, TurnEnd, TurnRecord};
 use crate::job::{JobKind, JobSpec};
-use crate::judge::{
-    BackendConfig, ChatGenerator, EngineGenerator, ModelSource, PromptKind, Teacher,
-};
+use crate::judge::{BackendConfig, ChatGenerator, EngineGenerator, ModelSource, PromptKind};
 use crate::model::{load_checkpoint, EngineOptions};
 use crate::rl::{AdvantageWeights, EpisodeKind};
 use crate::train::learner::Learner as BurnLearner;
@@ -392,41 +389,8 @@ pub async fn run_gateway_job(
         max_context: spec.policy.max_context as usize,
     };
     let mut subscribers: Vec<Subscriber> = vec![gateway_policy.trainer_subscriber()];
-    let mut teacher = None;
-    if method.uses_hints() {
-        let scorer =
-            samples::TeacherScorer::new(model_config.clone(), template.clone(), tokenizer.clone());
-        let (w, _) = Actor::spawn(
-            None,
-            RolloutWorker::new(),
-            RolloutArgs {
-                policy: Arc::new(scorer),
-                source: None,
-                initial: None,
-            },
-        )
-        .await
-        .map_err(actor_err("OPD teacher"))?;
-        match spec.judge.teacher {
-            Teacher::CurrentPolicy => {
-                subscribers.push(rollout_subscriber(w.clone(), Delivery::Install))
-            }
-            Teacher::FrozenInitial => {
-                let once = w.clone();
-                subscribers.push(Arc::new(move |ev: &TrainerEvent| match ev {
-                    TrainerEvent::Published {
-                        announce, bytes, ..
-                    } => {
-                        let _ =
-                            once.cast(RolloutMsg::Install(announce.clone(), bytes.clone(), None));
-                        false
-                    }
-                    _ => true,
-                }));
-            }
-        }
-        teacher = Some(w);
-    }
+    let teacher =
+        super::spawn_teacher(spec, &model_config, &template, &tokenizer, &mut subscribers).await?;
 
     // The trainer; its steps go to the records.
     let (trainer, _) = Actor::spawn(
