@@ -10,6 +10,7 @@
 
 pub mod answer;
 pub mod exec;
+pub mod gui;
 pub mod personal;
 pub mod reward;
 pub mod scripted;
@@ -27,31 +28,34 @@ use std::time::Duration;
 use clawrl_actors::loops::Environment;
 
 pub use exec::CommandLimits;
+pub use gui::GuiEnv;
 pub use swe::SweEnv;
 pub use tasks::TaskError;
 pub use terminal::TerminalEnv;
 pub use tool_call::ToolCallEnv;
 
 /// The kinds [`build_environment`] knows.
-pub const KINDS: [&str; 3] = ["terminal", "swe", "tool_call"];
+pub const KINDS: [&str; 4] = ["terminal", "swe", "tool_call", "gui"];
 
 /// How an environment runs its episodes. [`EnvOptions::default`] gives every kind's defaults.
 #[derive(Clone, Debug)]
 pub struct EnvOptions {
     /// The step limit of an episode; `None` takes the kind's default (terminal 10, SWE 20,
-    /// tool-call `max_tool_calls + 1`).
+    /// tool-call `max_tool_calls + 1`, GUI 30).
     pub max_steps: Option<u32>,
     /// Limits of one sandboxed command; `None` takes the kind's default
     /// ([`CommandLimits::terminal`], [`CommandLimits::swe`], [`CommandLimits::tool_call`]).
     pub limits: Option<CommandLimits>,
     /// The most bytes of stdout, and separately of stderr, an observation shows; longer output
-    /// keeps its head and tail around a `[... N bytes truncated ...]` marker.
+    /// keeps its head and tail around a `[... N bytes truncated ...]` marker. GUI: the most
+    /// bytes of the accessibility tree shown (whole lines, with a marker when cut).
     pub observation_bytes: usize,
     /// The wall-clock budget of one episode from its start. A step begun after it ends the
     /// episode with outcome `-1` (`info.deadline_exceeded = true`); a command's timeout is
     /// clipped to what is left of it.
     pub episode_deadline: Duration,
-    /// At most this many sandboxed commands of one environment run at once (others wait).
+    /// At most this many sandboxed commands of one environment run at once (others wait);
+    /// GUI: at most this many browsers are alive at once (an episode holds one until it closes).
     pub max_concurrent_commands: usize,
     /// Work dirs created ahead of time, so that starting an episode takes one from the pool.
     pub warm_workdirs: usize,
@@ -139,7 +143,7 @@ impl EnvOptions {
 #[derive(Debug, thiserror::Error)]
 pub enum EnvBuildError {
     /// The kind is not one of [`KINDS`].
-    #[error("unknown environment kind `{kind}` (known: terminal, swe, tool_call)")]
+    #[error("unknown environment kind `{kind}` (known: terminal, swe, tool_call, gui)")]
     UnknownKind {
         /// The kind asked for.
         kind: String,
@@ -155,6 +159,9 @@ pub enum EnvBuildError {
     /// Sandboxes cannot start on this host.
     #[error("environment needs the sandbox: {0}")]
     Sandbox(#[from] crate::sandbox::SandboxError),
+    /// Chromium is missing or cannot start as the GUI environment runs it.
+    #[error("the gui environment needs Chromium: {0}")]
+    Browser(String),
     /// The task set could not be read or is invalid.
     #[error(transparent)]
     Tasks(#[from] TaskError),
@@ -173,11 +180,13 @@ pub enum EnvBuildError {
 ///
 /// - `terminal`: a JSONL file of `{"id", "instruction", "setup"?, "check"}` ([`terminal`]);
 /// - `swe`: a directory whose subdirectories each hold `task.json` and `repo/` ([`swe`]);
-/// - `tool_call`: a JSONL file of `{"id", "question", "answer"}` ([`tool_call`]).
+/// - `tool_call`: a JSONL file of `{"id", "question", "answer"}` ([`tool_call`]);
+/// - `gui`: a JSONL file of `{"id", "instruction", "page", "check"}` ([`gui`]).
 ///
 /// The tasks are read and validated here (an error names the file, line and key); the work dir
 /// pool is created warm, and one sandbox is started ([`crate::sandbox::probe`], once per
-/// process) so that a host where sandboxes cannot start fails here rather than in every episode.
+/// process) so that a host where sandboxes cannot start fails here rather than in every episode
+/// (the `gui` kind instead checks that Chromium can start; it does not use the sandbox).
 pub fn build_environment(
     kind: &str,
     tasks: &Path,
@@ -188,11 +197,14 @@ pub fn build_environment(
             kind: kind.to_string(),
         });
     }
-    crate::sandbox::probe()?;
+    if kind != "gui" {
+        crate::sandbox::probe()?;
+    }
     Ok(match kind {
         "terminal" => Arc::new(TerminalEnv::load(tasks, options)?),
         "swe" => Arc::new(SweEnv::load(tasks, options)?),
         "tool_call" => Arc::new(ToolCallEnv::load(tasks, options)?),
+        "gui" => Arc::new(GuiEnv::load(tasks, options)?),
         other => {
             return Err(EnvBuildError::UnknownKind {
                 kind: other.to_string(),
@@ -207,10 +219,10 @@ mod tests {
 
     #[test]
     fn unknown_kind_is_named() {
-        let e = build_environment("gui", Path::new("/nonexistent"), EnvOptions::default())
+        let e = build_environment("browser", Path::new("/nonexistent"), EnvOptions::default())
             .err()
             .expect("unknown kind");
-        assert!(e.to_string().contains("`gui`"), "{e}");
+        assert!(e.to_string().contains("`browser`"), "{e}");
     }
 
     #[test]

@@ -1,0 +1,838 @@
+//! The GUI environment (DESIGN §4): a local HTML page in headless Chromium, driven over the
+//! Chrome DevTools Protocol ([`cdp`], [`page`]); the policy sees the page's accessibility tree as
+//! text with element ids ([`axtree`]) and the path of a screenshot, acts with `click`, `type`,
+//! `key` and `scroll` by element id, finishes with `submit` (or a plain answer), and a JavaScript
+//! check evaluated in the page decides the outcome. 30 steps by default.
+//!
+//! A task line is `{"id", "instruction", "page", "check"}`: `page` is an HTML file relative to the
+//! task file's directory (read at load, at most 1 MiB of UTF-8), `check` a JavaScript expression
+//! that evaluates (awaiting a promise) to `true` when the task is done; anything else (false, a
+//! non-boolean, an exception) is a failure. Unknown keys, missing fields, blank texts and pages
+//! that cannot be read are errors naming the line and the key.
+//!
+//! Each episode has a browser of its own (profile, `HOME` and screenshots in the episode's work
+//! dir), started in a new network namespace; the page is served from memory at
+//! [`page::PAGE_ORIGIN`] and every other request is refused. The browser does **not** run in the
+//! command sandbox ([`crate::sandbox`]): it runs as the node's user, with Chromium's own sandbox
+//! off. Closing the episode kills every process of its browser. At most
+//! `EnvOptions::max_concurrent_commands` browsers of one environment are alive at once.
+
+pub mod axtree;
+pub mod cdp;
+pub mod page;
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use clawrl_actors::loops::{
+    Action, BoxFuture, EnvError, Environment, Episode, Observation, StepOutcome, ToolCallAction,
+};
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use self::axtree::RenderedTree;
+use self::cdp::{CdpError, LaunchOptions};
+use self::page::{known_key, TaskPage, KEY_NAMES};
+use super::exec::{assistant_message, no_arg_tool, tool_message};
+use super::shell::SUBMIT_TOOL;
+use super::tasks::{check_id, check_nonblank, check_relative_path, read_jsonl, TaskError};
+use super::workdir::{WorkDir, WorkDirPool};
+use super::{EnvBuildError, EnvOptions};
+
+/// The default step limit.
+pub const DEFAULT_MAX_STEPS: u32 = 30;
+
+/// The largest page a task may ship.
+pub const MAX_PAGE_BYTES: u64 = 1 << 20;
+
+/// The viewport, in CSS pixels.
+pub const VIEWPORT: (u32, u32) = (1024, 768);
+
+/// Pixels one `scroll` by direction moves.
+pub const SCROLL_STEP: i64 = 400;
+
+/// How long one protocol command may take.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
+
+const SYSTEM_PROMPT: &str = "You operate a web page in a browser. After every action you see \
+the page's accessibility tree, one element a line as `[n] role \"name\" states`, and the path of \
+a screenshot. Act on elements by their number n with the tools `click`, `type` (replaces the \
+field's text), `key` and `scroll`; numbers refer to the latest tree. There is no network. When \
+the task is done, call `submit`.";
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTask {
+    id: String,
+    instruction: String,
+    page: String,
+    check: String,
+}
+
+/// One GUI task.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GuiTask {
+    /// Its id.
+    pub id: String,
+    /// What the agent must do.
+    pub instruction: String,
+    /// The page's file name (the last component of `page`; it is served under that name).
+    pub page_name: String,
+    /// The page's HTML.
+    pub html: String,
+    /// The JavaScript check: `true` is success.
+    pub check: String,
+}
+
+/// Reads and validates a GUI task file (pages are read relative to its directory).
+pub fn load_tasks(path: &Path) -> Result<Vec<GuiTask>, TaskError> {
+    let base = path.parent().unwrap_or(Path::new("."));
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    for (line, raw) in read_jsonl::<RawTask>(path)? {
+        check_id(path, line, &raw.id, &mut seen)?;
+        check_nonblank(path, line, "instruction", &raw.instruction)?;
+        check_nonblank(path, line, "check", &raw.check)?;
+        let rel = check_relative_path(&raw.page)
+            .map_err(|r| TaskError::invalid(path, line, "page", r))?;
+        let bad = |r: String| TaskError::invalid(path, line, "page", r);
+        let ext = rel.extension().and_then(|e| e.to_str()).unwrap_or("");
+        if !ext.eq_ignore_ascii_case("html") && !ext.eq_ignore_ascii_case("htm") {
+            return Err(bad(format!("{:?} is not an .html file", raw.page)));
+        }
+        let file = base.join(&rel);
+        let meta = std::fs::metadata(&file)
+            .map_err(|e| bad(format!("reading {}: {e}", file.display())))?;
+        if !meta.is_file() || meta.len() > MAX_PAGE_BYTES || meta.len() == 0 {
+            return Err(bad(format!(
+                "{} must be a non-empty file of at most {MAX_PAGE_BYTES} bytes",
+                file.display()
+            )));
+        }
+        let html = std::fs::read_to_string(&file)
+            .map_err(|e| bad(format!("reading {}: {e}", file.display())))?;
+        let page_name = rel
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("index.html")
+            .to_string();
+        out.push(GuiTask {
+            id: raw.id,
+            instruction: raw.instruction,
+            page_name,
+            html,
+            check: raw.check,
+        });
+    }
+    Ok(out)
+}
+
+/// An action parsed from a tool call.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GuiAction {
+    /// Click element `[id]`.
+    Click(u64),
+    /// Replace the text of element `[id]`.
+    Type(u64, String),
+    /// Press a key, first focusing element `[id]` when given.
+    Key(Option<u64>, String),
+    /// Scroll element `[id]` into view.
+    ScrollTo(u64),
+    /// Scroll the page by [`SCROLL_STEP`] pixels, down when `true`.
+    Scroll(bool),
+    /// Finish the episode.
+    Submit,
+}
+
+/// The tool schemas the environment offers.
+pub fn tool_schemas() -> Vec<Value> {
+    let id = json!({"type": "integer", "description": "The element's number n from the tree."});
+    let tool = |name: &str, description: &str, properties: Value, required: Value| {
+        json!({"type": "function", "function": {"name": name, "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": required,
+                           "additionalProperties": false}}})
+    };
+    let mut keys: Vec<&str> = KEY_NAMES.to_vec();
+    keys.push("a single letter or digit");
+    vec![
+        tool(
+            "click",
+            "Click an element with the left mouse button.",
+            json!({"id": id}),
+            json!(["id"]),
+        ),
+        tool(
+            "type",
+            "Focus a text field and replace its text with `text`.",
+            json!({"id": id, "text": {"type": "string", "description": "The new text."}}),
+            json!(["id", "text"]),
+        ),
+        tool(
+            "key",
+            "Press a key, on element `id` (focused first) or on the focused element.",
+            json!({"key": {"type": "string", "description": format!("One of: {}.", keys.join(", "))},
+                   "id": id}),
+            json!(["key"]),
+        ),
+        tool(
+            "scroll",
+            "Scroll element `id` into view, or scroll the page `up` or `down`.",
+            json!({"id": id, "direction": {"type": "string", "enum": ["up", "down"]}}),
+            json!([]),
+        ),
+        no_arg_tool(SUBMIT_TOOL, "Finish the task; the page is then checked."),
+    ]
+}
+
+fn element_id(args: &Map<String, Value>, tool: &str) -> Result<Option<u64>, String> {
+    match args.get("id") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => n.as_u64().filter(|&n| n > 0).map(Some).ok_or_else(|| {
+            format!("error: \"id\" of `{tool}` must be an element number n ≥ 1, got {n}")
+        }),
+        Some(Value::String(s)) => {
+            let t = s.trim().trim_start_matches('[').trim_end_matches(']');
+            t.parse::<u64>()
+                .ok()
+                .filter(|&n| n > 0)
+                .map(Some)
+                .ok_or_else(|| {
+                    format!("error: \"id\" of `{tool}` must be an element number, got {s:?}")
+                })
+        }
+        Some(other) => Err(format!(
+            "error: \"id\" of `{tool}` must be an element number, got {other}"
+        )),
+    }
+}
+
+/// Parses a tool call; the error is the text the tool message shows the policy.
+pub fn parse_action(call: &ToolCallAction) -> Result<GuiAction, String> {
+    let tool = call.name.as_str();
+    let allowed: &[&str] = match tool {
+        "click" => &["id"],
+        "type" => &["id", "text"],
+        "key" => &["key", "id"],
+        "scroll" => &["id", "direction"],
+        SUBMIT_TOOL => &[],
+        other => {
+            return Err(format!(
+                "error: unknown tool `{other}`; the tools are click, type, key, scroll and submit"
+            ))
+        }
+    };
+    let empty = Map::new();
+    let args = match &call.arguments {
+        Value::Object(m) => m,
+        Value::Null => &empty,
+        _ => {
+            return Err(format!(
+                "error: the arguments of `{tool}` must be a JSON object"
+            ))
+        }
+    };
+    if let Some(k) = args.keys().find(|k| !allowed.contains(&k.as_str())) {
+        return Err(format!("error: `{tool}` takes no argument \"{k}\""));
+    }
+    let id = element_id(args, tool)?;
+    let need_id = || id.ok_or_else(|| format!("error: `{tool}` needs \"id\", an element number"));
+    let string = |key: &str| match args.get(key) {
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        None | Some(Value::Null) => Ok(None),
+        Some(other) => Err(format!(
+            "error: \"{key}\" of `{tool}` must be a string, got {other}"
+        )),
+    };
+    Ok(match tool {
+        "click" => GuiAction::Click(need_id()?),
+        "type" => {
+            let id = need_id()?;
+            let text = string("text")?
+                .ok_or_else(|| "error: `type` needs \"text\" (a string)".to_string())?;
+            GuiAction::Type(id, text)
+        }
+        "key" => {
+            let key = string("key")?
+                .ok_or_else(|| "error: `key` needs \"key\" (a string)".to_string())?;
+            if !known_key(&key) {
+                return Err(format!(
+                    "error: unknown key {key:?}; keys are {} or a single letter or digit",
+                    KEY_NAMES.join(", ")
+                ));
+            }
+            GuiAction::Key(id, key)
+        }
+        "scroll" => match (id, string("direction")?.as_deref()) {
+            (Some(id), None) => GuiAction::ScrollTo(id),
+            (None, Some("down")) => GuiAction::Scroll(true),
+            (None, Some("up")) => GuiAction::Scroll(false),
+            (None, Some(d)) => {
+                return Err(format!(
+                    "error: \"direction\" of `scroll` must be \"up\" or \"down\", got {d:?}"
+                ))
+            }
+            _ => {
+                return Err(
+                    "error: `scroll` takes either \"id\" or \"direction\" (exactly one)".into(),
+                )
+            }
+        },
+        _ => GuiAction::Submit,
+    })
+}
+
+/// Checks once per process that Chromium is installed and can be started in a network namespace
+/// of its own; returns its path.
+fn probe_browser() -> Result<PathBuf, EnvBuildError> {
+    static PROBE: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    PROBE
+        .get_or_init(|| {
+            let binary = cdp::find_chromium()?;
+            let out = std::process::Command::new(&binary)
+                .arg("--version")
+                .output()
+                .map_err(|e| format!("running {} --version: {e}", binary.display()))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "{} --version failed ({}): {}",
+                    binary.display(),
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
+            }
+            let mut cmd = std::process::Command::new("/bin/true");
+            // SAFETY: one async-signal-safe system call between fork and exec.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                    if libc::unshare(libc::CLONE_NEWNET) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+            match cmd.status() {
+                Ok(s) if s.success() => Ok(binary),
+                Ok(s) => Err(format!("/bin/true in a new network namespace: {s}")),
+                Err(e) => Err(format!(
+                    "the browser must run in a network namespace of its own, which needs root \
+                     or CAP_SYS_ADMIN: unshare(CLONE_NEWNET): {e}"
+                )),
+            }
+        })
+        .clone()
+        .map_err(EnvBuildError::Browser)
+}
+
+#[derive(Debug)]
+struct Config {
+    tools: Vec<Value>,
+    max_steps: u32,
+    observation_bytes: usize,
+    deadline: Duration,
+    binary: PathBuf,
+    browsers: Arc<Semaphore>,
+}
+
+/// The GUI environment over a task set.
+pub struct GuiEnv {
+    tasks: Vec<Arc<GuiTask>>,
+    cfg: Arc<Config>,
+    pool: Arc<WorkDirPool>,
+}
+
+impl GuiEnv {
+    /// Reads the tasks at `path`, checks that Chromium can start, prepares the work dir pool.
+    pub fn load(path: &Path, options: EnvOptions) -> Result<Self, EnvBuildError> {
+        Self::new(load_tasks(path)?, options)
+    }
+
+    /// An environment over `tasks` (at least one).
+    pub fn new(tasks: Vec<GuiTask>, options: EnvOptions) -> Result<Self, EnvBuildError> {
+        let pool = options.prepare("gui", tasks.len())?;
+        let binary = probe_browser()?;
+        Ok(Self {
+            tasks: tasks.into_iter().map(Arc::new).collect(),
+            cfg: Arc::new(Config {
+                tools: tool_schemas(),
+                max_steps: options.max_steps.unwrap_or(DEFAULT_MAX_STEPS),
+                observation_bytes: options.observation_bytes,
+                deadline: options.episode_deadline,
+                binary,
+                browsers: Arc::new(Semaphore::new(options.max_concurrent_commands)),
+            }),
+            pool,
+        })
+    }
+
+    /// The tasks.
+    pub fn tasks(&self) -> &[Arc<GuiTask>] {
+        &self.tasks
+    }
+
+    async fn start_episode(&self, index: usize) -> Result<Box<dyn Episode>, EnvError> {
+        let started = Instant::now();
+        let task = Arc::clone(self.tasks.get(index).ok_or(EnvError::NoSuchTask {
+            index,
+            count: self.tasks.len(),
+        })?);
+        let task_id = task.id.clone();
+        let setup_err = |reason: String| EnvError::Setup {
+            task: task_id.clone(),
+            reason,
+        };
+        let permit = Arc::clone(&self.cfg.browsers)
+            .acquire_owned()
+            .await
+            .expect("semaphore never closed");
+        let wd = self
+            .pool
+            .take()
+            .map_err(|e| setup_err(format!("creating the work dir: {e}")))?;
+        let opts = LaunchOptions {
+            binary: self.cfg.binary.clone(),
+            dir: wd.path().join("browser"),
+            width: VIEWPORT.0,
+            height: VIEWPORT.1,
+            timeout: COMMAND_TIMEOUT,
+        };
+        let page = TaskPage::open(&opts, &task.page_name, &task.html)
+            .await
+            .map_err(|e| setup_err(e.to_string()))?;
+        let launch_ms = started.elapsed().as_millis() as u64;
+        let mut ep = GuiEpisode {
+            deadline: started + self.cfg.deadline,
+            task,
+            cfg: Arc::clone(&self.cfg),
+            messages: Vec::new(),
+            page: Some(page),
+            workdir: Some(wd),
+            tree: RenderedTree::default(),
+            steps: 0,
+            done: false,
+            launch_ms,
+            _permit: permit,
+        };
+        let state = match ep.snapshot().await {
+            Ok(s) => s,
+            Err(e) => {
+                let reason = e.to_string();
+                Box::new(ep).close().await;
+                return Err(setup_err(reason));
+            }
+        };
+        ep.messages = vec![
+            json!({"role": "system", "content": SYSTEM_PROMPT}),
+            json!({"role": "user", "content": format!("{}\n\n{state}", ep.task.instruction)}),
+        ];
+        Ok(Box::new(ep))
+    }
+}
+
+impl Environment for GuiEnv {
+    fn kind(&self) -> &str {
+        "gui"
+    }
+
+    fn task_count(&self) -> usize {
+        self.tasks.len()
+    }
+
+    fn max_steps(&self) -> u32 {
+        self.cfg.max_steps
+    }
+
+    fn start(&self, index: usize, _seed: u64) -> BoxFuture<'_, Result<Box<dyn Episode>, EnvError>> {
+        Box::pin(self.start_episode(index))
+    }
+}
+
+/// A running GUI episode: its browser, its work dir and the latest tree's element ids.
+pub struct GuiEpisode {
+    task: Arc<GuiTask>,
+    cfg: Arc<Config>,
+    messages: Vec<Value>,
+    page: Option<TaskPage>,
+    workdir: Option<WorkDir>,
+    tree: RenderedTree,
+    steps: u32,
+    done: bool,
+    deadline: Instant,
+    launch_ms: u64,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl GuiEpisode {
+    fn step_error(&self, e: impl std::fmt::Display) -> EnvError {
+        EnvError::Step {
+            task: self.task.id.clone(),
+            reason: e.to_string(),
+        }
+    }
+
+    fn page(&self) -> &TaskPage {
+        self.page.as_ref().expect("open episode has a page")
+    }
+
+    /// The screenshot path of step `step`.
+    fn screenshot_path(&self, step: u32) -> PathBuf {
+        self.workdir
+            .as_ref()
+            .expect("open episode has a work dir")
+            .path()
+            .join("screenshots")
+            .join(format!("step-{step:02}.png"))
+    }
+
+    /// Reads the page (tree, screenshot), remembers the element ids and renders the state text.
+    async fn snapshot(&mut self) -> Result<String, CdpError> {
+        let shot = self.screenshot_path(self.steps);
+        let page = self.page();
+        let info = page.info().await?;
+        let nodes = page.ax_nodes().await?;
+        page.screenshot(&shot).await?;
+        let budget = self.cfg.observation_bytes;
+        self.tree = axtree::render(&nodes, budget).map_err(|e| CdpError::Closed(e.to_string()))?;
+        let (y, height, view) = info.scroll;
+        let mut text = format!(
+            "page: {} ({})\nscroll: {y} of {height} px (viewport {view})\nscreenshot: {}\n\
+             elements:\n{}",
+            serde_json::to_string(&info.title).expect("strings serialise"),
+            info.url,
+            shot.display(),
+            self.tree.text
+        );
+        if self.tree.truncated {
+            text.push_str(&format!(
+                "[... the tree is cut at {budget} bytes; scroll or act on what is shown ...]\n"
+            ));
+        }
+        Ok(text)
+    }
+
+    /// Runs one parsed action; `Ok(text)` is what the tool message says.
+    async fn act(&self, action: &GuiAction) -> Result<String, EnvError> {
+        let resolve = |id: u64| {
+            self.tree.backend_node(id).ok_or_else(|| {
+                format!(
+                    "error: there is no element [{id}] in the latest page state (elements are \
+                     [1] to [{}])",
+                    self.tree.backend.len()
+                )
+            })
+        };
+        let page = self.page();
+        let (label, result) = match action {
+            GuiAction::Click(id) => match resolve(*id) {
+                Err(m) => return Ok(m),
+                Ok(b) => (format!("click [{id}]"), page.click(b).await),
+            },
+            GuiAction::Type(id, text) => match resolve(*id) {
+                Err(m) => return Ok(m),
+                Ok(b) => (format!("type into [{id}]"), page.type_text(b, text).await),
+            },
+            GuiAction::Key(id, key) => {
+                let b = match id.map(resolve).transpose() {
+                    Err(m) => return Ok(m),
+                    Ok(b) => b,
+                };
+                let on = id.map(|i| format!(" on [{i}]")).unwrap_or_default();
+                (format!("press {key}{on}"), page.key(b, key).await)
+            }
+            GuiAction::ScrollTo(id) => match resolve(*id) {
+                Err(m) => return Ok(m),
+                Ok(b) => (format!("scroll to [{id}]"), page.scroll_to(b).await),
+            },
+            GuiAction::Scroll(down) => {
+                let dy = if *down { SCROLL_STEP } else { -SCROLL_STEP };
+                (
+                    format!("scroll {}", if *down { "down" } else { "up" }),
+                    page.wheel(dy, VIEWPORT.0, VIEWPORT.1).await,
+                )
+            }
+            GuiAction::Submit => return Ok("submitted".into()),
+        };
+        match result.map_err(|e| self.step_error(e))? {
+            Ok(done) => {
+                page.settle().await.map_err(|e| self.step_error(e))?;
+                Ok(format!("{label}: {done}"))
+            }
+            Err(why) => Ok(format!("error: could not {label}: {why}")),
+        }
+    }
+
+    /// Evaluates the task's check.
+    async fn judge(&self) -> Result<(f64, Value), EnvError> {
+        let page = self.page();
+        page.settle().await.map_err(|e| self.step_error(e))?;
+        let r = page
+            .evaluate(&self.task.check)
+            .await
+            .map_err(|e| self.step_error(e))?;
+        Ok(match r {
+            Ok(Value::Bool(true)) => (1.0, json!({"passed": true})),
+            Ok(Value::Bool(false)) => (-1.0, json!({"passed": false})),
+            Ok(other) => (
+                -1.0,
+                json!({"passed": false, "error": format!("the check gave {other}, not a boolean")}),
+            ),
+            Err(e) => (-1.0, json!({"passed": false, "error": e})),
+        })
+    }
+
+    async fn do_step(&mut self, action: &Action) -> Result<StepOutcome, EnvError> {
+        if self.done {
+            return Err(EnvError::Finished {
+                task: self.task.id.clone(),
+            });
+        }
+        let t0 = Instant::now();
+        self.steps += 1;
+        let step = self.steps;
+        self.messages.push(assistant_message(action));
+        if Instant::now() >= self.deadline {
+            self.done = true;
+            return Ok(StepOutcome {
+                next_state: vec![],
+                done: true,
+                outcome: Some(-1.0),
+                info: json!({"step": step, "finish": "deadline", "deadline_exceeded": true}),
+            });
+        }
+        let mut next_state = Vec::new();
+        let mut actions = Vec::new();
+        let mut finish: Option<&str> = action.tool_calls.is_empty().then_some("answer");
+        for call in &action.tool_calls {
+            if finish.is_some() {
+                next_state.push(tool_message(
+                    call,
+                    "not run: the episode was already submitted".into(),
+                ));
+                continue;
+            }
+            let text = match parse_action(call) {
+                Err(msg) => msg,
+                Ok(GuiAction::Submit) => {
+                    finish = Some("submit");
+                    "submitted".into()
+                }
+                Ok(a) => self.act(&a).await?,
+            };
+            actions.push(json!({"tool": call.name, "ok": !text.starts_with("error:")}));
+            next_state.push(tool_message(call, text));
+        }
+        if finish.is_none() && step >= self.cfg.max_steps {
+            finish = Some("step_limit");
+        }
+        let mut info = json!({"step": step, "actions": actions});
+        let mut outcome = None;
+        if let Some(how) = finish {
+            let (o, check) = self.judge().await?;
+            self.done = true;
+            outcome = Some(o);
+            info["finish"] = Value::String(how.into());
+            info["check"] = check;
+        } else {
+            let state = self.snapshot().await.map_err(|e| self.step_error(e))?;
+            info["screenshot"] = Value::String(self.screenshot_path(step).display().to_string());
+            info["elements"] = json!(self.tree.backend.len());
+            if let Some(last) = next_state.last_mut() {
+                let text = last["content"].as_str().unwrap_or("").to_string();
+                last["content"] = Value::String(format!("{text}\n\n{state}"));
+            }
+        }
+        info["blocked_requests"] = json!(self.page().blocked_requests());
+        info["step_ms"] = json!(t0.elapsed().as_millis() as u64);
+        if step == 1 {
+            info["launch_ms"] = json!(self.launch_ms);
+        }
+        self.messages.extend(next_state.iter().cloned());
+        Ok(StepOutcome {
+            next_state,
+            done: self.done,
+            outcome,
+            info,
+        })
+    }
+}
+
+impl Episode for GuiEpisode {
+    fn task_id(&self) -> &str {
+        &self.task.id
+    }
+
+    fn instruction(&self) -> &str {
+        &self.task.instruction
+    }
+
+    fn observation(&self) -> Observation {
+        Observation {
+            messages: self.messages.clone(),
+            tools: self.cfg.tools.clone(),
+        }
+    }
+
+    fn step<'a>(&'a mut self, action: &'a Action) -> BoxFuture<'a, Result<StepOutcome, EnvError>> {
+        Box::pin(self.do_step(action))
+    }
+
+    fn close(mut self: Box<Self>) -> BoxFuture<'static, ()> {
+        let page = self.page.take();
+        let wd = self.workdir.take();
+        Box::pin(async move {
+            if let Some(page) = page {
+                page.close().await;
+            }
+            if let Some(wd) = wd {
+                if let Err(e) = wd.remove().await {
+                    tracing::warn!("removing a GUI episode's work dir: {e}");
+                }
+            }
+            drop(self);
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(name: &str, arguments: Value) -> ToolCallAction {
+        ToolCallAction {
+            id: "c".into(),
+            name: name.into(),
+            arguments,
+        }
+    }
+
+    #[test]
+    fn actions_parse_and_bad_ones_say_why() {
+        let ok = [
+            (call("click", json!({"id": 3})), GuiAction::Click(3)),
+            (call("click", json!({"id": "[4]"})), GuiAction::Click(4)),
+            (
+                call("type", json!({"id": 2, "text": "hi"})),
+                GuiAction::Type(2, "hi".into()),
+            ),
+            (
+                call("key", json!({"key": "Enter"})),
+                GuiAction::Key(None, "Enter".into()),
+            ),
+            (
+                call("key", json!({"key": "a", "id": 1})),
+                GuiAction::Key(Some(1), "a".into()),
+            ),
+            (call("scroll", json!({"id": 9})), GuiAction::ScrollTo(9)),
+            (
+                call("scroll", json!({"direction": "down"})),
+                GuiAction::Scroll(true),
+            ),
+            (call("submit", json!({})), GuiAction::Submit),
+            (call("submit", Value::Null), GuiAction::Submit),
+        ];
+        for (c, want) in ok {
+            assert_eq!(parse_action(&c), Ok(want), "{c:?}");
+        }
+        let bad = [
+            (call("navigate", json!({})), "unknown tool"),
+            (call("click", json!({})), "needs \"id\""),
+            (call("click", json!({"id": 0})), "n ≥ 1"),
+            (call("click", json!({"id": -2})), "n ≥ 1"),
+            (call("click", json!({"id": "x"})), "element number"),
+            (call("click", json!({"id": 1, "x": 5})), "no argument \"x\""),
+            (call("click", json!([1])), "JSON object"),
+            (call("type", json!({"id": 1})), "needs \"text\""),
+            (
+                call("type", json!({"id": 1, "text": 5})),
+                "must be a string",
+            ),
+            (call("key", json!({"key": "F13"})), "unknown key"),
+            (call("key", json!({})), "needs \"key\""),
+            (call("scroll", json!({})), "exactly one"),
+            (
+                call("scroll", json!({"id": 1, "direction": "up"})),
+                "exactly one",
+            ),
+            (
+                call("scroll", json!({"direction": "left"})),
+                "\"up\" or \"down\"",
+            ),
+        ];
+        for (c, want) in bad {
+            let e = parse_action(&c).unwrap_err();
+            assert!(e.starts_with("error:") && e.contains(want), "{c:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn every_tool_schema_parses_as_an_action_name() {
+        for t in tool_schemas() {
+            let name = t["function"]["name"].as_str().unwrap();
+            let e = parse_action(&call(name, json!({"bogus": 1}))).unwrap_err();
+            assert!(!e.contains("unknown tool"), "{name}: {e}");
+        }
+    }
+
+    fn load(dir: &Path, text: &str) -> Result<Vec<GuiTask>, TaskError> {
+        let f = dir.join("t.jsonl");
+        std::fs::write(&f, text).unwrap();
+        load_tasks(&f)
+    }
+
+    #[test]
+    fn tasks_load_pages_and_invalid_ones_name_line_and_key() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("p")).unwrap();
+        std::fs::write(dir.path().join("p/a.html"), "<title>A</title>").unwrap();
+        std::fs::write(dir.path().join("empty.html"), "").unwrap();
+        std::fs::write(dir.path().join("x.txt"), "x").unwrap();
+        let ok = r#"{"id":"a","instruction":"do","page":"p/a.html","check":"true"}"#;
+        let t = load(dir.path(), ok).unwrap();
+        assert_eq!(t[0].page_name, "a.html");
+        assert_eq!(t[0].html, "<title>A</title>");
+        let cases = [
+            (
+                r#"{"id":"b","instruction":"do","page":"p/a.html"}"#,
+                "check",
+            ),
+            (
+                r#"{"id":"b","instruction":"do","page":"p/a.html","check":"true","x":1}"#,
+                "x",
+            ),
+            (
+                r#"{"id":"b","instruction":"do","page":"nope.html","check":"true"}"#,
+                "page",
+            ),
+            (
+                r#"{"id":"b","instruction":"do","page":"../a.html","check":"true"}"#,
+                "page",
+            ),
+            (
+                r#"{"id":"b","instruction":"do","page":"x.txt","check":"true"}"#,
+                "page",
+            ),
+            (
+                r#"{"id":"b","instruction":"do","page":"empty.html","check":"true"}"#,
+                "page",
+            ),
+            (
+                r#"{"id":"b","instruction":"do","page":"p/a.html","check":" "}"#,
+                "check",
+            ),
+            (
+                r#"{"id":"a","instruction":"do","page":"p/a.html","check":"true"}"#,
+                "id",
+            ),
+        ];
+        for (bad, key) in cases {
+            match load(dir.path(), &format!("{ok}\n{bad}\n")).unwrap_err() {
+                TaskError::Invalid { line, key: k, .. } => {
+                    assert_eq!((line, k.as_str()), (2, key), "{bad}")
+                }
+                e => panic!("{bad}: {e}"),
+            }
+        }
+    }
+}
