@@ -13,6 +13,7 @@
 //! Modules: [`policy`] (the chat policy over the replica pool), [`judge`] (the judge adapter),
 //! [`samples`] (samples per method, the teacher).
 
+pub mod distributed;
 pub mod gateway_job;
 pub mod judge;
 pub mod learner;
@@ -331,7 +332,7 @@ pub fn job_settings(spec: &JobSpec, poll: Duration) -> JobSettings {
 }
 
 /// Waits until every worker serves some version (the trainer's start version).
-async fn wait_serving<P: clawrl_actors::loops::PolicyReplica>(
+pub(crate) async fn wait_serving<P: clawrl_actors::loops::PolicyReplica>(
     workers: &[ActorRef<RolloutMsg<P>>],
     what: &'static str,
 ) -> Result<(), RunError> {
@@ -362,6 +363,82 @@ async fn wait_serving<P: clawrl_actors::loops::PolicyReplica>(
         }
     }
     Ok(())
+}
+
+/// The judge and the sample builder of a job's method (with the OPD `teacher` when the method
+/// uses hints).
+pub(crate) fn build_judging(
+    spec: &JobSpec,
+    file: &str,
+    ckpt_dir: &Path,
+    engine: EngineOptions,
+    job_id: &str,
+    teacher: Option<ActorRef<RolloutMsg<samples::TeacherScorer>>>,
+) -> Result<(judge::PipelineJudge, samples::MethodBuilder), RunError> {
+    let method = spec.method.kind;
+    let jc = judge_config(spec, file)?;
+    let generator: Option<Arc<dyn ChatGenerator>> = match &jc.backend {
+        BackendConfig::Model {
+            source: ModelSource::FrozenInitial,
+        } => {
+            let g = EngineGenerator::load(ckpt_dir, engine, spec.seed).map_err(|e| {
+                RunError::Judge(format!(
+                    "loading the frozen initial policy as the judge: {e}"
+                ))
+            })?;
+            Some(Arc::new(g))
+        }
+        _ => None,
+    };
+    let judge = jc
+        .build(generator)
+        .map_err(|e| RunError::Judge(e.to_string()))?;
+    let (step_kind, step_prompt) = step_kinds(spec);
+    let judge = judge::PipelineJudge::new(judge, method, step_prompt);
+    let builder = samples::MethodBuilder::new(
+        job_id.to_string(),
+        method,
+        AdvantageWeights {
+            w_binary: spec.method.w_binary as f32,
+            w_opd: spec.method.w_opd as f32,
+        },
+        teacher,
+        step_kind,
+        spec.method.group_episodes.unwrap_or(spec.env.parallelism) as usize,
+    )
+    .map_err(RunError::Judge)?;
+    Ok((judge, builder))
+}
+
+/// The sampling parameters sessions generate with (`seed` is the base of per-request seeds).
+pub(crate) fn sampling_params(spec: &JobSpec, stop_token_ids: Vec<u32>) -> SamplingParams {
+    let p = &spec.policy;
+    SamplingParams {
+        temperature: p.temperature,
+        top_p: p.top_p,
+        top_k: 0,
+        max_new_tokens: p.max_new_tokens as usize,
+        stop_token_ids,
+        stop_strings: Vec::new(),
+        seed: spec.seed,
+    }
+}
+
+/// A trainer subscriber writing every step to the job's records (kind `trainer_step`), and
+/// making the job poll the trainer at once (its admission control sees the step).
+pub(crate) fn step_records(job: ActorRef<JobMsg<TrainSample>>) -> Subscriber {
+    Arc::new(move |ev: &TrainerEvent| match ev {
+        TrainerEvent::Step(e) => {
+            job.cast(JobMsg::Record {
+                version: e.version,
+                kind: "trainer_step".into(),
+                record: serde_json::to_value(e).unwrap_or_default(),
+            })
+            .is_ok()
+                && job.cast(JobMsg::Tick).is_ok()
+        }
+        _ => true,
+    })
 }
 
 /// Checkpoints kept under `<out>/checkpoints`.
@@ -463,49 +540,11 @@ pub async fn run_job(
         wait_serving(std::slice::from_ref(t), "OPD teacher").await?;
     }
 
-    // The judge.
-    let jc = judge_config(spec, file)?;
-    let generator: Option<Arc<dyn ChatGenerator>> = match &jc.backend {
-        BackendConfig::Model {
-            source: ModelSource::FrozenInitial,
-        } => {
-            let g = EngineGenerator::load(&ckpt_dir, engine, spec.seed).map_err(|e| {
-                RunError::Judge(format!(
-                    "loading the frozen initial policy as the judge: {e}"
-                ))
-            })?;
-            Some(Arc::new(g))
-        }
-        _ => None,
-    };
-    let judge = jc
-        .build(generator)
-        .map_err(|e| RunError::Judge(e.to_string()))?;
-    let (step_kind, step_prompt) = step_kinds(spec);
-    let judge = judge::PipelineJudge::new(judge, method, step_prompt);
-    let builder = samples::MethodBuilder::new(
-        job_id.clone(),
-        method,
-        AdvantageWeights {
-            w_binary: spec.method.w_binary as f32,
-            w_opd: spec.method.w_opd as f32,
-        },
-        teacher.clone(),
-        step_kind,
-        spec.method.group_episodes.unwrap_or(spec.env.parallelism) as usize,
-    )
-    .map_err(RunError::Judge)?;
+    // The judge and the method's sample builder.
+    let (judge, builder) = build_judging(spec, file, &ckpt_dir, engine, &job_id, teacher.clone())?;
 
     // The policy sessions use.
-    let params = SamplingParams {
-        temperature: p.temperature,
-        top_p: p.top_p,
-        top_k: 0,
-        max_new_tokens: p.max_new_tokens as usize,
-        stop_token_ids: stop_ids,
-        stop_strings: Vec::new(),
-        seed: spec.seed,
-    };
+    let params = sampling_params(spec, stop_ids);
     let chat = policy::ChatPolicy::new(
         replicas.clone(),
         template.clone(),
@@ -531,19 +570,8 @@ pub async fn run_job(
     .map_err(actor_err("job supervisor"))?;
 
     // Trainer steps go to the job's records.
-    let to_job = job.clone();
-    let steps: Subscriber = Arc::new(move |ev: &TrainerEvent| match ev {
-        TrainerEvent::Step(e) => to_job
-            .cast(JobMsg::Record {
-                version: e.version,
-                kind: "trainer_step".into(),
-                record: serde_json::to_value(e).unwrap_or_default(),
-            })
-            .is_ok(),
-        _ => true,
-    });
     trainer
-        .cast(TrainerMsg::Subscribe(steps, None))
+        .cast(TrainerMsg::Subscribe(step_records(job.clone()), None))
         .map_err(|e| RunError::Actor {
             what: "trainer",
             message: e.to_string(),

@@ -215,7 +215,11 @@ pub fn progress_line(c: &JobCounts) -> String {
         t.pending,
         t.steps,
         t.version
-    )
+    ) + &c
+        .gave_up
+        .as_ref()
+        .map(|g| format!(" | gave up: {g}"))
+        .unwrap_or_default()
 }
 
 fn run_node(config: PathBuf, envs: Vec<EnvSpec>) -> anyhow::Result<()> {
@@ -225,10 +229,12 @@ fn run_node(config: PathBuf, envs: Vec<EnvSpec>) -> anyhow::Result<()> {
             &cfg,
             NodeOptions {
                 validator: Some(Arc::new(SpecValidator)),
-                envs,
+                envs: envs.clone(),
             },
         )
         .await?;
+        // Jobs across nodes: generation (rollout), episodes (--env), job homes (trainer).
+        clawrl::pipeline::distributed::start_node_services(&node, &cfg, &envs).await?;
         node.run_until_signal().await;
         Ok(())
     })
@@ -254,6 +260,10 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
         Commands::Node { config, envs } => run_node(config, envs),
         Commands::Attach { config, envs } => run_node(config, envs),
         Commands::Submit { job, config } => {
+            // Absolute, so that the nodes running the job resolve the spec's relative paths
+            // against its directory whatever their working directory.
+            let job = std::path::absolute(&job)
+                .with_context(|| format!("resolving {}", job.display()))?;
             let file = job.display().to_string();
             let spec = std::fs::read_to_string(&job).with_context(|| format!("reading {file}"))?;
             // Checked here for a quick answer; Control checks again.

@@ -143,41 +143,63 @@ impl TurnPolicy for ChatPolicy {
         &'a self,
         observation: &'a Observation,
     ) -> BoxFuture<'a, Result<PolicyTurn, PolicyError>> {
-        Box::pin(async move {
-            let messages = Value::from_serialize(&observation.messages);
-            let tools =
-                (!observation.tools.is_empty()).then(|| Value::from_serialize(&observation.tools));
-            let prompt = self
-                .template
-                .encode(&self.tokenizer, &messages, tools.as_ref())
-                .map_err(|e| PolicyError(format!("rendering the observation: {e}")))?;
-            if prompt.ids.len() + 1 >= self.max_context {
-                return Err(PolicyError(format!(
-                    "the prompt has {} tokens; the context holds {}",
-                    prompt.ids.len(),
-                    self.max_context
-                )));
-            }
-            let g = self.generate(prompt.ids.clone()).await?;
-            let ids = &g.output.response_ids;
-            let text = self
-                .tokenizer
-                .decode(ids, true)
-                .map_err(|e| PolicyError(format!("decoding the response: {e}")))?;
-            let raw = self
-                .tokenizer
-                .decode(ids, false)
-                .map_err(|e| PolicyError(format!("decoding the response: {e}")))?;
-            let call_prefix = format!("call-v{}-{}", g.version, ids.len());
-            Ok(PolicyTurn {
-                action: action_of(&text, raw, &call_prefix),
-                prompt_ids: prompt.ids,
-                response_ids: g.output.response_ids,
-                logprobs: g.output.logprobs,
-                version: g.version,
-                prompt_text: prompt.text,
-                response_text: text,
-            })
-        })
+        Box::pin(chat_turn(
+            &self.template,
+            &self.tokenizer,
+            self.max_context,
+            observation,
+            |ids| self.generate(ids),
+        ))
     }
+}
+
+/// One turn of the chat policy with generation left to `generate` (a local replica pool, or
+/// rollout workers on other nodes): render `observation` with the chat template and tools,
+/// refuse a prompt that leaves no room in `max_context`, generate, decode and parse tool calls.
+pub(crate) async fn chat_turn<F, Fut>(
+    template: &ChatTemplate,
+    tokenizer: &tokenizers::Tokenizer,
+    max_context: usize,
+    observation: &Observation,
+    generate: F,
+) -> Result<PolicyTurn, PolicyError>
+where
+    F: FnOnce(Vec<u32>) -> Fut,
+    Fut: std::future::Future<
+        Output = Result<
+            clawrl_actors::loops::Generated<crate::model::GenerationResult>,
+            PolicyError,
+        >,
+    >,
+{
+    let messages = Value::from_serialize(&observation.messages);
+    let tools = (!observation.tools.is_empty()).then(|| Value::from_serialize(&observation.tools));
+    let prompt = template
+        .encode(tokenizer, &messages, tools.as_ref())
+        .map_err(|e| PolicyError(format!("rendering the observation: {e}")))?;
+    if prompt.ids.len() + 1 >= max_context {
+        return Err(PolicyError(format!(
+            "the prompt has {} tokens; the context holds {}",
+            prompt.ids.len(),
+            max_context
+        )));
+    }
+    let g = generate(prompt.ids.clone()).await?;
+    let ids = &g.output.response_ids;
+    let text = tokenizer
+        .decode(ids, true)
+        .map_err(|e| PolicyError(format!("decoding the response: {e}")))?;
+    let raw = tokenizer
+        .decode(ids, false)
+        .map_err(|e| PolicyError(format!("decoding the response: {e}")))?;
+    let call_prefix = format!("call-v{}-{}", g.version, ids.len());
+    Ok(PolicyTurn {
+        action: action_of(&text, raw, &call_prefix),
+        prompt_ids: prompt.ids,
+        response_ids: g.output.response_ids,
+        logprobs: g.output.logprobs,
+        version: g.version,
+        prompt_text: prompt.text,
+        response_text: text,
+    })
 }

@@ -1,0 +1,328 @@
+//! A job across several `clawrl node` processes on loopback (mutual TLS), and the faults of
+//! issue 6: a rollout node SIGKILLed mid-job (its sessions re-route, the job completes), an
+//! environment node SIGKILLed (its sessions restart on the other node or count as lost), and
+//! the trainer node SIGKILLed (restarted, it resumes from the last checkpoint and versions keep
+//! counting up). Every job uses the fixture policy, a scripted environment and a scripted
+//! judge; counts must balance (`produced = trained + dropped_stale + failed + pending`).
+//!
+//! The three tests share the machine's cores, so they run one at a time.
+
+#[path = "cluster/util.rs"]
+mod util;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use serde_json::Value;
+use util::*;
+
+const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3-tiny");
+/// Generous: waits end as soon as their condition holds.
+const LONG: Duration = Duration::from_secs(240);
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+struct Cluster {
+    dir: tempfile::TempDir,
+    certs: PathBuf,
+    ports: BTreeMap<String, u16>,
+    configs: BTreeMap<String, PathBuf>,
+    procs: BTreeMap<String, NodeProc>,
+    extra: BTreeMap<String, Vec<String>>,
+}
+
+impl Cluster {
+    /// Certificates for `names`; the first is the seed of the others.
+    fn new(names: &[&str]) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let certs = init_certs(dir.path(), names);
+        let ports = names.iter().map(|n| (n.to_string(), free_port())).collect();
+        Cluster {
+            dir,
+            certs,
+            ports,
+            configs: BTreeMap::new(),
+            procs: BTreeMap::new(),
+            extra: BTreeMap::new(),
+        }
+    }
+
+    fn seed_port(&self) -> u16 {
+        *self.ports.values().next().unwrap()
+    }
+
+    /// Starts node `name` with `roles`, hosting environment workers `env` (`KIND:N`) if any.
+    fn start(&mut self, name: &str, roles: &[&str], env: Option<&str>) {
+        let port = self.ports[name];
+        let seeds: Vec<u16> = if port == self.seed_port() {
+            vec![]
+        } else {
+            vec![self.seed_port()]
+        };
+        let cfg = write_config(
+            self.dir.path(),
+            name,
+            port,
+            &seeds,
+            roles,
+            Some(&self.certs),
+        );
+        let extra: Vec<String> = env
+            .map(|e| vec!["--env".into(), e.into()])
+            .unwrap_or_default();
+        self.extra.insert(name.into(), extra);
+        self.configs.insert(name.into(), cfg);
+        self.restart(name);
+    }
+
+    /// (Re)starts node `name` with the config and options it was started with.
+    fn restart(&mut self, name: &str) {
+        let extra: Vec<&str> = self.extra[name].iter().map(|s| s.as_str()).collect();
+        let p = NodeProc::start("node", &self.configs[name], &extra);
+        self.procs.insert(name.into(), p);
+    }
+
+    fn kill(&mut self, name: &str) {
+        self.procs.get_mut(name).unwrap().kill();
+    }
+
+    fn control(&self) -> &Path {
+        &self.configs[self.ports.keys().next().unwrap()]
+    }
+
+    fn logs(&self) -> String {
+        let mut s = String::new();
+        for (n, p) in &self.procs {
+            s += &format!("---- {n}\n{}\n", p.log_text());
+        }
+        s
+    }
+
+    /// Waits until the control node sees every started node and the groups have `want` members.
+    fn wait_up(&self, want: &[(&str, usize)]) {
+        let n = self.configs.len();
+        wait_for(LONG, || {
+            view(self.control()).filter(|v| {
+                node_names(v).len() == n && want.iter().all(|(g, k)| members(v, g).len() == *k)
+            })
+        })
+        .unwrap_or_else(|| panic!("the cluster never came up:\n{}", self.logs()));
+    }
+
+    /// Writes the job spec and submits it; returns the job id.
+    fn submit(&self, parallelism: u32, max_steps: u64, checkpoint_every: u64) -> String {
+        let tasks = self.dir.path().join("tasks.jsonl");
+        std::fs::write(
+            &tasks,
+            concat!(
+                "{\"id\":\"a\",\"instruction\":\"Say hello.\",\"replies\":[\"No, wrong. Hint: greet me by name, Ada.\",\"Thanks, great.\"]}\n",
+                "{\"id\":\"b\",\"instruction\":\"Count to three.\",\"replies\":[\"Wrong. Hint: write the digits 1 2 3 only.\",\"Good, thanks.\"]}\n",
+                "{\"id\":\"c\",\"instruction\":\"Name a color.\",\"replies\":[\"Great, thanks!\",\"Now another one, thanks.\"]}\n",
+            ),
+        )
+        .unwrap();
+        let spec = format!(
+            r#"kind = "rl"
+name = "faults"
+seed = 3
+[policy]
+checkpoint = "{FIXTURE}"
+max_new_tokens = 8
+max_context = 512
+[judge]
+backend = "scripted"
+votes = 1
+rules = [{{ pattern = "(?i)wrong", score = -1 }}, {{ pattern = "(?i)thanks", score = 1 }}]
+[method]
+kind = "binary"
+[optim]
+batch_size = 4
+lr = 1e-3
+clip = 0.2
+kl = 0.0
+staleness = 1000
+checkpoint_every = {checkpoint_every}
+[env]
+kind = "scripted"
+parallelism = {parallelism}
+tasks = "tasks.jsonl"
+[stop]
+max_steps = {max_steps}
+"#
+        );
+        let job = self.dir.path().join("job.toml");
+        std::fs::write(&job, spec).unwrap();
+        let out = clawrl_ok(&[
+            "submit",
+            job.to_str().unwrap(),
+            "--config",
+            self.control().to_str().unwrap(),
+        ]);
+        out.split('\t').next().unwrap().to_string()
+    }
+
+    /// The job's reported counts, once `ok` holds for them.
+    fn wait_counts(&self, job: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
+        wait_for(LONG, || {
+            let out = clawrl(&[
+                "status",
+                job,
+                "--config",
+                self.control().to_str().unwrap(),
+                "--json",
+            ]);
+            if !out.status.success() {
+                return None;
+            }
+            let v: Value = serde_json::from_slice(&out.stdout).ok()?;
+            let p = v[0]["progress"].clone();
+            (!p.is_null() && ok(&p)).then_some(p)
+        })
+        .unwrap_or_else(|| panic!("{what} never happened:\n{}", self.logs()))
+    }
+
+    fn wait_finished(&self, job: &str) -> Value {
+        self.wait_counts(job, "the job's end", |p| p["phase"] == "finished")
+    }
+}
+
+fn n(v: &Value, key: &str) -> u64 {
+    v[key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no `{key}` in {v}"))
+}
+
+/// Checks a finished job: it reached its stop condition without giving up, and its counts
+/// balance.
+fn assert_completed(c: &Value, max_steps: u64) {
+    assert!(c["gave_up"].is_null(), "{c}");
+    let t = &c["trainer"];
+    assert!(n(t, "steps") >= max_steps, "{c}");
+    assert_eq!(
+        n(t, "produced"),
+        n(t, "trained") + n(t, "dropped_stale") + n(t, "failed") + n(t, "pending"),
+        "the counts do not balance: {c}"
+    );
+    assert!(n(t, "trained") > 0, "{c}");
+    assert_eq!(n(c, "samples_refused"), 0, "{c}");
+}
+
+#[test]
+fn a_job_survives_a_rollout_node_killed_mid_job() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let mut c = Cluster::new(&["ctl", "tr", "r1", "r2", "e1"]);
+    c.start("ctl", &["control"], None);
+    c.start("tr", &["trainer", "judge"], None);
+    c.start("r1", &["rollout"], None);
+    c.start("r2", &["rollout"], None);
+    c.start("e1", &["env"], Some("scripted:4"));
+    c.wait_up(&[("clawrl.rollout", 2), ("clawrl.envhost.scripted", 1)]);
+
+    let max_steps = 16;
+    let job = c.submit(4, max_steps, 0);
+    // Both rollout nodes serve the job, and turns flow.
+    let before = c.wait_counts(&job, "turns through both rollout nodes", |p| {
+        p["turns"].as_u64().unwrap_or(0) >= 12
+    });
+    for r in ["r1", "r2"] {
+        assert!(
+            c.procs[r].log_text().contains("serving the job's policy"),
+            "{r} never served:\n{}",
+            c.logs()
+        );
+    }
+    c.kill("r1");
+    let end = c.wait_finished(&job);
+    assert_completed(&end, max_steps);
+    assert!(
+        n(&end, "turns") > n(&before, "turns"),
+        "no turn after the kill: {end}"
+    );
+    // Sessions re-routed to r2: none was lost.
+    assert_eq!(n(&end, "sessions_lost"), 0, "{end}");
+}
+
+#[test]
+fn a_job_survives_an_environment_node_killed_mid_job() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let mut c = Cluster::new(&["ctl", "tr", "e1", "e2"]);
+    c.start("ctl", &["control"], None);
+    c.start("tr", &["trainer", "judge", "rollout"], None);
+    c.start("e1", &["env"], Some("scripted:2"));
+    c.start("e2", &["env"], Some("scripted:2"));
+    c.wait_up(&[("clawrl.rollout", 1), ("clawrl.envhost.scripted", 2)]);
+
+    let max_steps = 16;
+    let job = c.submit(4, max_steps, 0);
+    c.wait_counts(&job, "turns on both environment nodes", |p| {
+        p["turns"].as_u64().unwrap_or(0) >= 12
+    });
+    for e in ["e1", "e2"] {
+        assert!(
+            c.procs[e]
+                .log_text()
+                .contains("built the job's `scripted` environment"),
+            "{e} never hosted the job:\n{}",
+            c.logs()
+        );
+    }
+    c.kill("e1");
+    let end = c.wait_finished(&job);
+    assert_completed(&end, max_steps);
+    // The sessions whose episodes lived on e1 failed and were restarted (on e2) or lost; the
+    // job went on to its stop condition.
+    let failed = n(&end, "sessions_failed");
+    assert!(failed >= 1, "no session noticed e1's death: {end}");
+    assert_eq!(
+        failed,
+        n(&end, "sessions_restarted") + n(&end, "sessions_lost"),
+        "{end}"
+    );
+    // Control now places the job only on e2's workers.
+    let status = job_status(c.control(), &job);
+    let workers = status["placement"]["env_workers"].as_array().unwrap();
+    assert!(
+        workers
+            .iter()
+            .all(|w| w.as_str().unwrap().starts_with("e2/")),
+        "{status}"
+    );
+}
+
+#[test]
+fn a_restarted_trainer_node_resumes_the_job_from_its_checkpoint() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let mut c = Cluster::new(&["ctl", "tr", "e1"]);
+    c.start("ctl", &["control"], None);
+    c.start("tr", &["trainer", "judge", "rollout"], None);
+    c.start("e1", &["env", "rollout"], Some("scripted:2"));
+    c.wait_up(&[("clawrl.rollout", 2), ("clawrl.envhost.scripted", 1)]);
+
+    let max_steps = 12;
+    let job = c.submit(2, max_steps, 1);
+    let before = c.wait_counts(&job, "three trainer versions", |p| {
+        p["trainer"]["version"].as_u64().unwrap_or(0) >= 3
+    });
+    c.kill("tr");
+    let checkpoints = c.dir.path().join(format!("data/tr/jobs/{job}/checkpoints"));
+    assert!(
+        std::fs::read_dir(&checkpoints).is_ok_and(|mut d| d.next().is_some()),
+        "no checkpoint in {}",
+        checkpoints.display()
+    );
+    c.restart("tr");
+    let end = c.wait_finished(&job);
+    assert_completed(&end, max_steps);
+    // The new incarnation resumed (its versions continue above those reported before the kill).
+    assert!(
+        n(&end["trainer"], "version") > n(&before["trainer"], "version"),
+        "before {before}\nafter {end}"
+    );
+    let log = c.procs["tr"].log_text();
+    assert!(
+        log.contains("trainer resumed"),
+        "the trainer did not resume:\n{log}"
+    );
+}
