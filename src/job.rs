@@ -5,7 +5,8 @@
 //! rules inline or from a file, prompt replacements, the OPD teacher), the method (`binary`,
 //! `opd`, `combined`, `stepwise`) and its weights, the optimiser settings (batch size, learning
 //! rate, clip range, KL coefficient, staleness bound), the environment (kind, parallelism, task
-//! set, episode limits) and a stop condition (trainer steps, turns, samples, hours). Parsing is
+//! set, episode limits, the admission bound that keeps sessions from outrunning the trainer) and
+//! a stop condition (trainer steps, turns, samples, hours). Parsing is
 //! strict (`deny_unknown_fields`); every error names the key path and the file. Relative paths in
 //! a spec (checkpoint, tasks, rules file) are resolved against the spec file's directory
 //! ([`JobSpec::resolve`]). This module only parses and validates; `crate::pipeline` runs a job.
@@ -41,6 +42,7 @@
 //! kind = "terminal"
 //! parallelism = 4
 //! tasks = "tasks/terminal.jsonl"
+//! max_backlog = 48           # default batch_size × (staleness + 1); "off": no admission control
 //! [stop]
 //! max_steps = 100
 //! ```
@@ -304,6 +306,57 @@ pub struct EnvSpec {
     pub max_steps: Option<u32>,
     /// Seconds one episode may take (default 600).
     pub episode_timeout_s: Option<f64>,
+    /// Admission control: the most samples on their way to the trainer (queued there, being
+    /// judged or built, or in running episodes) before new turns and sessions wait; `"off"`:
+    /// sessions run freely. Default: `optim.batch_size × (optim.staleness + 1)`, what the
+    /// staleness bound can use ([`JobSpec::max_backlog`]).
+    pub max_backlog: Option<BacklogBound>,
+}
+
+/// `env.max_backlog`: a number of samples, or `"off"`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BacklogBound {
+    /// At most this many samples on their way to the trainer.
+    Samples(u64),
+    /// No admission control.
+    Off,
+}
+
+impl Serialize for BacklogBound {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            BacklogBound::Samples(n) => s.serialize_u64(*n),
+            BacklogBound::Off => s.serialize_str("off"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for BacklogBound {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = BacklogBound;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a number of samples or \"off\"")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<BacklogBound, E> {
+                Ok(BacklogBound::Samples(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<BacklogBound, E> {
+                u64::try_from(v).map(BacklogBound::Samples).map_err(|_| {
+                    E::invalid_value(serde::de::Unexpected::Signed(v), &"a number >= 0")
+                })
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<BacklogBound, E> {
+                if v == "off" {
+                    Ok(BacklogBound::Off)
+                } else {
+                    Err(E::invalid_value(serde::de::Unexpected::Str(v), &self))
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// When the job ends (at least one bound).
@@ -725,7 +778,31 @@ impl JobSpec {
                 return bad("env.episode_timeout_s", format!("{t} must be > 0"));
             }
         }
+        if let Some(BacklogBound::Samples(n)) = self.env.max_backlog {
+            let b = self.optim.batch_size as u64;
+            if n < b {
+                return bad(
+                    "env.max_backlog",
+                    format!(
+                        "{n} is below optim.batch_size ({b}): the trainer could never form a \
+                         batch from the work admitted (use \"off\" for no admission control)"
+                    ),
+                );
+            }
+        }
         Ok(())
+    }
+
+    /// The admission bound of an `rl` job: `env.max_backlog`, by default
+    /// `optim.batch_size × (optim.staleness + 1)` samples; `None` when it is `"off"`.
+    pub fn max_backlog(&self) -> Option<u64> {
+        match self.env.max_backlog {
+            Some(BacklogBound::Off) => None,
+            Some(BacklogBound::Samples(n)) => Some(n),
+            None => {
+                Some((self.optim.batch_size as u64).saturating_mul(self.optim.staleness as u64 + 1))
+            }
+        }
     }
 
     /// What Control needs to place this job.
@@ -906,6 +983,28 @@ max_steps = 100
         assert!(
             err(&GOOD.replace("[policy]", "[policy]\nreplicas = 0")).contains("policy.replicas")
         );
+    }
+
+    #[test]
+    fn max_backlog_defaults_to_the_staleness_bound_and_is_checked() {
+        let s = JobSpec::parse(GOOD, "x.toml").unwrap();
+        // batch_size 16, staleness 2.
+        assert_eq!(s.max_backlog(), Some(48));
+        let with = |v: &str| {
+            GOOD.replace(
+                "parallelism = 4",
+                &format!("parallelism = 4\nmax_backlog = {v}"),
+            )
+        };
+        let s = JobSpec::parse(&with("100"), "x.toml").unwrap();
+        assert_eq!(s.max_backlog(), Some(100));
+        let s = JobSpec::parse(&with("\"off\""), "x.toml").unwrap();
+        assert_eq!(s.max_backlog(), None);
+        for bad in ["8", "-1", "\"on\"", "1.5"] {
+            let e = err(&with(bad));
+            assert!(e.contains("env.max_backlog"), "{bad}: {e}");
+        }
+        assert!(err(&with("8")).contains("optim.batch_size"));
     }
 
     const PERSONAL: &str = r#"

@@ -25,10 +25,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clawrl_actors::loops::{
-    rollout_subscriber, spawn_job, Delivery, Environment, JobArgs, JobCounts, JobMsg, JobSettings,
-    LocalPublisher, ProgressReport, Recorder, RecorderConfig, RecorderMsg, RecorderStats,
-    RolloutArgs, RolloutMsg, RolloutStats, RolloutWorker, StalenessMode, StopCondition, Subscriber,
-    TrainSample, Trainer, TrainerArgs, TrainerConfig, TrainerEvent, TrainerMsg, TrainerStats,
+    rollout_subscriber, spawn_job, AdmissionSettings, Delivery, Environment, JobArgs, JobCounts,
+    JobMsg, JobSettings, LocalPublisher, ProgressReport, Recorder, RecorderConfig, RecorderMsg,
+    RecorderStats, RolloutArgs, RolloutMsg, RolloutStats, RolloutWorker, StalenessMode,
+    StopCondition, Subscriber, TrainSample, Trainer, TrainerArgs, TrainerConfig, TrainerEvent,
+    TrainerMsg, TrainerStats,
 };
 use ractor::{Actor, ActorRef};
 use serde::{Deserialize, Serialize};
@@ -293,6 +294,8 @@ pub fn trainer_config(spec: &JobSpec, job_id: &str, out: &Path) -> TrainerConfig
         },
         checkpoint_every: o.checkpoint_every.unwrap_or(0),
         checkpoint_dir: Some(out.join("checkpoints")),
+        // Exactly `stop.max_steps` steps: samples beyond stay pending (and journaled).
+        max_steps: spec.stop.max_steps,
         ..TrainerConfig::new(job_id)
     }
 }
@@ -328,6 +331,12 @@ pub fn job_settings(spec: &JobSpec, poll: Duration) -> JobSettings {
             max_duration: s.max_hours.map(|h| Duration::from_secs_f64(h * 3600.0)),
         },
         poll,
+        // A held turn waits at most a quarter of its episode's time.
+        admission: spec.max_backlog().map(|max_backlog| AdmissionSettings {
+            max_backlog,
+            batch_size: spec.optim.batch_size as u64,
+            max_wait: episode_deadline(spec) / 4,
+        }),
     }
 }
 

@@ -127,8 +127,9 @@ async fn run(method: &str) -> (RunReport, Records) {
 
 fn check_common(method: &str, r: &RunReport, rec: &Records) {
     let t = &r.trainer;
-    // Versions go up, and every replica switched to trained versions.
-    assert!(t.steps >= 2 && t.version >= 2, "{method}: {t:?}");
+    // Versions go up, exactly `stop.max_steps` of them, and every replica switched to trained
+    // versions.
+    assert_eq!((t.steps, t.version), (2, 2), "{method}: {t:?}");
     assert_eq!(r.counts.trainer.steps, t.steps);
     assert_eq!(r.replicas.len(), 2);
     for s in &r.replicas {

@@ -32,8 +32,15 @@ fn demo_runs_with_a_json_summary_and_control_keeps_the_counts() {
     assert_eq!(s["balanced"], true, "{s}");
     assert_eq!(s["method"], "combined");
     let t = &s["trainer"];
-    assert!(t["steps"].as_u64().unwrap() >= 3, "{t}");
-    assert!(t["version"].as_u64().unwrap() >= 3, "{t}");
+    // Exactly the demo's `stop.max_steps`: batches queued beyond it stay pending.
+    assert_eq!(t["steps"].as_u64(), Some(3), "{t}");
+    assert_eq!(t["version"].as_u64(), Some(3), "{t}");
+    // Admission control at its default, batch_size 4 × (staleness 2 + 1).
+    assert_eq!(
+        s["counts"]["admission"]["max_backlog"].as_u64(),
+        Some(12),
+        "{s}"
+    );
     let produced = t["produced"].as_u64().unwrap();
     let sum: u64 = ["trained", "dropped_stale", "failed", "pending"]
         .iter()

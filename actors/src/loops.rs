@@ -9,6 +9,7 @@
 //! version, requests in flight finish on the version they started with, and versions never go
 //! backwards.
 
+pub mod admission;
 pub mod env;
 pub mod job;
 pub mod recorder;
@@ -26,6 +27,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::bulk::{BlobId, BulkPlane, PeerConnector};
 
+pub use admission::{
+    admits, AdmissionCounts, AdmissionError, AdmissionSettings, Backlog, Gate, GatedPolicy,
+};
 pub use env::{
     Action, BoxFuture, EnvError, Environment, Episode, Observation, StepOutcome, ToolCallAction,
 };

@@ -932,3 +932,70 @@ async fn a_relaying_publisher_delivers_before_announcing_and_sends_one_copy() {
     assert_eq!(replicas[0].plane.stats().bytes_sent, 2 * blob);
     assert_eq!(replicas[1].plane.stats().bytes_sent, 0);
 }
+
+#[tokio::test]
+async fn the_step_limit_is_exact_and_samples_beyond_it_stay_pending() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = TrainerConfig {
+        checkpoint_dir: Some(dir.path().to_path_buf()),
+        max_lag: 10,
+        max_steps: Some(2),
+        ..config(2)
+    };
+    let (heard, sub) = recorder();
+    let t = spawn(
+        cfg.clone(),
+        Unigram::new(Arc::default()),
+        local(),
+        vec![sub],
+    )
+    .await;
+    let samples: Vec<TrainSample> = (0..7)
+        .map(|i| sample(0, "a", i, &[3 + i % 4], 1.0))
+        .collect();
+    t.cast(TrainerMsg::Samples(samples)).unwrap();
+    // Three full batches wait, but the limit is two steps: idle answers with the rest pending.
+    let s = idle(&t).await;
+    assert_eq!(
+        (s.steps, s.version, s.trained, s.pending, s.dropped_stale),
+        (2, 2, 4, 3, 0)
+    );
+    // Neither a flush nor more samples make it step again; everything is still counted.
+    t.cast(TrainerMsg::Flush).unwrap();
+    t.cast(TrainerMsg::Samples(vec![sample(2, "b", 0, &[5], 1.0)]))
+        .unwrap();
+    let s = idle(&t).await;
+    assert_eq!((s.steps, s.produced, s.trained, s.pending), (2, 8, 4, 4));
+    let steps = heard
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| matches!(e, TrainerEvent::Step(_)))
+        .count();
+    assert_eq!(steps, 2);
+    // The pending samples are journaled with the checkpoint: a trainer resumed with a higher
+    // limit trains them, and stops at its own limit.
+    ractor::call_t!(t, TrainerMsg::Checkpoint, 10_000)
+        .unwrap()
+        .unwrap();
+    t.stop(None);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let cfg = TrainerConfig {
+        max_steps: Some(3),
+        ..cfg
+    };
+    let t = spawn(cfg, Unigram::new(Arc::default()), local(), vec![]).await;
+    let s = idle(&t).await;
+    assert_eq!(
+        (s.resumed_from, s.recovered, s.steps, s.trained, s.pending),
+        (Some(2), 4, 3, 2, 2)
+    );
+
+    // A limit of zero steps is refused.
+    let bad = TrainerConfig {
+        max_steps: Some(0),
+        ..config(2)
+    };
+    let e = bad.validate().unwrap_err().to_string();
+    assert!(e.contains("max_steps"), "{e}");
+}

@@ -572,6 +572,24 @@ fn print_table(r: &RunReport, out: &Path, balanced: bool) {
             format!("{} ({} judged, {} unjudged)", c.turns, c.judged, c.unjudged),
         ),
         (
+            "admission",
+            if c.admission.max_backlog == 0 {
+                "off".to_string()
+            } else {
+                let a = &c.admission;
+                format!(
+                    "backlog <= {} samples: {} of {} turns held ({:.1} s in all, {} waited out), \
+                     {} session starts put off",
+                    a.max_backlog,
+                    a.held,
+                    a.admitted,
+                    a.held_ms as f64 / 1000.0,
+                    a.wait_expired,
+                    a.starts_deferred
+                )
+            },
+        ),
+        (
             "samples",
             format!(
                 "{} produced = {} trained + {} dropped stale + {} failed + {} pending ({})",

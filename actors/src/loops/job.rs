@@ -15,6 +15,13 @@
 //! - a failing voter, builder or trainer call never stops the job: turns go on unjudged, a failed
 //!   build is counted, a refused submission is counted.
 //!
+//! Admission (with [`JobSettings::admission`]): sessions are held back so that they do not
+//! outrun the trainer. Each turn is admitted by a [`Gate`] before the policy is
+//! asked, and a new session starts only when the gate would admit a turn; the supervisor keeps
+//! the gate's view of the backlog (samples at the trainer, turns being judged or built, turns of
+//! running episodes) up to date. See [`super::admission`] for the rule and why it cannot
+//! deadlock; draining opens the gate for good.
+//!
 //! Stop: when the trainer has made `max_trainer_steps` steps, or `max_turns` turns were produced,
 //! or `max_duration` passed, no new session starts and running ones are stopped (each closes its
 //! episode); the job then drains: every turn already produced is judged, built and submitted, and
@@ -29,6 +36,7 @@ use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, Supervi
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
+use super::admission::{AdmissionCounts, AdmissionSettings, Backlog, Gate, GatedPolicy};
 use super::env::{BoxFuture, Environment};
 use super::recorder::RecorderHandle;
 use super::session::{EndReason, EnvSession, SessionArgs, SessionEvent, Turn, TurnPolicy};
@@ -205,6 +213,9 @@ pub struct JobSettings {
     pub stop: StopCondition,
     /// How often the trainer's counters are polled and progress reported.
     pub poll: Duration,
+    /// Admission control (backpressure from the trainer); `None`: sessions run freely.
+    #[serde(default)]
+    pub admission: Option<AdmissionSettings>,
 }
 
 impl Default for JobSettings {
@@ -219,6 +230,7 @@ impl Default for JobSettings {
             seed: 0,
             stop: StopCondition::default(),
             poll: Duration::from_millis(200),
+            admission: None,
         }
     }
 }
@@ -282,6 +294,9 @@ pub struct JobCounts {
     /// Why the job gave up before its stop condition (every session failed), if it did.
     #[serde(default)]
     pub gave_up: Option<String>,
+    /// What admission control did (all zero without it).
+    #[serde(default)]
+    pub admission: AdmissionCounts,
 }
 
 impl JobCounts {
@@ -397,6 +412,14 @@ pub struct JobState<S> {
     next_session: u64,
     next_task: usize,
     counts: JobCounts,
+    /// The admission gate, with admission control.
+    gate: Option<Arc<Gate>>,
+    /// Turns of episodes handed to a build (whatever it made of them).
+    turns_settled: u64,
+    /// Turns in builds running now.
+    build_turns: u64,
+    /// Samples submitted since the trainer's counters were last polled.
+    submitted_since_poll: u64,
 }
 
 impl<S: JobSample> JobState<S> {
@@ -431,7 +454,15 @@ impl<S: JobSample> JobState<S> {
             env: self.args.env.clone(),
             task_index,
             seed: self.args.settings.seed.wrapping_add(n),
-            policy: self.args.policy.clone(),
+            policy: match &self.gate {
+                Some(gate) => Arc::new(GatedPolicy::new(
+                    self.args.policy.clone(),
+                    gate.clone(),
+                    session_id.clone(),
+                    n,
+                )) as Arc<dyn TurnPolicy>,
+                None => self.args.policy.clone(),
+            },
             deadline: self.args.settings.episode_deadline,
             max_steps: self.args.settings.max_episode_steps,
             report,
@@ -460,11 +491,15 @@ impl<S: JobSample> JobState<S> {
         t
     }
 
-    /// Starts sessions until `parallelism` run (only while running).
+    /// Starts sessions until `parallelism` run (only while running, and while the admission
+    /// gate, if any, would admit a turn).
     async fn fill(&mut self, myself: &ActorRef<JobMsg<S>>) -> Result<(), ActorProcessingErr> {
         while self.counts.phase == JobPhase::Running
             && self.live.len() < self.args.settings.parallelism
         {
+            if self.gate.as_ref().is_some_and(|g| !g.admits_start()) {
+                break;
+            }
             let t = self.take_task();
             self.spawn_session(myself, t, 0).await?;
         }
@@ -502,6 +537,9 @@ impl<S: JobSample> JobState<S> {
         }
         tracing::info!(job = %self.args.job, "stop condition reached ({why}): draining");
         self.counts.phase = JobPhase::Draining;
+        if let Some(gate) = &self.gate {
+            gate.open_all();
+        }
         for (actor, _) in self.live.values() {
             actor.stop(Some("job stopping".into()));
         }
@@ -515,6 +553,7 @@ impl<S: JobSample> JobState<S> {
         match ev {
             SessionEvent::Turn(turn) => {
                 self.counts.turns += 1;
+                let session_id = turn.session_id.clone();
                 if let Some(a) = self.assemblies.get_mut(&turn.session_id) {
                     a.task_id = turn.task_id.clone();
                     a.received += 1;
@@ -535,6 +574,12 @@ impl<S: JobSample> JobState<S> {
                 }
                 if let Some(why) = self.stop_condition() {
                     self.begin_drain(&why);
+                }
+                // Counted as produced first, then no longer as admitted: the gate never sees
+                // the turn missing from both.
+                self.refresh_gate();
+                if let Some(gate) = &self.gate {
+                    gate.produced(&session_id);
                 }
             }
             SessionEvent::Ended {
@@ -569,7 +614,11 @@ impl<S: JobSample> JobState<S> {
                     };
                     a.ended = Some((turns, reason));
                 }
+                if let Some(gate) = &self.gate {
+                    gate.ended(&session_id);
+                }
                 self.try_complete(myself, &session_id)?;
+                self.refresh_gate();
                 if let Some(slot) = slot {
                     self.refill(myself, slot, failed).await?;
                 }
@@ -618,8 +667,9 @@ impl<S: JobSample> JobState<S> {
                 return Ok(());
             }
         }
-        let t = self.take_task();
-        self.spawn_session(myself, t, 0).await
+        // The slot moves on to the next task (when admission lets a session start; else a
+        // later poll fills it).
+        self.fill(myself).await
     }
 
     fn try_complete(
@@ -658,6 +708,7 @@ impl<S: JobSample> JobState<S> {
         while self.ready.len() >= per || (flush && !self.ready.is_empty()) {
             let n = per.min(self.ready.len());
             let batch: Vec<EpisodeTurns> = self.ready.drain(..n).collect();
+            self.build_turns += batch.iter().map(|e| e.turns.len() as u64).sum::<u64>();
             let batch = Arc::new(batch);
             let fut = self.args.builder.build(batch.clone());
             let me = myself.clone();
@@ -676,6 +727,9 @@ impl<S: JobSample> JobState<S> {
         result: Result<Built<S>, String>,
     ) {
         self.builds_in_flight -= 1;
+        let turns = episodes.iter().map(|e| e.turns.len() as u64).sum::<u64>();
+        self.build_turns -= turns;
+        self.turns_settled += turns;
         let teacher = match result {
             Ok(built) => {
                 self.counts.episodes_built += episodes.len() as u64;
@@ -690,7 +744,10 @@ impl<S: JobSample> JobState<S> {
                 }
                 if n > 0 {
                     match self.args.trainer.submit(built.samples) {
-                        Ok(()) => self.counts.samples_submitted += n,
+                        Ok(()) => {
+                            self.counts.samples_submitted += n;
+                            self.submitted_since_poll += n;
+                        }
                         Err(e) => {
                             self.counts.samples_refused += n;
                             self.counts.last_error =
@@ -724,8 +781,15 @@ impl<S: JobSample> JobState<S> {
 
     async fn poll(&mut self) {
         match self.args.trainer.counts().await {
-            Ok(c) => self.counts.trainer = c,
+            Ok(c) => {
+                self.counts.trainer = c;
+                self.submitted_since_poll = 0;
+            }
             Err(e) => self.counts.last_error = Some(format!("trainer counts: {e}")),
+        }
+        self.refresh_gate();
+        if let Some(gate) = &self.gate {
+            self.counts.admission = gate.counts();
         }
         if let Some(r) = &self.args.recorder {
             let s = r.stats();
@@ -734,6 +798,25 @@ impl<S: JobSample> JobState<S> {
         }
         self.counts.sessions_running = self.live.len() as u64;
         self.counts.elapsed_ms = self.started.elapsed().as_millis() as u64;
+    }
+
+    /// Tells the admission gate where the work on its way to the trainer is.
+    fn refresh_gate(&self) {
+        let Some(gate) = &self.gate else { return };
+        let ended: u64 = self
+            .assemblies
+            .values()
+            .filter(|a| a.ended.is_some())
+            .map(|a| a.received as u64)
+            .sum();
+        let settling = ended + self.build_turns;
+        let unsubmitted = self.counts.turns.saturating_sub(self.turns_settled);
+        gate.update(Backlog {
+            trainer_pending: self.counts.trainer.pending + self.submitted_since_poll,
+            settling,
+            open: unsubmitted.saturating_sub(settling),
+            admitted: 0,
+        });
     }
 
     fn drained(&self) -> bool {
@@ -835,6 +918,10 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
         if args.env.task_count() == 0 {
             return Err("job: the environment has no tasks".into());
         }
+        let gate = match s.admission {
+            Some(a) => Some(Gate::new(a).map_err(|e| format!("job: {e}"))?),
+            None => None,
+        };
         let me = myself.clone();
         let (voter, _) = Actor::spawn_linked(
             None,
@@ -861,6 +948,10 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
             next_session: 0,
             next_task: 0,
             counts: JobCounts::default(),
+            gate,
+            turns_settled: 0,
+            build_turns: 0,
+            submitted_since_poll: 0,
         })
     }
 
@@ -911,6 +1002,8 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
                 if let Some(why) = state.stop_condition() {
                     state.begin_drain(&why);
                 }
+                // Slots left empty by admission control start when the backlog allows.
+                state.fill(&myself).await?;
                 if state.counts.phase == JobPhase::Draining {
                     // Whatever finished episodes remain, build them now.
                     state.maybe_build(&myself, true)?;

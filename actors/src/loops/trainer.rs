@@ -7,7 +7,10 @@
 //!   life of the actor; steps, exports, publishes and checkpoints run there. The message loop
 //!   keeps accepting samples while a step runs.
 //! - **Batching.** A step fires as soon as `batch_size` samples pass the staleness check (or on
-//!   [`TrainerMsg::Flush`], with fewer). One step runs at a time.
+//!   [`TrainerMsg::Flush`], with fewer). One step runs at a time. With
+//!   [`TrainerConfig::max_steps`] no step starts once the learner has made that many: the
+//!   samples beyond stay `pending` (counted; with a checkpoint directory also journaled, so a
+//!   resumed trainer with a higher limit trains them), so a job stops at exactly its step count.
 //! - **Staleness** is checked when a batch is formed, against the trainer's version then: a
 //!   sample whose tokens are more than `max_lag` versions behind is dropped and counted
 //!   ([`StalenessMode::Drop`]), or trained with truncated importance weights
@@ -325,11 +328,16 @@ pub struct TrainerConfig {
     pub max_step_attempts: u32,
     /// Versions kept on the publisher (older ones are retired; ≥ 1).
     pub keep_published: usize,
+    /// The most optimizer steps the learner applies, over its life (checkpoints included, as
+    /// [`TrainerStats::steps`]); once reached no batch is formed and samples stay pending.
+    /// `None`: no limit.
+    #[serde(default)]
+    pub max_steps: Option<u64>,
 }
 
 impl TrainerConfig {
     /// Defaults for `job`: batches of 16, lag ≤ 2 versions dropped beyond, checkpoint every
-    /// step when a directory is set, 3 attempts, the last 2 versions kept.
+    /// step when a directory is set, 3 attempts, the last 2 versions kept, no step limit.
     pub fn new(job: impl Into<String>) -> Self {
         TrainerConfig {
             job: job.into(),
@@ -340,6 +348,7 @@ impl TrainerConfig {
             checkpoint_dir: None,
             max_step_attempts: 3,
             keep_published: 2,
+            max_steps: None,
         }
     }
 
@@ -362,6 +371,9 @@ impl TrainerConfig {
         }
         if self.keep_published == 0 {
             return Err(bad("keep_published", "must be at least 1".into()));
+        }
+        if self.max_steps == Some(0) {
+            return Err(bad("max_steps", "must be at least 1 (or none)".into()));
         }
         Ok(())
     }
@@ -547,7 +559,8 @@ pub enum TrainerMsg {
     Unsubscribe(u64),
     /// Steps on the samples pending now even if fewer than a batch (e.g. at the job's end).
     Flush,
-    /// Replies once no step is running and no full batch is waiting.
+    /// Replies once no step is running and no full batch is waiting (or the step limit,
+    /// `max_steps`, is reached).
     Idle(RpcReplyPort<TrainerStats>),
     /// Writes a checkpoint now (after the step in flight); replies its directory.
     Checkpoint(RpcReplyPort<Result<PathBuf, String>>),
@@ -1031,6 +1044,12 @@ impl TrainerState {
     /// Forms a batch and sends it to the learner when one is ready and none is running.
     fn maybe_step(&mut self) {
         if self.in_step.is_some() {
+            return;
+        }
+        if self.config.max_steps.is_some_and(|m| self.stats.steps >= m) {
+            // The step limit is reached: what is queued stays pending (journaled), untouched.
+            self.flush = false;
+            self.answer_idle();
             return;
         }
         // Staleness, against the version now.
