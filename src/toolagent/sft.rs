@@ -1,0 +1,464 @@
+//! The warm start of the tool-call experiment: a small seeded Qwen3 policy
+//! ([`crate::personal::sft::seeded_init`]) supervised-trained on generated transcripts
+//! ([`super::corpus`]) of train-split tasks, saved as a Hugging Face checkpoint directory with
+//! the tokenizer and chat template of [`super::tokenizer`], cached under the hash of its
+//! settings (a second run with the same settings reuses it).
+//!
+//! One transcript is one learner sample: the prompt is the rendered question, the response is
+//! everything after it (policy messages, each ended by the stop token, and the tool messages
+//! appended by [`super::tokenizer::continuation_ids`], exactly as rollouts build them). The
+//! advantage is `0` on the tool's tokens and `L / 32` on the policy's, where `L` is the
+//! sample's response length: the learner averages each sample's loss over its `L` response
+//! tokens, so this weight makes every policy token count the same whatever the length of its
+//! transcript (otherwise a short direct answer would outweigh each token of a long tool-using
+//! transcript many times over). With old log-probs equal to the current ones and no KL term,
+//! one learner step is then one supervised step on the token-mean NLL of the policy's tokens
+//! (scaled by a constant).
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use burn::module::AutodiffModule;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use thiserror::Error;
+
+use super::corpus::{transcript, Mixture, Segment, Transcript};
+use super::tasks::GenTask;
+use super::tokenizer::{
+    build_tokenizer, chat_template, continuation_ids, tokenizer_files, TokenizerError, IM_END,
+};
+use crate::model::{save_checkpoint_dir, ChatError, ChatTemplate, Qwen3Config, SaveError};
+use crate::train::learner::{Learner, StepError};
+use crate::train::{Sample, TrainConfig};
+
+/// The constant the per-token weight `L / 32` divides by (see the module doc).
+pub const TOKEN_WEIGHT_SCALE: f32 = 32.0;
+
+/// Bumped whenever the corpus, tokenizer or recipe changes, so old caches are not reused.
+pub const RECIPE_VERSION: u32 = 2;
+
+/// The `[sft]` table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SftSettings {
+    /// Seed of the initial weights and of the transcript draws.
+    pub seed: u64,
+    /// Decoder layers.
+    pub layers: usize,
+    /// Model width.
+    pub hidden: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Width of the SwiGLU MLP.
+    pub intermediate: usize,
+    /// Longest sequence (prompt plus every step).
+    pub max_positions: usize,
+    /// Supervised steps.
+    pub steps: usize,
+    /// Transcripts per step.
+    pub batch_size: usize,
+    /// AdamW learning rate.
+    pub lr: f64,
+    /// The behaviours of the transcripts.
+    pub mixture: Mixture,
+}
+
+impl Default for SftSettings {
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            layers: 2,
+            hidden: 64,
+            heads: 4,
+            kv_heads: 2,
+            intermediate: 192,
+            max_positions: 256,
+            steps: 600,
+            batch_size: 16,
+            lr: 5e-3,
+            mixture: Mixture::default(),
+        }
+    }
+}
+
+/// Why the warm start failed.
+#[derive(Debug, Error)]
+pub enum SftError {
+    /// A setting is out of range.
+    #[error("sft.{key}: {reason}")]
+    Setting {
+        /// The key.
+        key: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The tokenizer could not be built.
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    /// Tokenizing or the chat template failed.
+    #[error("sft: {0}")]
+    Chat(#[from] ChatError),
+    /// A training step failed.
+    #[error("sft step {step}: {source}")]
+    Step {
+        /// The step.
+        step: usize,
+        /// The cause.
+        source: StepError,
+    },
+    /// The checkpoint could not be written.
+    #[error("sft: writing the checkpoint: {0}")]
+    Save(#[from] SaveError),
+    /// A file operation failed.
+    #[error("sft: {path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+impl SftSettings {
+    /// Checks every value.
+    pub fn validate(&self) -> Result<(), SftError> {
+        let bad = |key, reason: &str| {
+            Err(SftError::Setting {
+                key,
+                reason: reason.to_string(),
+            })
+        };
+        for (key, v) in [
+            ("layers", self.layers),
+            ("hidden", self.hidden),
+            ("heads", self.heads),
+            ("kv_heads", self.kv_heads),
+            ("intermediate", self.intermediate),
+            ("batch_size", self.batch_size),
+        ] {
+            if v == 0 {
+                return bad(key, "must be at least 1");
+            }
+        }
+        if !self.hidden.is_multiple_of(self.heads) || !(self.hidden / self.heads).is_multiple_of(2)
+        {
+            return bad("heads", "hidden / heads must be a whole, even head width");
+        }
+        if !self.heads.is_multiple_of(self.kv_heads) {
+            return bad("kv_heads", "must divide heads");
+        }
+        if self.max_positions < 128 {
+            return bad(
+                "max_positions",
+                "must be at least 128 (a two-call transcript takes about 150 tokens)",
+            );
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad("lr", "must be a finite number > 0");
+        }
+        for (key, v) in [
+            ("mixture.direct_rate", self.mixture.direct_rate),
+            ("mixture.two_call_rate", self.mixture.two_call_rate),
+            ("mixture.slip_rate", self.mixture.slip_rate),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                return bad(key, "must lie in [0, 1]");
+            }
+        }
+        Ok(())
+    }
+
+    /// The model config for a vocabulary of `vocab` pieces with stop token `eos`.
+    pub fn model_config(&self, vocab: usize, eos: u32) -> Qwen3Config {
+        crate::personal::sft::SftSettings {
+            layers: self.layers,
+            hidden: self.hidden,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            intermediate: self.intermediate,
+            max_positions: self.max_positions,
+            ..Default::default()
+        }
+        .model_config(vocab, eos)
+    }
+}
+
+/// Encodes transcripts into learner samples.
+pub struct Encoder {
+    tokenizer: tokenizers::Tokenizer,
+    template: ChatTemplate,
+    stop: u32,
+}
+
+impl Encoder {
+    /// The experiment's tokenizer and template.
+    pub fn new() -> Result<Self, SftError> {
+        let tokenizer = build_tokenizer()?;
+        let template = chat_template()?;
+        let stop = tokenizer
+            .token_to_id(IM_END)
+            .expect("the vocabulary holds the stop token");
+        Ok(Self {
+            tokenizer,
+            template,
+            stop,
+        })
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &tokenizers::Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The prompt ids of a question (the template's rendering of the user message).
+    pub fn prompt(&self, question: &str) -> Result<Vec<u32>, SftError> {
+        let messages = json!([{"role": "user", "content": question}]);
+        Ok(self
+            .template
+            .encode(
+                &self.tokenizer,
+                &minijinja::Value::from_serialize(&messages),
+                None,
+            )?
+            .ids)
+    }
+
+    /// One supervised sample.
+    pub fn sample(&self, t: &Transcript) -> Result<Sample, SftError> {
+        let prompt = self.prompt(&t.question)?;
+        let mut response = Vec::new();
+        let mut advantages = Vec::new();
+        let mut tools: Vec<String> = Vec::new();
+        for seg in &t.segments {
+            match seg {
+                Segment::Assistant(text) => {
+                    if !tools.is_empty() {
+                        let ids = continuation_ids(&self.tokenizer, &tools)?;
+                        advantages.extend(std::iter::repeat_n(0.0, ids.len()));
+                        response.extend(ids);
+                        tools.clear();
+                    }
+                    let mut ids = crate::model::chat::encode_text(&self.tokenizer, text)?;
+                    ids.push(self.stop);
+                    advantages.extend(std::iter::repeat_n(1.0, ids.len()));
+                    response.extend(ids);
+                }
+                Segment::Tool(text) => tools.push(text.clone()),
+            }
+        }
+        let weight = response.len() as f32 / TOKEN_WEIGHT_SCALE;
+        for a in &mut advantages {
+            *a *= weight;
+        }
+        Ok(Sample {
+            prompt_ids: prompt,
+            response_ids: response,
+            advantages,
+            old_logprobs: None,
+            ref_logprobs: None,
+            rollout_logprobs: None,
+        })
+    }
+}
+
+/// What [`warm_start`] produced.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SftOutcome {
+    /// The checkpoint directory.
+    pub dir: PathBuf,
+    /// Whether it came from the cache.
+    pub cached: bool,
+    /// Seconds spent (0 when cached).
+    pub seconds: f64,
+    /// Mean NLL of the policy's tokens on a fixed held-aside batch at the end.
+    pub final_nll: f64,
+}
+
+/// The cached warm start for `settings` over the train tasks `train` (its cache key covers
+/// both), trained first when absent or when `force`.
+pub fn warm_start(
+    settings: &SftSettings,
+    train: &[GenTask],
+    cache_dir: &Path,
+    force: bool,
+) -> Result<SftOutcome, SftError> {
+    settings.validate()?;
+    if train.is_empty() {
+        return Err(SftError::Setting {
+            key: "tasks",
+            reason: "the train split is empty".into(),
+        });
+    }
+    let key_text = serde_json::to_string(&(RECIPE_VERSION, settings, train)).expect("serializes");
+    let key = blake3::hash(key_text.as_bytes()).to_hex()[..16].to_string();
+    let dir = cache_dir.join(format!("sft-{key}"));
+    if !force && dir.join("model.safetensors").exists() {
+        if let Ok(text) = std::fs::read_to_string(dir.join("sft.json")) {
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
+                if v.get("settings") == Some(&json!(settings)) {
+                    return Ok(SftOutcome {
+                        dir,
+                        cached: true,
+                        seconds: 0.0,
+                        final_nll: v["final_nll"].as_f64().unwrap_or(f64::NAN),
+                    });
+                }
+            }
+        }
+    }
+    let started = Instant::now();
+    let enc = Encoder::new()?;
+    let cfg = settings.model_config(enc.tokenizer.get_vocab_size(true), enc.stop);
+    let train_cfg = TrainConfig {
+        lr: settings.lr,
+        weight_decay: 0.0,
+        kl_coef: 0.0,
+        batch_size: settings.batch_size,
+        ..TrainConfig::default()
+    };
+    let model = crate::personal::sft::seeded_init(&cfg, settings.seed);
+    let mut learner: Learner =
+        Learner::new(cfg, model, train_cfg, Default::default(), settings.seed);
+    let mut rng = ChaCha8Rng::seed_from_u64(settings.seed ^ 0x70_01a6);
+    let mut probe_rng = ChaCha8Rng::seed_from_u64(settings.seed ^ 0x9e37);
+    let draw = |rng: &mut ChaCha8Rng| -> Result<Sample, SftError> {
+        let task = &train[rng.random_range(0..train.len())];
+        enc.sample(&transcript(task, &settings.mixture, rng))
+    };
+    let probe: Vec<Sample> = (0..32)
+        .map(|_| draw(&mut probe_rng))
+        .collect::<Result<_, _>>()?;
+    let nll = |learner: &Learner| -> Result<f64, SftError> {
+        let lps = learner
+            .logprobs(&probe)
+            .map_err(|source| SftError::Step { step: 0, source })?;
+        let (mut sum, mut n) = (0f64, 0usize);
+        for (lp, s) in lps.iter().zip(&probe) {
+            for (l, a) in lp.iter().zip(&s.advantages) {
+                if *a > 0.0 {
+                    sum -= *l as f64;
+                    n += 1;
+                }
+            }
+        }
+        Ok(sum / n.max(1) as f64)
+    };
+    for step in 0..settings.steps {
+        let batch: Vec<Sample> = (0..settings.batch_size)
+            .map(|_| draw(&mut rng))
+            .collect::<Result<_, _>>()?;
+        learner
+            .step(&batch)
+            .map_err(|source| SftError::Step { step, source })?;
+        if (step + 1) % 100 == 0 {
+            tracing::info!(
+                step = step + 1,
+                of = settings.steps,
+                nll = nll(&learner)?,
+                secs = started.elapsed().as_secs_f64(),
+                "toolagent sft"
+            );
+        }
+    }
+    let final_nll = nll(&learner)?;
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| SftError::Io { path, source }
+    };
+    std::fs::create_dir_all(cache_dir).map_err(io(cache_dir))?;
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let tmp = cache_dir.join(format!(
+        "sft-{key}.tmp-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&tmp);
+    save_checkpoint_dir(
+        &tmp,
+        learner.model_config(),
+        &learner.policy().valid(),
+        &tokenizer_files(),
+    )?;
+    let seconds = started.elapsed().as_secs_f64();
+    let stamp = serde_json::to_string_pretty(&json!({
+        "recipe_version": RECIPE_VERSION,
+        "settings": settings,
+        "final_nll": final_nll,
+        "seconds": seconds,
+    }))
+    .expect("json serializes");
+    std::fs::write(tmp.join("sft.json"), stamp).map_err(io(&tmp))?;
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Err(e) = std::fs::rename(&tmp, &dir) {
+        // A concurrent warm start with the same settings put its identical result first.
+        let _ = std::fs::remove_dir_all(&tmp);
+        if !dir.join("sft.json").exists() {
+            return Err(io(&dir)(e));
+        }
+    }
+    Ok(SftOutcome {
+        dir,
+        cached: false,
+        seconds,
+        final_nll,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::toolagent::tasks::Op;
+
+    #[test]
+    fn samples_train_only_the_policys_tokens() {
+        let enc = Encoder::new().unwrap();
+        let task = GenTask {
+            operands: [47, 29, 18],
+            ops: [Op::Add, Op::Mul],
+        };
+        let mix = Mixture {
+            direct_rate: 0.0,
+            two_call_rate: 1.0,
+            slip_rate: 0.0,
+        };
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let s = enc.sample(&transcript(&task, &mix, &mut rng)).unwrap();
+        assert_eq!(s.response_ids.len(), s.advantages.len());
+        let w = s.response_ids.len() as f32 / TOKEN_WEIGHT_SCALE;
+        assert!(s.advantages.iter().all(|a| *a == 0.0 || *a == w));
+        let text = |pick: f32| {
+            let ids: Vec<u32> = s
+                .response_ids
+                .iter()
+                .zip(&s.advantages)
+                .filter(|(_, a)| **a == pick * w)
+                .map(|(i, _)| *i)
+                .collect();
+            enc.tokenizer().decode(&ids, false).unwrap()
+        };
+        let policy = text(1.0);
+        assert!(policy.contains("print(29*18)") && policy.contains("print(47+522)"));
+        assert!(policy.ends_with("\\boxed{569}<|im_end|>"), "{policy}");
+        let tool = text(0.0);
+        assert!(
+            tool.contains("stdout:\n522\n") && !tool.contains("print"),
+            "{tool}"
+        );
+        assert!(s.prompt_ids.len() + s.response_ids.len() < 160);
+        assert!(SftSettings::default().validate().is_ok());
+        let bad = SftSettings {
+            heads: 3,
+            ..Default::default()
+        };
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("sft.heads"));
+    }
+}

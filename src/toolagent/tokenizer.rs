@@ -1,0 +1,257 @@
+//! The tool-call policy's tokenizer, built in code: a word-level `tokenizers` model whose
+//! pre-tokenizer isolates every letter run, every single digit, every whitespace character and
+//! every punctuation character, with a `Fuse` decoder, so that decoding gives back the exact
+//! text (Python code and JSON survive the round trip) and numbers are read and written digit by
+//! digit. `<tool_call>` / `</tool_call>` are single (non-special) tokens; the Qwen chat markers
+//! are special. Unknown words (e.g. in a Python traceback) become `[UNK]`.
+//!
+//! The chat template renders user, assistant (content, then each tool call in Qwen's
+//! `<tool_call>` markup) and tool messages in the Qwen layout; it does **not** render system
+//! messages or tool schemas (the environment's fixed system prompt and `code_interpreter` schema
+//! would triple the prompt of this tiny policy; the warm start teaches it the tool's format).
+//! [`continuation_ids`] appends tool results to a transcript by token concatenation, so that
+//! every later prompt holds the exact ids sampled before (DESIGN §1: never re-tokenised).
+
+use serde_json::{json, Value};
+use thiserror::Error;
+
+use crate::model::{ChatError, ChatTemplate, TokenizerFiles};
+
+/// The padding / end-of-text token (id 0).
+pub const PAD: &str = "<|endoftext|>";
+/// Starts a chat message (id 1).
+pub const IM_START: &str = "<|im_start|>";
+/// Ends a chat message and a response (id 2): the stop token.
+pub const IM_END: &str = "<|im_end|>";
+/// Opens a tool call (id 3).
+pub const TOOL_OPEN: &str = "<tool_call>";
+/// Closes a tool call (id 4).
+pub const TOOL_CLOSE: &str = "</tool_call>";
+/// Any piece outside the vocabulary (id 5).
+pub const UNK: &str = "[UNK]";
+
+/// The pieces the pre-tokenizer isolates.
+pub const PIECES: &str = r"[A-Za-z_]+|[0-9]|\s|[^A-Za-z0-9_\s]";
+
+/// Words of the vocabulary (questions, code, the tool call's JSON, the tool's output).
+const WORDS: &[&str] = &[
+    "what",
+    "is",
+    "plus",
+    "minus",
+    "times",
+    "print",
+    "name",
+    "arguments",
+    "code",
+    "code_interpreter",
+    "exit",
+    "stdout",
+    "stderr",
+    "boxed",
+    "none",
+    "timed",
+    "out",
+    "after",
+    "s",
+    "killed",
+    "by",
+    "signal",
+    "error",
+    "not",
+    "run",
+    "the",
+    "budget",
+    "of",
+    "tool",
+    "calls",
+    "used",
+    "up",
+    "give",
+    "your",
+    "final",
+    "answer",
+    "user",
+    "assistant",
+    "system",
+];
+
+/// The chat template (Qwen layout, no system messages or tool schemas; see the module doc).
+pub const CHAT_TEMPLATE: &str = "{%- for message in messages %}{%- if message.role != 'system' %}{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}{%- if message.tool_calls %}{%- for tc in message.tool_calls %}{{- '<tool_call>\\n' + (tc.function | tojson) + '\\n</tool_call>' }}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+
+/// Why the tokenizer could not be built.
+#[derive(Debug, Error)]
+pub enum TokenizerError {
+    /// The `tokenizers` crate refused the generated `tokenizer.json`.
+    #[error("building the tool-call tokenizer: {0}")]
+    Build(String),
+}
+
+/// The vocabulary: the special tokens (ids 0..=5), the words, the digits, ASCII punctuation,
+/// space and newline.
+pub fn vocabulary() -> Vec<String> {
+    let mut v: Vec<String> = [PAD, IM_START, IM_END, TOOL_OPEN, TOOL_CLOSE, UNK]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    v.extend(WORDS.iter().map(|w| w.to_string()));
+    v.extend(('0'..='9').map(String::from));
+    v.extend(
+        (0x21u8..0x7f)
+            .map(char::from)
+            .filter(|c| c.is_ascii_punctuation())
+            .map(String::from),
+    );
+    v.push(" ".into());
+    v.push("\n".into());
+    v
+}
+
+/// The `tokenizer.json` text.
+pub fn tokenizer_json() -> String {
+    let vocab = vocabulary();
+    let map: serde_json::Map<String, Value> = vocab
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (w.clone(), json!(i)))
+        .collect();
+    let added: Vec<Value> = [PAD, IM_START, IM_END, TOOL_OPEN, TOOL_CLOSE]
+        .iter()
+        .enumerate()
+        .map(|(id, content)| {
+            json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": id < 3})
+        })
+        .collect();
+    let doc = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": PIECES},
+                          "behavior": "Isolated", "invert": false},
+        "post_processor": null,
+        "decoder": {"type": "Fuse"},
+        "model": {"type": "WordLevel", "vocab": map, "unk_token": UNK},
+    });
+    serde_json::to_string_pretty(&doc).expect("json serializes")
+}
+
+/// The tokenizer files of the checkpoint.
+pub fn tokenizer_files() -> TokenizerFiles {
+    TokenizerFiles {
+        tokenizer_json: tokenizer_json(),
+        tokenizer_config_json: Some(
+            serde_json::to_string_pretty(&json!({
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": IM_END,
+                "pad_token": PAD,
+                "unk_token": UNK,
+                "chat_template": CHAT_TEMPLATE,
+            }))
+            .expect("json serializes"),
+        ),
+        chat_template_jinja: None,
+        generation_config_json: None,
+    }
+}
+
+/// The tokenizer.
+pub fn build_tokenizer() -> Result<tokenizers::Tokenizer, TokenizerError> {
+    tokenizers::Tokenizer::from_bytes(tokenizer_json().as_bytes())
+        .map_err(|e| TokenizerError::Build(e.to_string()))
+}
+
+/// The chat template.
+pub fn chat_template() -> Result<ChatTemplate, ChatError> {
+    ChatTemplate::new(
+        CHAT_TEMPLATE,
+        "tool-call chat template",
+        vec![("eos_token".into(), IM_END.into())],
+    )
+}
+
+/// The text of a `code_interpreter` call running `code`.
+pub fn call_text(code: &str) -> String {
+    let body =
+        json!({"name": crate::env::tool_call::INTERPRETER_TOOL, "arguments": {"code": code}});
+    format!("{TOOL_OPEN}\n{body}\n{TOOL_CLOSE}")
+}
+
+/// What follows a response that ended with the stop token when the environment answered with
+/// the tool messages `contents`: the newline closing the assistant message, each tool message,
+/// and the next assistant header.
+pub fn continuation_text(contents: &[String]) -> String {
+    let mut s = String::from("\n");
+    for c in contents {
+        s.push_str(&format!("{IM_START}tool\n{c}{IM_END}\n"));
+    }
+    s.push_str(&format!("{IM_START}assistant\n"));
+    s
+}
+
+/// [`continuation_text`] as token ids.
+pub fn continuation_ids(
+    tokenizer: &tokenizers::Tokenizer,
+    contents: &[String],
+) -> Result<Vec<u32>, ChatError> {
+    crate::model::chat::encode_text(tokenizer, &continuation_text(contents))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn code_json_and_numbers_round_trip_digit_by_digit() {
+        let tok = build_tokenizer().unwrap();
+        let unk = tok.token_to_id(UNK).unwrap();
+        assert_eq!(tok.token_to_id(IM_END), Some(2));
+        let text = format!("{}\\boxed{{-1345}}", call_text("print(47*29-18)"));
+        let ids = tok.encode(text.as_str(), false).unwrap().get_ids().to_vec();
+        assert!(!ids.contains(&unk), "{text}");
+        assert_eq!(ids[0], tok.token_to_id(TOOL_OPEN).unwrap());
+        assert_eq!(tok.decode(&ids, true).unwrap(), text);
+        // Digits are separate tokens.
+        let n = tok.encode("1345", false).unwrap();
+        assert_eq!(n.get_ids().len(), 4);
+        // Unknown words become [UNK]; known ones do not.
+        let t = tok.encode("Traceback: print", false).unwrap();
+        assert_eq!(t.get_ids()[0], unk);
+        assert_ne!(*t.get_ids().last().unwrap(), unk);
+    }
+
+    #[test]
+    fn the_template_renders_what_the_transcript_concatenates() {
+        let tok = build_tokenizer().unwrap();
+        let tpl = chat_template().unwrap();
+        let msgs = json!([
+            {"role": "system", "content": "a long system prompt"},
+            {"role": "user", "content": "what is 2+3*4 ?"},
+        ]);
+        let p = tpl
+            .encode(&tok, &minijinja::Value::from_serialize(&msgs), None)
+            .unwrap();
+        let want =
+            format!("{IM_START}user\nwhat is 2+3*4 ?{IM_END}\n{IM_START}assistant\n");
+        assert_eq!(p.ids, crate::model::chat::encode_text(&tok, &want).unwrap());
+        // A tool turn appended by ids equals the template's rendering of the same messages
+        // (the assistant message given as its raw text).
+        let call = call_text("print(2+3*4)");
+        let out = "exit code: 0\nstdout:\n14\nstderr:\n".to_string();
+        let msgs2 = json!([
+            {"role": "user", "content": "what is 2+3*4 ?"},
+            {"role": "assistant", "content": call},
+            {"role": "tool", "content": out},
+        ]);
+        let full = tpl
+            .encode(&tok, &minijinja::Value::from_serialize(&msgs2), None)
+            .unwrap();
+        let mut by_ids = p.ids.clone();
+        by_ids.extend(crate::model::chat::encode_text(&tok, &call).unwrap());
+        by_ids.push(tok.token_to_id(IM_END).unwrap());
+        by_ids.extend(continuation_ids(&tok, &[out]).unwrap());
+        assert_eq!(full.ids, by_ids);
+    }
+}
