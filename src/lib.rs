@@ -15,6 +15,7 @@ pub mod pipeline;
 pub mod rl;
 pub mod sandbox;
 pub mod serve;
+pub mod toolagent;
 pub mod train;
 
 /// The default CPU backend (Burn's pure-Rust Flex backend).

@@ -38,6 +38,10 @@ fn glyph(c: char) -> Option<[u8; 7]> {
         'c' => [0, 0, 14, 16, 16, 17, 14],
         'd' => [1, 1, 13, 19, 17, 17, 15],
         'e' => [0, 0, 14, 17, 31, 16, 14],
+        'g' => [0, 0, 15, 17, 15, 1, 14],
+        'h' => [16, 16, 22, 25, 17, 17, 17],
+        'l' => [12, 4, 4, 4, 4, 4, 14],
+        '_' => [0, 0, 0, 0, 0, 0, 31],
         'i' => [4, 0, 12, 4, 4, 4, 14],
         'm' => [0, 0, 26, 21, 21, 17, 17],
         'n' => [0, 0, 22, 25, 17, 17, 17],
@@ -87,7 +91,8 @@ fn color(method: &str) -> RGBColor {
     match method {
         "binary" => RGBColor(220, 120, 30),
         "opd" => RGBColor(40, 110, 200),
-        "combined" => RGBColor(30, 160, 70),
+        "combined" | "integrated" => RGBColor(30, 160, 70),
+        "outcome_only" => RGBColor(220, 120, 30),
         _ => RGBColor(120, 120, 120),
     }
 }
@@ -106,7 +111,9 @@ fn draw(results: &Results, path: &Path) -> Result<(), String> {
     root.fill(&WHITE).map_err(|e| e.to_string())?;
     let max_x = results.updates.iter().copied().max().unwrap_or(1).max(1) as f64;
     // Plot area in pixels.
-    let (left, right, top, bottom) = (60i32, w - 150, 40i32, h - 50);
+    // The legend's width follows the longest line name (12 pixels a character).
+    let longest = results.scores.keys().map(|k| k.len()).max().unwrap_or(0) as i32;
+    let (left, right, top, bottom) = (60i32, w - (60 + 12 * longest).max(150), 40i32, h - 50);
     let px = |x: f64| left + ((x / max_x) * (right - left) as f64).round() as i32;
     let py = |y: f64| bottom - (y.clamp(0.0, 1.0) * (bottom - top) as f64).round() as i32;
     let grey = RGBColor(210, 210, 210);
