@@ -35,10 +35,10 @@ fn demo_runs_with_a_json_summary_and_control_keeps_the_counts() {
     // Exactly the demo's `stop.max_steps`: batches queued beyond it stay pending.
     assert_eq!(t["steps"].as_u64(), Some(3), "{t}");
     assert_eq!(t["version"].as_u64(), Some(3), "{t}");
-    // Admission control at its default, batch_size 4 × (staleness 2 + 1).
+    // Admission control at its default, batch_size 4 × min(staleness 2 + 1, 2).
     assert_eq!(
         s["counts"]["admission"]["max_backlog"].as_u64(),
-        Some(12),
+        Some(8),
         "{s}"
     );
     let produced = t["produced"].as_u64().unwrap();

@@ -5,8 +5,12 @@
 //! more than `max_lag` versions ahead of the sample's tokens. Every sample ahead of it in the
 //! pipeline costs the trainer `1 / batch_size` of a step, so a turn produced while `backlog`
 //! samples are on their way to the trainer is trained about `backlog / batch_size` versions
-//! later: with `backlog < batch_size × (max_lag + 1)` it is still within the bound (replicas
-//! installing a new version a moment late aside). The [`Gate`] keeps the backlog there.
+//! later: with `backlog < batch_size × (max_lag + 1)` it is still within the bound if the
+//! backlog drains first in, first out. It does not quite: a turn of an episode held between its
+//! turns waits for the episode while younger work passes it, and replicas install a new
+//! version a moment after it is published; so a bound at that value still loses some samples,
+//! and a job's default (`env.max_backlog` in the root crate) is two batches. The [`Gate`] keeps
+//! the backlog under the bound it is given.
 //!
 //! - **What counts** ([`Backlog`]): samples queued at the trainer (the step in flight
 //!   included), turns of ended episodes being judged or built, turns of episodes still running
@@ -148,8 +152,8 @@ pub struct AdmissionCounts {
     pub held_ms: u64,
     /// Held turns that went ahead after `max_wait` without being admitted.
     pub wait_expired: u64,
-    /// Session starts put off because the backlog was full (each empty slot is counted once
-    /// per time it is put off).
+    /// Times a session start was put off because the backlog was full (a slot left empty is
+    /// checked again at every poll).
     pub starts_deferred: u64,
 }
 

@@ -20,7 +20,8 @@
 //! asked, and a new session starts only when the gate would admit a turn; the supervisor keeps
 //! the gate's view of the backlog (samples at the trainer, turns being judged or built, turns of
 //! running episodes) up to date. See [`super::admission`] for the rule and why it cannot
-//! deadlock; draining opens the gate for good.
+//! deadlock; draining opens the gate for good, and while the trainer's counters cannot be read
+//! the gate counts nothing as queued there (it fails open).
 //!
 //! Stop: when the trainer has made `max_trainer_steps` steps, or `max_turns` turns were produced,
 //! or `max_duration` passed, no new session starts and running ones are stopped (each closes its
@@ -420,6 +421,9 @@ pub struct JobState<S> {
     build_turns: u64,
     /// Samples submitted since the trainer's counters were last polled.
     submitted_since_poll: u64,
+    /// Whether the last poll of the trainer's counters failed (admission then opens: a trainer
+    /// that cannot be asked must not hold the sessions back on counts it may have lost).
+    trainer_unreachable: bool,
 }
 
 impl<S: JobSample> JobState<S> {
@@ -784,8 +788,12 @@ impl<S: JobSample> JobState<S> {
             Ok(c) => {
                 self.counts.trainer = c;
                 self.submitted_since_poll = 0;
+                self.trainer_unreachable = false;
             }
-            Err(e) => self.counts.last_error = Some(format!("trainer counts: {e}")),
+            Err(e) => {
+                self.counts.last_error = Some(format!("trainer counts: {e}"));
+                self.trainer_unreachable = true;
+            }
         }
         self.refresh_gate();
         if let Some(gate) = &self.gate {
@@ -811,8 +819,13 @@ impl<S: JobSample> JobState<S> {
             .sum();
         let settling = ended + self.build_turns;
         let unsubmitted = self.counts.turns.saturating_sub(self.turns_settled);
+        let trainer_pending = if self.trainer_unreachable {
+            0
+        } else {
+            self.counts.trainer.pending + self.submitted_since_poll
+        };
         gate.update(Backlog {
-            trainer_pending: self.counts.trainer.pending + self.submitted_since_poll,
+            trainer_pending,
             settling,
             open: unsubmitted.saturating_sub(settling),
             admitted: 0,
@@ -952,6 +965,7 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
             turns_settled: 0,
             build_turns: 0,
             submitted_since_poll: 0,
+            trainer_unreachable: false,
         })
     }
 
