@@ -145,14 +145,14 @@ pub fn render(nodes: &[Value], max_bytes: usize) -> Result<RenderedTree, TreeErr
     let mut stack: Vec<(&str, usize, &str)> = vec![(root, 0, "")];
     let mut visited = 0usize;
     while let Some((id, depth, parent_name)) = stack.pop() {
-        visited += 1;
-        if visited > nodes.len() {
-            return Err(TreeError("the child links form a cycle".into()));
-        }
         let Some(node) = by_id.get(id) else {
             // Chromium lists children it does not return (e.g. inline text boxes); skip them.
             continue;
         };
+        visited += 1;
+        if visited > nodes.len() {
+            return Err(TreeError("the child links form a cycle".into()));
+        }
         let hidden = node.ignored
             || node.role == "InlineTextBox"
             || (WRAPPER_ROLES.contains(&node.role) && node.name.trim().is_empty())
@@ -310,6 +310,15 @@ mod tests {
         assert!(render(&twice, 1000).is_err());
         let bad_children = [json!({"nodeId": "1", "childIds": "2"})];
         assert!(render(&bad_children, 1000).is_err());
+        let cycle = [
+            node("1", "RootWebArea", "R", 1, &["2"]),
+            node("2", "group", "G", 2, &["3"]),
+            node("3", "group", "H", 3, &["2"]),
+        ];
+        assert!(render(&cycle, 1000)
+            .unwrap_err()
+            .to_string()
+            .contains("cycle"));
         // A child id without a node is skipped, not an error.
         let t = render(&[node("1", "RootWebArea", "R", 1, &["404"])], 1000).unwrap();
         assert_eq!(t.backend, vec![1]);
