@@ -233,8 +233,7 @@ mod tests {
         let p = tpl
             .encode(&tok, &minijinja::Value::from_serialize(&msgs), None)
             .unwrap();
-        let want =
-            format!("{IM_START}user\nwhat is 2+3*4 ?{IM_END}\n{IM_START}assistant\n");
+        let want = format!("{IM_START}user\nwhat is 2+3*4 ?{IM_END}\n{IM_START}assistant\n");
         assert_eq!(p.ids, crate::model::chat::encode_text(&tok, &want).unwrap());
         // A tool turn appended by ids equals the template's rendering of the same messages
         // (the assistant message given as its raw text).
