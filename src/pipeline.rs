@@ -14,6 +14,7 @@
 //! [`samples`] (samples per method, the teacher).
 
 pub mod distributed;
+pub mod fit;
 pub mod gateway_job;
 pub mod judge;
 pub mod learner;
@@ -70,6 +71,9 @@ pub enum RunError {
         /// What went wrong.
         message: String,
     },
+    /// The first task's prompt does not fit the policy's context.
+    #[error(transparent)]
+    PromptFit(#[from] fit::FitError),
     /// The judge could not be built.
     #[error("judge: {0}")]
     Judge(String),
@@ -384,7 +388,33 @@ pub(crate) fn build_judging(
     job_id: &str,
     teacher: Option<ActorRef<RolloutMsg<samples::TeacherScorer>>>,
 ) -> Result<(judge::PipelineJudge, samples::MethodBuilder), RunError> {
-    let method = spec.method.kind;
+    let (step_kind, step_prompt) = step_kinds(spec);
+    let judge = build_judge(spec, file, ckpt_dir, engine, step_prompt)?;
+    let builder = samples::MethodBuilder::new(
+        job_id.to_string(),
+        spec.method.kind,
+        AdvantageWeights {
+            w_binary: spec.method.w_binary as f32,
+            w_opd: spec.method.w_opd as f32,
+        },
+        teacher,
+        step_kind,
+        spec.method.group_episodes.unwrap_or(spec.env.parallelism) as usize,
+    )
+    .map_err(RunError::Judge)?;
+    Ok((judge, builder))
+}
+
+/// The judge of a job (every kind): `[judge]` built into a [`crate::judge::Judge`] (the
+/// `model` backend's frozen-initial generator loaded from `ckpt_dir`) behind the
+/// [`judge::PipelineJudge`] adapter of the method, step-judging with `step_prompt`.
+pub(crate) fn build_judge(
+    spec: &JobSpec,
+    file: &str,
+    ckpt_dir: &Path,
+    engine: EngineOptions,
+    step_prompt: PromptKind,
+) -> Result<judge::PipelineJudge, RunError> {
     let jc = judge_config(spec, file)?;
     let generator: Option<Arc<dyn ChatGenerator>> = match &jc.backend {
         BackendConfig::Model {
@@ -402,21 +432,11 @@ pub(crate) fn build_judging(
     let judge = jc
         .build(generator)
         .map_err(|e| RunError::Judge(e.to_string()))?;
-    let (step_kind, step_prompt) = step_kinds(spec);
-    let judge = judge::PipelineJudge::new(judge, method, step_prompt);
-    let builder = samples::MethodBuilder::new(
-        job_id.to_string(),
-        method,
-        AdvantageWeights {
-            w_binary: spec.method.w_binary as f32,
-            w_opd: spec.method.w_opd as f32,
-        },
-        teacher,
-        step_kind,
-        spec.method.group_episodes.unwrap_or(spec.env.parallelism) as usize,
-    )
-    .map_err(RunError::Judge)?;
-    Ok((judge, builder))
+    Ok(judge::PipelineJudge::new(
+        judge,
+        spec.method.kind,
+        step_prompt,
+    ))
 }
 
 /// The sampling parameters sessions generate with (`seed` is the base of per-request seeds).
@@ -477,6 +497,21 @@ pub async fn run_job(
     let template = Arc::new(ck.chat_template);
     let learner = BurnLearner::new(ck.config, ck.model, train_config(spec), device, spec.seed);
     let model_config = learner.model_config().clone();
+    // Sequences get the smaller of `policy.max_context` and the checkpoint's positions; the
+    // first task's prompt must fit it, or no session could ever run.
+    let max_context = fit::effective_context(
+        spec.policy.max_context as usize,
+        model_config.max_position_embeddings,
+    );
+    fit::check_first_prompt(
+        env.as_ref(),
+        &template,
+        &tokenizer,
+        spec.policy.max_context as usize,
+        model_config.max_position_embeddings,
+        spec.seed,
+    )
+    .await?;
 
     // Records.
     let records_dir = out.join("records");
@@ -559,7 +594,7 @@ pub async fn run_job(
         template.clone(),
         tokenizer.clone(),
         params,
-        engine.max_context,
+        max_context,
         Duration::from_secs(600),
     );
 

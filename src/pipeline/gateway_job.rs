@@ -35,12 +35,12 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::{
-    actor_err, judge_config, samples, train_config, trainer_config, wait_serving, RunError,
+    actor_err, build_judge, samples, train_config, trainer_config, wait_serving, RunError,
     KEEP_CHECKPOINTS,
 };
 use crate::gateway::{Gateway, GatewayConfig, GatewayError, PolicyStats, TurnEnd, TurnRecord};
 use crate::job::{JobKind, JobSpec};
-use crate::judge::{BackendConfig, ChatGenerator, EngineGenerator, ModelSource, PromptKind};
+use crate::judge::PromptKind;
 use crate::model::{load_checkpoint, EngineOptions};
 use crate::rl::{AdvantageWeights, EpisodeKind};
 use crate::train::learner::Learner as BurnLearner;
@@ -424,23 +424,7 @@ pub async fn run_gateway_job(
     }
 
     // The judge and the method.
-    let jc = judge_config(spec, file)?;
-    let generator: Option<Arc<dyn ChatGenerator>> = match &jc.backend {
-        BackendConfig::Model {
-            source: ModelSource::FrozenInitial,
-        } => {
-            let g = EngineGenerator::load(&ckpt_dir, engine, spec.seed).map_err(|e| {
-                RunError::Judge(format!(
-                    "loading the frozen initial policy as the judge: {e}"
-                ))
-            })?;
-            Some(Arc::new(g))
-        }
-        _ => None,
-    };
-    let judge = jc
-        .build(generator)
-        .map_err(|e| RunError::Judge(e.to_string()))?;
+    let judge = build_judge(spec, file, &ckpt_dir, engine, PromptKind::StepToolCall)?;
     let builder = samples::MethodBuilder::new(
         job_id.clone(),
         method,
@@ -454,7 +438,7 @@ pub async fn run_gateway_job(
     )
     .map_err(RunError::Judge)?;
     let ctx = Arc::new(Ctx {
-        judge: super::judge::PipelineJudge::new(judge, method, PromptKind::StepToolCall),
+        judge,
         builder: samples::SharedBuilder(Arc::new(builder)),
         trainer: trainer.clone(),
         rec: rec.clone(),

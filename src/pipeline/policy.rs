@@ -4,9 +4,10 @@
 //! For each observation it renders the conversation and tools with the checkpoint's chat
 //! template (generation prompt on), tokenizes, asks one rollout worker to generate (round-robin;
 //! a worker that is gone or refuses is skipped and the next one asked, so sessions re-route when
-//! a replica dies), decodes the sampled ids and parses Qwen tool calls into an [`Action`]. The
-//! token ids, their log-probs and the weight version come back exactly as the worker produced
-//! them; nothing is re-tokenized. A response whose tool-call markup is malformed is not an
+//! a replica dies), decodes the sampled ids (special tokens kept, so tool-call tags survive:
+//! [`served_text`]) and parses Qwen tool calls into an [`Action`]. The token ids, their
+//! log-probs and the weight version come back exactly as the worker produced them; nothing is
+//! re-tokenized. A response whose tool-call markup is malformed is not an
 //! error: it becomes a plain-text action, and the environment answers it as such.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -153,6 +154,21 @@ impl TurnPolicy for ChatPolicy {
     }
 }
 
+/// The response as served and parsed: `ids` decoded with special tokens kept (a tokenizer may
+/// mark `<tool_call>` / `</tool_call>` special, and skipping special tokens would erase the
+/// tool-call markup), less the final stop token when generation `stopped` on one.
+pub fn served_text(
+    tokenizer: &tokenizers::Tokenizer,
+    ids: &[u32],
+    stopped: bool,
+) -> tokenizers::Result<String> {
+    let ids = match ids.split_last() {
+        Some((_, rest)) if stopped => rest,
+        _ => ids,
+    };
+    tokenizer.decode(ids, false)
+}
+
 /// One turn of the chat policy with generation left to `generate` (a local replica pool, or
 /// rollout workers on other nodes): render `observation` with the chat template and tools,
 /// refuse a prompt that leaves no room in `max_context`, generate, decode and parse tool calls.
@@ -186,8 +202,8 @@ where
     }
     let g = generate(prompt.ids.clone()).await?;
     let ids = &g.output.response_ids;
-    let text = tokenizer
-        .decode(ids, true)
+    let stopped = g.output.finish_reason == crate::model::FinishReason::Stop;
+    let text = served_text(tokenizer, ids, stopped)
         .map_err(|e| PolicyError(format!("decoding the response: {e}")))?;
     let raw = tokenizer
         .decode(ids, false)
