@@ -252,7 +252,10 @@ async fn fixture_tasks_pass_when_solved_and_fail_when_not() {
         assert_eq!(out.outcome, Some(-1.0), "{} wrong: {}", task.id, out.info);
         ep.close().await;
 
-        // Submitting at once (and answering in words) fails.
+        if i > 0 {
+            continue;
+        }
+        // Answering in words at once ends the episode, and the check fails.
         let mut ep = env.start(i, 0).await.expect("start");
         let out = ep
             .step(&Action {
