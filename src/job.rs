@@ -994,7 +994,7 @@ max_steps = 100
     }
 
     #[test]
-    fn max_backlog_defaults_to_the_staleness_bound_and_is_checked() {
+    fn max_backlog_defaults_to_two_batches_and_is_checked() {
         let s = JobSpec::parse(GOOD, "x.toml").unwrap();
         // batch_size 16, staleness 2: two batches.
         assert_eq!(s.max_backlog(), Some(32));
