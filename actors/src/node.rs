@@ -874,12 +874,14 @@ impl Node {
         }
     }
 
-    /// Pings every member of every `clawrl.*` group except Control, concurrently.
+    /// Pings every node member and environment worker, concurrently.
     async fn ping_all(&self) -> Vec<PingResult> {
         let mut set = tokio::task::JoinSet::new();
         let mut n = 0u64;
+        // Only the groups of generic members answer `MemberRequest`; Control, the rollout
+        // hosts and the environment hosts speak their own protocols.
         for g in ractor::pg::which_groups() {
-            if !g.starts_with(crate::groups::PREFIX) || g == crate::groups::CONTROL {
+            if g != crate::groups::NODES && !g.starts_with(crate::groups::ENV_PREFIX) {
                 continue;
             }
             for m in ractor::pg::get_members(&g) {

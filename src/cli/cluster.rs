@@ -84,7 +84,7 @@ pub enum Commands {
         #[command(subcommand)]
         cmd: BlobCmd,
     },
-    /// Ping every group member from a node (remote request/reply round trips).
+    /// Ping every node and environment worker from a node (remote request/reply round trips).
     Ping {
         /// Config of the node to talk to.
         #[arg(long)]

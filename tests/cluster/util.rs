@@ -180,13 +180,15 @@ pub fn wait_for<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> Option<
     }
 }
 
-/// A valid job spec wanting `parallelism` terminal workers.
+/// A valid job spec (the fixture policy and terminal tasks, by absolute path) wanting
+/// `parallelism` terminal workers.
 pub fn job_spec(parallelism: u32) -> String {
+    let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
     format!(
         r#"kind = "rl"
 name = "terminal-demo"
 [policy]
-checkpoint = "tests/fixtures/qwen3-tiny"
+checkpoint = "{fixtures}/qwen3-tiny"
 [judge]
 backend = "scripted"
 votes = 3
@@ -201,7 +203,7 @@ staleness = 2
 [env]
 kind = "terminal"
 parallelism = {parallelism}
-tasks = "tasks/terminal.jsonl"
+tasks = "{fixtures}/env/terminal.jsonl"
 [stop]
 max_steps = 100
 "#
