@@ -20,11 +20,20 @@
 //! weights). Reference in the same run: one replica's load of the same bytes alone
 //! (`EnginePolicy::load`), and one plain bulk-plane fetch of the blob, to say where the time goes.
 //!
+//! `WU_MODE=procs` (or `both`: the two in one run) measures the same with every replica in its
+//! own OS process: the bench is a real cluster node running the `Trainer`, each replica a child
+//! `clawrl node` with the `rollout` role (its `RolloutHost`), offered each version with
+//! `RolloutRequest::Serve` and polled every 5 ms until it serves it (mode `procs`; see
+//! `weight_update/procs.rs`).
+//!
 //! `WU_ROUNDS` (default 3) updates per configuration; `WU_SHAPES` (default `tiny,20m`);
-//! `WU_REPLICAS` (default `1,4`). Prints one JSON line per configuration and a table.
+//! `WU_REPLICAS` (default `1,4`); `WU_MODE` (`inproc` (default), `procs`, `both`). Prints one
+//! JSON line per configuration and a table.
 
 #[path = "../actors/tests/bulk_net/loopback.rs"]
 mod loopback;
+#[path = "weight_update/procs.rs"]
+mod procs;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -324,17 +333,37 @@ fn main() {
         .iter()
         .map(|r| r.parse().expect("WU_REPLICAS: comma-separated counts"))
         .collect();
+    let mode = std::env::var("WU_MODE").unwrap_or_else(|_| "inproc".to_string());
+    let (inproc, separate) = match mode.as_str() {
+        "inproc" => (true, false),
+        "procs" => (false, true),
+        "both" => (true, true),
+        other => panic!("WU_MODE: unknown mode {other:?} (expected inproc, procs or both)"),
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .unwrap();
+    let cluster = separate.then(|| {
+        let configs: Vec<(String, usize)> = shapes
+            .iter()
+            .flat_map(|s| replicas.iter().map(move |&n| (s.clone(), n)))
+            .collect();
+        rt.block_on(procs::Cluster::start(&configs))
+    });
     let mut rows = Vec::new();
     for shape in &shapes {
-        let modes = replicas
-            .iter()
-            .flat_map(|&n| [(n, false)].into_iter().chain((n > 1).then_some((n, true))));
-        for (n, relay) in modes {
-            let row = rt.block_on(measure(shape, n, relay, rounds));
+        let modes = replicas.iter().flat_map(|&n| {
+            let own = inproc.then_some((n, "fetch"));
+            let relay = (inproc && n > 1).then_some((n, "relay"));
+            let procs = separate.then_some((n, "procs"));
+            own.into_iter().chain(relay).chain(procs)
+        });
+        for (n, mode) in modes {
+            let row = match (mode, &cluster) {
+                ("procs", Some(c)) => rt.block_on(procs::measure(c, shape, n, rounds)),
+                _ => rt.block_on(measure(shape, n, mode == "relay", rounds)),
+            };
             let mut l = row.latency_ms.clone();
             let mut e = row.export_ms.clone();
             let mut p = row.publish_ms.clone();
@@ -410,5 +439,22 @@ fn main() {
                 four / one
             );
         }
+        if let (Some(one), Some(four)) = (find(1, "procs"), find(4, "procs")) {
+            println!(
+                "{shape}: latency with 4 replica processes / with 1 = {:.2}",
+                four / one
+            );
+        }
+        for &n in &replicas {
+            if let (Some(own), Some(sep)) = (find(n, "fetch"), find(n, "procs")) {
+                println!(
+                    "{shape}: latency with {n} replica processes / {n} replicas in this process = {:.2}",
+                    sep / own
+                );
+            }
+        }
+    }
+    if let Some(c) = cluster {
+        rt.block_on(c.shutdown());
     }
 }
