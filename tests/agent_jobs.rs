@@ -231,7 +231,7 @@ async fn a_prompt_longer_than_the_context_is_refused_before_any_session() {
         max_new_tokens: 8,
         max_steps: 2,
     };
-    let e = run(dir.path(), &job).await.err().expect("refused");
+    let e = run(dir.path(), &job).await.expect_err("refused");
     match &e {
         RunError::PromptFit(FitError::TooLong {
             task,

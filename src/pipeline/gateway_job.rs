@@ -25,10 +25,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clawrl_actors::loops::{
-    EndReason, EpisodeTurns, JobCounts, JobPhase, JobSample, JudgedTurn, Judgement, LocalPublisher,
-    Observation, PolicyTurn, ProgressReport, Recorder, RecorderConfig, RecorderHandle, RecorderMsg,
-    RecorderStats, SampleBuilder, StepOutcome, Subscriber, Trainer, TrainerArgs, TrainerEvent,
-    TrainerLink, TrainerMsg, TrainerStats, Turn, TurnJudge,
+    Action, EndReason, EpisodeTurns, JobCounts, JobPhase, JobSample, JudgedTurn, Judgement,
+    LocalPublisher, Observation, PolicyTurn, ProgressReport, Recorder, RecorderConfig,
+    RecorderHandle, RecorderMsg, RecorderStats, SampleBuilder, StepOutcome, Subscriber,
+    ToolCallAction, Trainer, TrainerArgs, TrainerEvent, TrainerLink, TrainerMsg, TrainerStats,
+    Turn, TurnJudge,
 };
 use ractor::{Actor, ActorRef};
 use serde::Serialize;
@@ -144,8 +145,11 @@ pub fn gateway_config(spec: &JobSpec, out: &Path) -> GatewayConfig {
 }
 
 /// A recorded gateway turn as the judge and the sample builder see it: `s_t` = the request's
-/// messages and tools, `a_t` = the exact sampled ids (decoded with `tokenizer` like the
-/// pipeline's chat policy does), `s_{t+1}` = the next main request's last message, if any.
+/// messages and tools, `a_t` = the exact sampled ids; the action is the message the gateway
+/// served (its content and tool calls, with the call ids the client saw and answers with), the
+/// response text those ids decoded with special tokens kept (a tokenizer may mark `<tool_call>`
+/// special) less a final special stop token; `s_{t+1}` = the next main request's last message,
+/// if any.
 pub fn turn_of(rec: &TurnRecord, index: u32, tokenizer: &tokenizers::Tokenizer) -> Turn {
     let array = |v: Option<Value>| match v {
         Some(Value::Array(a)) => a,
@@ -158,13 +162,18 @@ pub fn turn_of(rec: &TurnRecord, index: u32, tokenizer: &tokenizers::Tokenizer) 
             .and_then(|t| serde_json::to_value(t).ok()),
     );
     let served = super::judge::content_text(&rec.response);
-    let text = tokenizer
-        .decode(&rec.response_ids, true)
-        .unwrap_or_else(|_| served.clone());
     let raw = tokenizer
         .decode(&rec.response_ids, false)
-        .unwrap_or_else(|_| text.clone());
-    let call_prefix = format!("call-v{}-{}", rec.version, rec.response_ids.len());
+        .unwrap_or_else(|_| served.clone());
+    let ends_on_special = rec.finish_reason != "length"
+        && rec.response_ids.last().is_some_and(|id| {
+            tokenizer
+                .get_added_tokens_decoder()
+                .get(id)
+                .is_some_and(|t| t.special)
+        });
+    let text = super::policy::served_text(tokenizer, &rec.response_ids, ends_on_special)
+        .unwrap_or_else(|_| raw.clone());
     let instruction = messages
         .iter()
         .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))
@@ -179,7 +188,7 @@ pub fn turn_of(rec: &TurnRecord, index: u32, tokenizer: &tokenizers::Tokenizer) 
         turn: index,
         observation: Observation { messages, tools },
         policy: PolicyTurn {
-            action: super::policy::action_of(&text, raw, &call_prefix),
+            action: served_action(&rec.response, raw),
             prompt_ids: rec.prompt_ids.clone(),
             response_ids: rec.response_ids.clone(),
             logprobs: rec.logprobs.clone(),
@@ -193,6 +202,47 @@ pub fn turn_of(rec: &TurnRecord, index: u32, tokenizer: &tokenizers::Tokenizer) 
             outcome: None,
             info: serde_json::json!({ "end": rec.end, "finish_reason": rec.finish_reason }),
         },
+    }
+}
+
+/// The assistant message the gateway served, as an [`Action`]: its text content and its
+/// OpenAI tool calls (ids as served; arguments parsed from their JSON text, kept as a string
+/// when they are not JSON).
+fn served_action(response: &Value, raw: String) -> Action {
+    let tool_calls = response
+        .get("tool_calls")
+        .and_then(Value::as_array)
+        .map(|calls| {
+            calls
+                .iter()
+                .map(|c| {
+                    let function = c.get("function");
+                    let field = |k: &str| {
+                        function
+                            .and_then(|f| f.get(k))
+                            .and_then(Value::as_str)
+                            .unwrap_or_default()
+                            .to_string()
+                    };
+                    let arguments = field("arguments");
+                    ToolCallAction {
+                        id: c
+                            .get("id")
+                            .and_then(Value::as_str)
+                            .unwrap_or_default()
+                            .to_string(),
+                        name: field("name"),
+                        arguments: serde_json::from_str(&arguments)
+                            .unwrap_or(Value::String(arguments)),
+                    }
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Action {
+        content: super::judge::content_text(response),
+        tool_calls,
+        raw,
     }
 }
 
@@ -608,4 +658,89 @@ pub async fn run_gateway_job(
         final_checkpoint,
         wall_s: started.elapsed().as_secs_f64(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokenizer() -> tokenizers::Tokenizer {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/qwen3-tiny/tokenizer.json"
+        );
+        tokenizers::Tokenizer::from_file(path).expect("the fixture tokenizer")
+    }
+
+    fn record(tokenizer: &tokenizers::Tokenizer, text: &str, response: Value) -> TurnRecord {
+        let ids = tokenizer.encode(text, false).unwrap().get_ids().to_vec();
+        TurnRecord {
+            session_id: "s".into(),
+            version: 3,
+            model: "m".into(),
+            messages: minijinja::Value::from_serialize(
+                serde_json::json!([{"role": "user", "content": "list files"}]),
+            ),
+            tools: None,
+            prompt_text: String::new(),
+            prompt_ids: vec![1, 2],
+            logprobs: vec![0.0; ids.len()],
+            response_ids: ids,
+            response,
+            finish_reason: "tool_calls".into(),
+            created: 0,
+            next_state: None,
+            end: None,
+        }
+    }
+
+    #[test]
+    fn a_served_tool_call_keeps_its_id_arguments_and_markup() {
+        let tok = tokenizer();
+        let text = "<tool_call>\n{\"name\": \"shell_exec\", \"arguments\": {\"command\": \"ls\"}}\n</tool_call><|im_end|>";
+        let response = serde_json::json!({
+            "role": "assistant",
+            "content": null,
+            "tool_calls": [{"id": "call_abc", "type": "function",
+                "function": {"name": "shell_exec", "arguments": "{\"command\": \"ls\"}"}}],
+        });
+        let turn = turn_of(&record(&tok, text, response), 0, &tok);
+        let action = &turn.policy.action;
+        assert_eq!(action.content, "");
+        assert_eq!(action.tool_calls.len(), 1);
+        assert_eq!(action.tool_calls[0].id, "call_abc");
+        assert_eq!(action.tool_calls[0].name, "shell_exec");
+        assert_eq!(action.tool_calls[0].arguments["command"], "ls");
+        // The markup survives decoding (the fixture marks <tool_call> special); the final
+        // <|im_end|> stop token does not.
+        assert!(
+            turn.policy.response_text.starts_with("<tool_call>"),
+            "{}",
+            turn.policy.response_text
+        );
+        assert!(
+            turn.policy.response_text.ends_with("</tool_call>"),
+            "{}",
+            turn.policy.response_text
+        );
+        assert!(action.raw.ends_with("<|im_end|>"));
+    }
+
+    #[test]
+    fn unparsable_arguments_stay_text_and_plain_content_is_the_action() {
+        let tok = tokenizer();
+        let response = serde_json::json!({
+            "role": "assistant",
+            "content": "hello there",
+            "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{not json"}}],
+        });
+        let turn = turn_of(&record(&tok, "hello there", response), 1, &tok);
+        assert_eq!(turn.policy.action.content, "hello there");
+        assert_eq!(
+            turn.policy.action.tool_calls[0].arguments,
+            Value::String("{not json".into())
+        );
+        assert_eq!(turn.policy.response_text, "hello there");
+        assert_eq!(turn.turn, 1);
+    }
 }

@@ -12,6 +12,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::env::tool_call::MathTask;
 
+/// The second call's source of a two-step solution, given what the first call printed.
+pub type SecondCall<'a> = Box<dyn Fn(&str) -> String + 'a>;
+
 /// An operator of a task.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Op {
@@ -111,7 +114,7 @@ impl GenTask {
 
     /// The first sub-expression's source and the second call's source given the first's
     /// printed value.
-    pub fn two_step(&self) -> (String, Box<dyn Fn(&str) -> String + '_>) {
+    pub fn two_step(&self) -> (String, SecondCall<'_>) {
         let [a, b, c] = self.operands;
         let [o1, o2] = [self.ops[0].symbol(), self.ops[1].symbol()];
         if self.right_first() {
