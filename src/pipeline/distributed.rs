@@ -41,11 +41,11 @@ use clawrl_actors::control::{ControlReply, ControlRequest, JobRecord, JobState a
 use clawrl_actors::loops::{
     spawn_job, BoxFuture, EnvError, Environment, Episode, Generated, JobArgs, JobCounts, JobMsg,
     JobPhase, Observation, PolicyError, PolicyTurn, ProgressReport, Recorder, RecorderConfig,
-    RecorderMsg, RolloutArgs, RolloutMsg, RolloutStats, RolloutWorker, StepOutcome, Subscriber,
-    TrainSample, Trainer, TrainerArgs, TrainerEvent, TrainerMsg, TurnPolicy, WeightAnnounce,
-    WeightPublisher, WeightSource,
+    RecorderMsg, RelayPublisher, RolloutArgs, RolloutMsg, RolloutStats, RolloutWorker, StepOutcome,
+    Subscriber, TrainSample, Trainer, TrainerArgs, TrainerEvent, TrainerMsg, TurnPolicy,
+    WeightAnnounce, WeightPublisher, WeightSource,
 };
-use clawrl_actors::node::Node;
+use clawrl_actors::node::{Node, NodeConnector};
 use clawrl_actors::rpc::{self, Rpc};
 use clawrl_actors::worker::EnvSpec;
 use ractor::{Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef};
@@ -934,14 +934,32 @@ struct PoolShared {
     /// The version each host last reported serving.
     serving: Mutex<HashMap<ActorId, Option<u64>>>,
     wake: tokio::sync::Notify,
+    /// The trainer's relaying publisher, whose targets follow the hosts' nodes.
+    relay: Option<Arc<RelayPublisher<NodeConnector>>>,
 }
 
 impl PoolShared {
+    /// Points the relaying publisher at the nodes of `hosts` (actors named `<node>/rollout`),
+    /// so the next version is pushed to them before it is announced.
+    fn relay_to(&self, hosts: &[ActorCell]) {
+        if let Some(relay) = &self.relay {
+            let mut nodes: Vec<String> = hosts
+                .iter()
+                .filter_map(|h| h.get_name())
+                .filter_map(|n| n.split_once('/').map(|(node, _)| node.to_string()))
+                .collect();
+            nodes.sort();
+            nodes.dedup();
+            relay.set_targets(nodes);
+        }
+    }
+
     async fn offer_all(&self) {
         let Some(announce) = lock(&self.latest).clone() else {
             return;
         };
         let hosts = ractor::pg::get_members(&clawrl_actors::groups::ROLLOUT.to_string());
+        self.relay_to(&hosts);
         let mut calls = tokio::task::JoinSet::new();
         {
             let mut serving = lock(&self.serving);
@@ -983,8 +1001,14 @@ impl PoolShared {
 }
 
 impl RolloutPool {
-    /// Starts offering the job's versions to the cluster's rollout hosts.
-    pub fn start(job: &str, model_config: &Qwen3Config, engine: EngineOptions) -> RolloutPool {
+    /// Starts offering the job's versions to the cluster's rollout hosts; with `relay` (the
+    /// trainer's publisher), keeps its targets the nodes of the hosts.
+    pub fn start(
+        job: &str,
+        model_config: &Qwen3Config,
+        engine: EngineOptions,
+        relay: Option<Arc<RelayPublisher<NodeConnector>>>,
+    ) -> RolloutPool {
         let shared = Arc::new(PoolShared {
             job: job.to_string(),
             model_config: model_config.to_json(),
@@ -992,7 +1016,11 @@ impl RolloutPool {
             latest: Mutex::new(None),
             serving: Mutex::new(HashMap::new()),
             wake: tokio::sync::Notify::new(),
+            relay,
         });
+        shared.relay_to(&ractor::pg::get_members(
+            &clawrl_actors::groups::ROLLOUT.to_string(),
+        ));
         let s = shared.clone();
         let task = tokio::spawn(async move {
             loop {
@@ -1152,7 +1180,16 @@ pub async fn run_placed_job(
 
     // Generation on the rollout hosts, the OPD teacher here, the trainer publishing on this
     // node's bulk plane.
-    let pool = RolloutPool::start(&job_id, &model_config, engine);
+    // The trainer pushes each version through the bulk plane's relay groups to the rollout
+    // hosts' nodes before announcing it (its uplink sends about one copy whatever their
+    // number); a node the relay misses fetches from the trainer's node when offered.
+    let relay = Arc::new(
+        RelayPublisher::new(node.bulk().clone(), Vec::new()).map_err(|e| RunError::Actor {
+            what: "weight publisher",
+            message: e.to_string(),
+        })?,
+    );
+    let pool = RolloutPool::start(&job_id, &model_config, engine, Some(relay.clone()));
     let mut subscribers = vec![pool.subscriber()];
     let teacher = spawn_teacher(
         &spec,
@@ -1162,7 +1199,7 @@ pub async fn run_placed_job(
         &mut subscribers,
     )
     .await?;
-    let publisher: Arc<dyn WeightPublisher> = Arc::new(node.bulk().clone());
+    let publisher: Arc<dyn WeightPublisher> = relay;
     let (trainer, _) = Actor::spawn(
         None,
         Trainer::new(),

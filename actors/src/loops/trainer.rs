@@ -252,14 +252,20 @@ impl<C: PeerConnector> WeightPublisher for RelayPublisher<C> {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         if !targets.is_empty() {
-            if let Err(e) = self
+            match self
                 .runtime
                 .block_on(self.plane.broadcast(announce.blob, &targets))
             {
-                tracing::warn!(
+                Ok(report) => tracing::debug!(
+                    version = announce.version,
+                    delivered = ?report.delivered,
+                    retried = ?report.retried,
+                    "weights relayed"
+                ),
+                Err(e) => tracing::warn!(
                     version = announce.version,
                     "relaying the weights failed for some replicas (they will fetch): {e}"
-                );
+                ),
             }
         }
         Ok(announce)
