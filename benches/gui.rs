@@ -1,7 +1,9 @@
-//! GUI environment latency (not a test): episode start (browser launch, page load, first tree
-//! and screenshot) against a bare browser launch answering `Browser.getVersion` (the reference),
-//! and one `click` step (input events, settle, tree, screenshot) against one bare protocol round
-//! trip (`Runtime.evaluate("1")`) on the same page, all in this run, one episode at a time.
+//! GUI environment latency (not a test): episode start with no ready browser (browser launch,
+//! page load, first tree and screenshot) and with one ready in the warm pool (page load, tree,
+//! screenshot), both against a bare browser launch answering `Browser.getVersion` (the
+//! reference); and one `click` step (input events, settle, tree, screenshot) against one bare
+//! protocol round trip (`Runtime.evaluate("1")`) on the same page; all in this run, one episode
+//! at a time.
 //!
 //! `cargo bench --bench gui` (optionally `-- N`, episodes per measure, default 10). Prints p50
 //! and p99 of each and their ratios.
@@ -56,14 +58,19 @@ fn main() {
         .expect("runtime");
     let root = tempfile::tempdir().expect("tempdir");
     let tasks = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/env/gui/tasks.jsonl");
-    let env = GuiEnv::load(
-        &tasks,
-        EnvOptions {
-            work_root: Some(root.path().to_path_buf()),
-            ..EnvOptions::default()
-        },
-    )
-    .expect("the gui environment (needs chromium)");
+    let env_with = |warm_browsers: usize, dir: &str| {
+        GuiEnv::load(
+            &tasks,
+            EnvOptions {
+                work_root: Some(root.path().join(dir)),
+                warm_browsers,
+                ..EnvOptions::default()
+            },
+        )
+        .expect("the gui environment (needs chromium)")
+    };
+    let env = rt.block_on(async { env_with(0, "cold") });
+    let warm_env = rt.block_on(async { env_with(1, "warm") });
     let tickets = env
         .tasks()
         .iter()
@@ -72,6 +79,7 @@ fn main() {
     let binary = find_chromium().expect("chromium");
     rt.block_on(async {
         let (mut bare, mut start, mut close) = (Vec::new(), Vec::new(), Vec::new());
+        let mut warm_start = Vec::new();
         let (mut rtt, mut step) = (Vec::new(), Vec::new());
         for i in 0..n {
             // Reference: a bare browser up to its first answer.
@@ -115,6 +123,13 @@ fn main() {
             ep.close().await;
             close.push(t.elapsed());
 
+            // The same start with a browser ready in the pool.
+            assert_eq!(warm_env.wait_warm(Duration::from_secs(60)).await, 1);
+            let t = Instant::now();
+            let ep = warm_env.start(tickets, 0).await.expect("start");
+            warm_start.push(t.elapsed());
+            ep.close().await;
+
             // Reference: bare protocol round trips on a page.
             let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
             let mut b = Browser::launch(
@@ -155,13 +170,22 @@ fn main() {
         let (b50, b99) = (pct(&mut bare, 0.5), pct(&mut bare, 0.99));
         let (s50, s99) = (pct(&mut start, 0.5), pct(&mut start, 0.99));
         let c50 = pct(&mut close, 0.5);
+        let (w50, w99) = (pct(&mut warm_start, 0.5), pct(&mut warm_start, 0.99));
+        let stats = warm_env.browser_stats();
+        assert_eq!(stats.taken_warm as usize, n, "{stats:?}");
         let (r50, r99) = (pct(&mut rtt, 0.5), pct(&mut rtt, 0.99));
         let (t50, t99) = (pct(&mut step, 0.5), pct(&mut step, 0.99));
         println!("episodes: {n}, click steps: {}", step.len());
         println!(
-            "episode start  p50 {s50:7.1} ms  p99 {s99:7.1} ms | bare launch p50 {b50:7.1} ms  \
+            "start, cold    p50 {s50:7.1} ms  p99 {s99:7.1} ms | bare launch p50 {b50:7.1} ms  \
              p99 {b99:7.1} ms | ratio p50 {:.2}",
             s50 / b50
+        );
+        println!(
+            "start, warm    p50 {w50:7.1} ms  p99 {w99:7.1} ms | bare launch p50 {b50:7.1} ms  \
+             p99 {b99:7.1} ms | ratio p50 {:.2} (cold/warm {:.1}x)",
+            w50 / b50,
+            s50 / w50
         );
         println!(
             "click step     p50 {t50:7.1} ms  p99 {t99:7.1} ms | bare CDP call p50 {r50:7.2} ms  \

@@ -59,6 +59,10 @@ pub struct EnvOptions {
     pub max_concurrent_commands: usize,
     /// Work dirs created ahead of time, so that starting an episode takes one from the pool.
     pub warm_workdirs: usize,
+    /// GUI only: browsers launched ahead of time and kept ready, so that starting an episode
+    /// opens its page in one instead of launching (0: every episode launches its own). Counted
+    /// under `max_concurrent_commands`, which must be at least this.
+    pub warm_browsers: usize,
     /// Where work dirs are created; `None` is `<temp dir>/clawrl-env-<pid>`.
     pub work_root: Option<PathBuf>,
     /// Tool-call only: the most `code_interpreter` calls of an episode.
@@ -74,6 +78,7 @@ impl Default for EnvOptions {
             episode_deadline: Duration::from_secs(15 * 60),
             max_concurrent_commands: 64,
             warm_workdirs: 8,
+            warm_browsers: 2,
             work_root: None,
             max_tool_calls: 16,
         }

@@ -20,12 +20,27 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// Options with no ready browsers: every episode launches its own, so that the processes
+/// under `root` are exactly those of the running episodes.
 fn options(root: &Path) -> EnvOptions {
     EnvOptions {
         work_root: Some(root.to_path_buf()),
         warm_workdirs: 1,
+        warm_browsers: 0,
         ..EnvOptions::default()
     }
+}
+
+/// Polls until no browser process is left under `root` (the pool's in-flight launches end
+/// after the environment is dropped); returns what is left after 20 s.
+async fn settle_no_processes(root: &Path) -> Vec<i32> {
+    for _ in 0..200 {
+        if processes_under(root).is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    processes_under(root)
 }
 
 fn built<T>(r: Result<T, EnvBuildError>) -> T {
@@ -233,7 +248,11 @@ fn processes_under(root: &Path) -> Vec<i32> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fixture_tasks_pass_when_solved_and_fail_when_not() {
     let root = tempfile::tempdir().unwrap();
-    let env = fixture_env(options(root.path()));
+    // The default way: browsers launched ahead and kept ready.
+    let env = fixture_env(EnvOptions {
+        warm_browsers: 2,
+        ..options(root.path())
+    });
     assert_eq!(env.kind(), "gui");
     assert_eq!(env.max_steps(), 30);
     assert!(env.task_count() >= 5);
@@ -269,7 +288,66 @@ async fn fixture_tasks_pass_when_solved_and_fail_when_not() {
         assert_eq!(out.info["finish"], "answer");
         ep.close().await;
     }
-    assert_eq!(processes_under(root.path()), Vec::<i32>::new());
+    let stats = env.browser_stats();
+    assert!(stats.taken_warm >= 1, "{stats:?}");
+    assert_eq!(stats.refill_failures, 0, "{stats:?}");
+    drop(env);
+    assert_eq!(settle_no_processes(root.path()).await, Vec::<i32>::new());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ready_browsers_serve_episodes_and_a_dead_one_is_replaced() {
+    let root = tempfile::tempdir().unwrap();
+    let env = fixture_env(EnvOptions {
+        warm_browsers: 2,
+        ..options(root.path())
+    });
+    assert_eq!(env.wait_warm(Duration::from_secs(60)).await, 2);
+    assert!(!processes_under(root.path()).is_empty());
+
+    // An episode starts in a ready browser; the first step says so, and the task is solved.
+    let mut ep = env.start(0, 0).await.expect("start");
+    let stats = env.browser_stats();
+    assert_eq!((stats.taken_warm, stats.launched_cold), (1, 0), "{stats:?}");
+    let id = env.tasks()[0].id.clone();
+    let script = solution(&id);
+    let first = ep.step(&action(ep.as_ref(), &script[0])).await.unwrap();
+    assert_eq!(first.info["warm_browser"], true, "{}", first.info);
+    assert!(first.info["start_ms"].as_u64().is_some(), "{}", first.info);
+    let (out, _) = run(&mut ep, &script[1..]).await;
+    assert_eq!(out.outcome, Some(1.0), "{id}: {}", out.info);
+    ep.close().await;
+    assert_eq!(env.wait_warm(Duration::from_secs(60)).await, 2);
+
+    // Every ready browser dies while idle (no episode runs, so every process under the root is
+    // one of theirs): the next episode still starts, in a browser of its own.
+    let idle = processes_under(root.path());
+    assert!(!idle.is_empty());
+    for pid in &idle {
+        // SAFETY: plain system call on processes this test's environment started.
+        unsafe { libc::kill(*pid, libc::SIGKILL) };
+    }
+    let mut ep = env
+        .start(1, 0)
+        .await
+        .expect("start after the ready browsers died");
+    let stats = env.browser_stats();
+    assert!(stats.discarded >= 1, "{stats:?}");
+    let id = env.tasks()[1].id.clone();
+    let (out, _) = run(&mut ep, &solution(&id)).await;
+    assert_eq!(out.outcome, Some(1.0), "{id}: {}", out.info);
+    ep.close().await;
+
+    // Dropping the environment kills the ready browsers too and removes their work dirs (the
+    // pool's root goes when it is empty).
+    drop(env);
+    assert_eq!(settle_no_processes(root.path()).await, Vec::<i32>::new());
+    if let Ok(dirs) = std::fs::read_dir(root.path().join("gui")) {
+        for e in dirs {
+            let p = e.unwrap().path();
+            assert_eq!(std::fs::read_dir(&p).unwrap().count(), 0, "{p:?} not empty");
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -553,6 +631,23 @@ fn build_environment_knows_gui_and_names_bad_input() {
     assert!(text.contains("terminal.jsonl:1:"), "{text}");
     assert!(
         text.contains("`page`") || text.contains("`setup`"),
+        "{text}"
+    );
+    // More ready browsers than may be alive at once.
+    let e = build_environment(
+        "gui",
+        &fixture("tasks.jsonl"),
+        EnvOptions {
+            warm_browsers: 5,
+            max_concurrent_commands: 2,
+            ..options(root.path())
+        },
+    )
+    .err()
+    .unwrap();
+    let text = e.to_string();
+    assert!(
+        text.contains("warm_browsers") && text.contains("5") && text.contains("2"),
         "{text}"
     );
 }

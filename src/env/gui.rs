@@ -14,12 +14,15 @@
 //! dir), started in a new network namespace; the page is served from memory at
 //! [`page::PAGE_ORIGIN`] and every other request is refused. The browser does **not** run in the
 //! command sandbox ([`crate::sandbox`]): it runs as the node's user, with Chromium's own sandbox
-//! off. Closing the episode kills every process of its browser. At most
-//! `EnvOptions::max_concurrent_commands` browsers of one environment are alive at once.
+//! off. Closing the episode kills every process of its browser. Browsers are launched ahead of
+//! the episodes that will use them ([`pool`], `EnvOptions::warm_browsers` kept ready). At most
+//! `EnvOptions::max_concurrent_commands` browsers of one environment are alive at once, ready
+//! ones included.
 
 pub mod axtree;
 pub mod cdp;
 pub mod page;
+pub mod pool;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -34,8 +37,9 @@ use serde_json::{json, Map, Value};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use self::axtree::RenderedTree;
-use self::cdp::{CdpError, LaunchOptions};
+use self::cdp::CdpError;
 use self::page::{known_key, TaskPage, KEY_NAMES};
+use self::pool::{BrowserPool, Leased, PoolStats};
 use super::exec::{assistant_message, no_arg_tool, tool_message};
 use super::shell::SUBMIT_TOOL;
 use super::tasks::{check_id, check_nonblank, check_relative_path, read_jsonl, TaskError};
@@ -332,15 +336,13 @@ struct Config {
     max_steps: u32,
     observation_bytes: usize,
     deadline: Duration,
-    binary: PathBuf,
-    browsers: Arc<Semaphore>,
 }
 
 /// The GUI environment over a task set.
 pub struct GuiEnv {
     tasks: Vec<Arc<GuiTask>>,
     cfg: Arc<Config>,
-    pool: Arc<WorkDirPool>,
+    browsers: Arc<BrowserPool>,
 }
 
 impl GuiEnv {
@@ -351,8 +353,26 @@ impl GuiEnv {
 
     /// An environment over `tasks` (at least one).
     pub fn new(tasks: Vec<GuiTask>, options: EnvOptions) -> Result<Self, EnvBuildError> {
-        let pool = options.prepare("gui", tasks.len())?;
+        let workdirs: Arc<WorkDirPool> = options.prepare("gui", tasks.len())?;
+        if options.warm_browsers > options.max_concurrent_commands {
+            return Err(EnvBuildError::Options {
+                option: "warm_browsers".into(),
+                reason: format!(
+                    "{} ready browsers exceed the limit of {} browsers alive \
+                     (max_concurrent_commands)",
+                    options.warm_browsers, options.max_concurrent_commands
+                ),
+            });
+        }
         let binary = probe_browser()?;
+        let browsers = BrowserPool::new(
+            binary,
+            VIEWPORT,
+            COMMAND_TIMEOUT,
+            workdirs,
+            Arc::new(Semaphore::new(options.max_concurrent_commands)),
+            options.warm_browsers,
+        );
         Ok(Self {
             tasks: tasks.into_iter().map(Arc::new).collect(),
             cfg: Arc::new(Config {
@@ -360,11 +380,71 @@ impl GuiEnv {
                 max_steps: options.max_steps.unwrap_or(DEFAULT_MAX_STEPS),
                 observation_bytes: options.observation_bytes,
                 deadline: options.episode_deadline,
-                binary,
-                browsers: Arc::new(Semaphore::new(options.max_concurrent_commands)),
             }),
-            pool,
+            browsers,
         })
+    }
+
+    /// The warm browser pool's counters.
+    pub fn browser_stats(&self) -> PoolStats {
+        self.browsers.stats()
+    }
+
+    /// Waits until the pool has `EnvOptions::warm_browsers` browsers ready (or `timeout` has
+    /// passed); returns how many are ready. For callers that want the first episodes to start
+    /// warm, such as a benchmark.
+    pub async fn wait_warm(&self, timeout: Duration) -> usize {
+        let until = Instant::now() + timeout;
+        self.browsers.refill();
+        loop {
+            let ready = self.browsers.stats().ready;
+            if ready >= self.browsers.target() || Instant::now() >= until {
+                return ready;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// A browser showing `task`'s page: a ready one from the pool, or a fresh one when the
+    /// ready one turns out dead.
+    async fn open_page(
+        &self,
+        task: &GuiTask,
+    ) -> Result<(TaskPage, WorkDir, OwnedSemaphorePermit, bool), String> {
+        let mut leased = self.browsers.take().await.map_err(|e| e.to_string())?;
+        loop {
+            let Leased {
+                launched,
+                workdir,
+                permit,
+                warm,
+            } = leased;
+            match TaskPage::open_in(
+                launched,
+                self.browsers.viewport(),
+                &task.page_name,
+                &task.html,
+            )
+            .await
+            {
+                Ok(page) => return Ok((page, workdir, permit, warm)),
+                Err(e) if warm => {
+                    tracing::warn!(task = %task.id, "a ready browser failed to open the page, taking another: {e}");
+                    self.browsers.discarded();
+                    drop(permit);
+                    if let Err(e) = workdir.remove().await {
+                        tracing::warn!("removing a GUI work dir: {e}");
+                    }
+                    leased = self.browsers.take().await.map_err(|e| e.to_string())?;
+                }
+                Err(e) => {
+                    if let Err(e) = workdir.remove().await {
+                        tracing::warn!("removing a GUI work dir: {e}");
+                    }
+                    return Err(e.to_string());
+                }
+            }
+        }
     }
 
     /// The tasks.
@@ -383,25 +463,8 @@ impl GuiEnv {
             task: task_id.clone(),
             reason,
         };
-        let permit = Arc::clone(&self.cfg.browsers)
-            .acquire_owned()
-            .await
-            .expect("semaphore never closed");
-        let wd = self
-            .pool
-            .take()
-            .map_err(|e| setup_err(format!("creating the work dir: {e}")))?;
-        let opts = LaunchOptions {
-            binary: self.cfg.binary.clone(),
-            dir: wd.path().join("browser"),
-            width: VIEWPORT.0,
-            height: VIEWPORT.1,
-            timeout: COMMAND_TIMEOUT,
-        };
-        let page = TaskPage::open(&opts, &task.page_name, &task.html)
-            .await
-            .map_err(|e| setup_err(e.to_string()))?;
-        let launch_ms = started.elapsed().as_millis() as u64;
+        let (page, wd, permit, warm_browser) = self.open_page(&task).await.map_err(setup_err)?;
+        let start_ms = started.elapsed().as_millis() as u64;
         let mut ep = GuiEpisode {
             deadline: started + self.cfg.deadline,
             task,
@@ -412,8 +475,10 @@ impl GuiEnv {
             tree: RenderedTree::default(),
             steps: 0,
             done: false,
-            launch_ms,
+            start_ms,
+            warm_browser,
             _permit: permit,
+            browsers: Arc::clone(&self.browsers),
         };
         let state = match ep.snapshot().await {
             Ok(s) => s,
@@ -460,8 +525,12 @@ pub struct GuiEpisode {
     steps: u32,
     done: bool,
     deadline: Instant,
-    launch_ms: u64,
+    /// Milliseconds from the start until the page was shown, and whether its browser was
+    /// ready in the pool (reported in the first step's info).
+    start_ms: u64,
+    warm_browser: bool,
     _permit: OwnedSemaphorePermit,
+    browsers: Arc<BrowserPool>,
 }
 
 impl GuiEpisode {
@@ -646,7 +715,8 @@ impl GuiEpisode {
         info["blocked_requests"] = json!(self.page().blocked_requests());
         info["step_ms"] = json!(t0.elapsed().as_millis() as u64);
         if step == 1 {
-            info["launch_ms"] = json!(self.launch_ms);
+            info["start_ms"] = json!(self.start_ms);
+            info["warm_browser"] = json!(self.warm_browser);
         }
         self.messages.extend(next_state.iter().cloned());
         Ok(StepOutcome {
@@ -690,7 +760,10 @@ impl Episode for GuiEpisode {
                     tracing::warn!("removing a GUI episode's work dir: {e}");
                 }
             }
+            let browsers = Arc::clone(&self.browsers);
+            // Frees the episode's place under the browser limit, which a refill may now take.
             drop(self);
+            browsers.refill();
         })
     }
 }

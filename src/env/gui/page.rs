@@ -158,6 +158,26 @@ fn soft<T>(r: Result<T, CdpError>) -> Result<Result<T, String>, CdpError> {
     }
 }
 
+/// A browser started for one task page and not yet showing it: what a warm pool holds.
+pub struct Launched {
+    browser: Browser,
+    events: mpsc::UnboundedReceiver<Value>,
+}
+
+impl Launched {
+    /// Starts a browser (its profile and `HOME` in `opts.dir`) and waits for its first answer.
+    pub async fn launch(opts: &LaunchOptions) -> Result<Launched, CdpError> {
+        let (tx, events) = mpsc::unbounded_channel();
+        let browser = Browser::launch(opts, tx).await?;
+        Ok(Launched { browser, events })
+    }
+
+    /// Kills the browser; returns how many of its processes had to be swept.
+    pub async fn kill(mut self) -> usize {
+        self.browser.kill().await
+    }
+}
+
 impl TaskPage {
     /// Starts a browser and opens `html` in it at `PAGE_ORIGIN/<file_name>`.
     pub async fn open(
@@ -165,8 +185,22 @@ impl TaskPage {
         file_name: &str,
         html: &str,
     ) -> Result<TaskPage, CdpError> {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let mut browser = Browser::launch(opts, tx).await?;
+        let launched = Launched::launch(opts).await?;
+        Self::open_in(launched, (opts.width, opts.height), file_name, html).await
+    }
+
+    /// Opens `html` at `PAGE_ORIGIN/<file_name>` in a new tab of `launched`, with a viewport of
+    /// `(width, height)` CSS pixels. On failure the browser is killed.
+    pub async fn open_in(
+        launched: Launched,
+        (width, height): (u32, u32),
+        file_name: &str,
+        html: &str,
+    ) -> Result<TaskPage, CdpError> {
+        let Launched {
+            mut browser,
+            events: rx,
+        } = launched;
         let cdp = browser.cdp().clone();
         let page_url = format!("{PAGE_ORIGIN}/{file_name}");
         let blocked = Arc::new(AtomicU64::new(0));
@@ -204,7 +238,7 @@ impl TaskPage {
             cdp.call("Page.enable", json!({}), s).await?;
             cdp.call(
                 "Emulation.setDeviceMetricsOverride",
-                json!({"width": opts.width, "height": opts.height, "deviceScaleFactor": 1,
+                json!({"width": width, "height": height, "deviceScaleFactor": 1,
                        "mobile": false}),
                 s,
             )
