@@ -6,8 +6,10 @@
 //! - `opd`: a turn with an accepted hint gets `w_opd · (teacher_k − old_k)`; others give nothing.
 //! - `combined`: the four-case dispatch of [`crate::rl::combine`].
 //! - `stepwise`: each step's reward is [`crate::rl::step_reward`] of the episode outcome and the
-//!   step's process score; rewards are z-scored in (task, step index) buckets over the episodes
-//!   of one build ([`crate::rl::zscore_buckets`]).
+//!   step's process score (0 for a step without a next state); rewards are z-scored in (task,
+//!   step index) buckets over the episodes of one build ([`crate::rl::zscore_buckets`]). Steps
+//!   without a next state are left out, except the final step of an episode that ended with an
+//!   outcome (a final answer), which is rewarded with the outcome alone.
 //!
 //! The teacher is a rollout worker over [`TeacherScorer`]: its "generation" is scoring the
 //! original response under `s_enhanced` with [`crate::judge::TeacherModel`] (the hint on the last
@@ -285,6 +287,7 @@ impl MethodBuilder {
                 let mut steps = Vec::new();
                 let mut refs = Vec::new();
                 for ep in episodes {
+                    let has_outcome = matches!(ep.reason, EndReason::Done { outcome: Some(_) });
                     let o = match ep.reason {
                         EndReason::Done { outcome: Some(o) } => o,
                         _ => match self.step_kind {
@@ -300,8 +303,13 @@ impl MethodBuilder {
                         }
                         _ => o,
                     };
-                    for jt in &ep.turns {
-                        if jt.turn.outcome.next_state.is_empty()
+                    let last = ep.turns.len().saturating_sub(1);
+                    for (i, jt) in ep.turns.iter().enumerate() {
+                        // A step without a next state has no process score; it is still a step
+                        // of the episode when it is the one that ended it with an outcome (a
+                        // final answer): it is rewarded with the outcome alone.
+                        let final_step = i == last && has_outcome;
+                        if (jt.turn.outcome.next_state.is_empty() && !final_step)
                             || jt.turn.policy.response_ids.is_empty()
                         {
                             continue;
