@@ -202,14 +202,13 @@ pub fn build_env(spec: &JobSpec) -> Result<Arc<dyn Environment>, RunError> {
             } else {
                 kind
             };
-            let defaults = crate::env::EnvOptions::default();
             let options = crate::env::EnvOptions {
                 max_steps: spec.env.max_steps,
                 episode_deadline: episode_deadline(spec),
                 // GUI: as many ready browsers as sessions run at once (at most 8), so that the
                 // first wave and every replacement session start without a launch.
                 warm_browsers: (spec.env.parallelism as usize).clamp(1, 8),
-                ..defaults
+                ..Default::default()
             };
             crate::env::build_environment(kind, &tasks, options).map_err(|e| err(e.to_string()))
         }

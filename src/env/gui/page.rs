@@ -171,11 +171,6 @@ impl Launched {
         let browser = Browser::launch(opts, tx).await?;
         Ok(Launched { browser, events })
     }
-
-    /// Kills the browser; returns how many of its processes had to be swept.
-    pub async fn kill(mut self) -> usize {
-        self.browser.kill().await
-    }
 }
 
 impl TaskPage {
