@@ -268,6 +268,39 @@ async fn a_prompt_longer_than_the_context_is_refused_before_any_session() {
     assert!(!dir.path().join("run-terminal").join("records").exists());
 }
 
+/// A step-wise job of `kind` on a random policy at `ckpt` with `max_context` positions.
+fn random_policy_job<'a>(
+    ckpt: &'a Path,
+    kind: &'a str,
+    tasks: &'a str,
+    max_context: usize,
+) -> Job<'a> {
+    Job {
+        checkpoint: ckpt,
+        kind,
+        tasks,
+        temperature: 1.0,
+        max_new_tokens: 16,
+        max_steps: 2,
+        method: "stepwise",
+        max_context,
+    }
+}
+
+/// The final turns of the job's episodes: at least one, each with outcome -1.
+fn failed_episode_ends(records: &[(String, Value)]) -> Vec<&Value> {
+    let ended: Vec<&Value> = records
+        .iter()
+        .filter(|(k, v)| k == "turn" && v["done"] == true)
+        .map(|(_, v)| v)
+        .collect();
+    assert!(!ended.is_empty(), "no episode ended");
+    for v in &ended {
+        assert_eq!(v["outcome"].as_f64(), Some(-1.0), "{v}");
+    }
+    ended
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_random_policy_runs_a_tool_call_job() {
     let dir = tempfile::tempdir().unwrap();
@@ -278,28 +311,11 @@ async fn a_random_policy_runs_a_tool_call_job() {
         first_line("tests/fixtures/env/tool_call.jsonl"),
     )
     .unwrap();
-    let job = Job {
-        checkpoint: &ckpt,
-        kind: "tool_call",
-        tasks: "t.jsonl",
-        temperature: 1.0,
-        max_new_tokens: 16,
-        max_steps: 2,
-        method: "stepwise",
-        max_context: 2048,
-    };
+    let job = random_policy_job(&ckpt, "tool_call", "t.jsonl", 2048);
     let (r, records) = run(dir.path(), &job).await.unwrap();
     check_job("tool_call", &r, &records);
     // Random text is an answer; it is matched against the reference and fails.
-    let ended: Vec<&Value> = records
-        .iter()
-        .filter(|(k, v)| k == "turn" && v["done"] == true)
-        .map(|(_, v)| v)
-        .collect();
-    assert!(!ended.is_empty());
-    for v in ended {
-        assert_eq!(v["outcome"].as_f64(), Some(-1.0), "{v}");
-    }
+    failed_episode_ends(&records);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -311,24 +327,11 @@ async fn a_random_policy_runs_a_swe_job() {
         &Path::new(ROOT).join("tests/fixtures/env/swe/py_median"),
         &dir.path().join("swe/py_median"),
     );
-    let job = Job {
-        checkpoint: &ckpt,
-        kind: "swe",
-        tasks: "swe",
-        temperature: 1.0,
-        max_new_tokens: 16,
-        max_steps: 2,
-        method: "stepwise",
-        max_context: 2048,
-    };
+    let job = random_policy_job(&ckpt, "swe", "swe", 2048);
     let (r, records) = run(dir.path(), &job).await.unwrap();
     check_job("swe", &r, &records);
     // The repository's tests decided: the bug is still there.
-    for (_, v) in records
-        .iter()
-        .filter(|(k, v)| k == "turn" && v["done"] == true)
-    {
-        assert_eq!(v["outcome"].as_f64(), Some(-1.0), "{v}");
+    for v in failed_episode_ends(&records) {
         assert!(v["info"]["check"].is_object(), "{v}");
     }
 }
@@ -345,29 +348,12 @@ async fn a_random_policy_runs_a_gui_job() {
     )
     .unwrap();
     std::fs::copy(gui.join("signup.html"), dir.path().join("signup.html")).unwrap();
-    let job = Job {
-        checkpoint: &ckpt,
-        kind: "gui",
-        tasks: "t.jsonl",
-        temperature: 1.0,
-        max_new_tokens: 16,
-        max_steps: 2,
-        method: "stepwise",
-        max_context: 8192,
-    };
+    let job = random_policy_job(&ckpt, "gui", "t.jsonl", 8192);
     let (r, records) = run(dir.path(), &job).await.unwrap();
     check_job("gui", &r, &records);
     // The page's check decided every episode (a random policy does not sign up), and each
     // first observation was the page's tree with a screenshot taken in a browser.
-    let ended: Vec<&Value> = records
-        .iter()
-        .filter(|(k, v)| k == "turn" && v["done"] == true)
-        .map(|(_, v)| v)
-        .collect();
-    assert!(!ended.is_empty());
-    for v in ended {
-        assert_eq!(v["outcome"].as_f64(), Some(-1.0), "{v}");
-    }
+    failed_episode_ends(&records);
     let first = records
         .iter()
         .find(|(k, v)| k == "turn" && v["turn"] == 0)
