@@ -30,7 +30,7 @@
 //! `WU_REPLICAS` (default `1,4`); `WU_MODE` (`inproc` (default), `procs`, `both`). Prints one
 //! JSON line per configuration and a table.
 
-#[path = "../actors/tests/bulk_net/loopback.rs"]
+#[path = "../actors/tests/runtime/loopback.rs"]
 mod loopback;
 #[path = "weight_update/procs.rs"]
 mod procs;

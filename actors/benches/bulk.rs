@@ -10,7 +10,7 @@
 //! `BULK_BENCH_MIB` (default 256) sets the blob size, `BULK_BENCH_CHUNK_KIB` (default 1024) the
 //! chunk size, `BULK_BENCH_FANOUT` (default 1, a chain) the relay fan-out.
 
-#[path = "../tests/bulk_net/loopback.rs"]
+#[path = "../tests/runtime/loopback.rs"]
 mod loopback;
 
 use std::time::{Duration, Instant};

@@ -81,6 +81,10 @@ pub struct JobRecord {
     /// The running job's counts, as its supervisor last reported them.
     #[serde(default)]
     pub progress: Option<crate::loops::job::JobCounts>,
+    /// A trainer-step limit set after submission ([`ControlRequest::SetMaxSteps`]); it
+    /// replaces the spec's `stop.max_steps` wherever the job runs, restarts included.
+    #[serde(default)]
+    pub max_steps: Option<u64>,
 }
 
 /// A request to Control.
@@ -97,6 +101,14 @@ pub enum ControlRequest {
     Status(Option<String>),
     /// Cancel a job.
     Cancel(String),
+    /// Stop a job once its trainer has made `max_steps` optimizer steps, replacing the
+    /// spec's `stop.max_steps` (raised or lowered; the job's other stop bounds still hold).
+    SetMaxSteps {
+        /// The job id.
+        id: String,
+        /// The new limit (at least 1).
+        max_steps: u64,
+    },
     /// All jobs.
     List,
     /// A job's supervisor reports its counts (shown by `status`).
@@ -225,13 +237,28 @@ impl ControlState {
         self.args.dir.join("jobs.json")
     }
 
+    /// Stores the jobs crash-safely: a private temporary file, fsynced, renamed over
+    /// `jobs.json`, then the directory fsynced so the rename itself survives a crash.
     fn persist(&self) {
+        use std::io::Write;
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
         let jobs: Vec<&JobRecord> = self.jobs.values().collect();
         let write = || -> std::io::Result<()> {
-            std::fs::create_dir_all(&self.args.dir)?;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&self.args.dir)?;
             let tmp = self.args.dir.join("jobs.json.tmp");
-            std::fs::write(&tmp, serde_json::to_vec_pretty(&jobs)?)?;
-            std::fs::rename(&tmp, self.store_path())
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            f.write_all(&serde_json::to_vec_pretty(&jobs)?)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, self.store_path())?;
+            std::fs::File::open(&self.args.dir)?.sync_all()
         };
         if let Err(e) = write() {
             tracing::error!(
@@ -366,6 +393,7 @@ impl ControlState {
                         placement: Placement::default(),
                         submitted_unix: now_unix(),
                         progress: None,
+                        max_steps: None,
                     },
                 );
                 self.persist();
@@ -391,6 +419,20 @@ impl ControlState {
                 }
                 None => ControlReply::Error(format!("no job `{id}`")),
             },
+            ControlRequest::SetMaxSteps { id, max_steps } => match self.find(&id) {
+                _ if max_steps == 0 => ControlReply::Error("max_steps must be at least 1".into()),
+                Some(k) if !self.jobs[&k].is_active() => ControlReply::Error(format!(
+                    "job `{id}` has ended; its step limit cannot change"
+                )),
+                Some(k) => {
+                    let j = self.jobs.get_mut(&k).expect("found above");
+                    j.max_steps = Some(max_steps);
+                    tracing::info!("control: {id} now stops at {max_steps} trainer steps");
+                    self.persist();
+                    ControlReply::Jobs(vec![self.jobs[&k].clone()])
+                }
+                None => ControlReply::Error(format!("no job `{id}`")),
+            },
             ControlRequest::Cancel(id) => match self.find(&id) {
                 Some(k) => {
                     let j = self.jobs.get_mut(&k).expect("found above");
@@ -410,6 +452,22 @@ impl ControlState {
     }
 }
 
+/// Parses a `jobs.json`: the jobs by number, and the next free number.
+fn parse_jobs(bytes: &[u8]) -> Result<(BTreeMap<u64, JobRecord>, u64), String> {
+    let jobs: Vec<JobRecord> = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+    let mut map = BTreeMap::new();
+    let mut next_id = 1;
+    for j in jobs {
+        let n: u64 =
+            j.id.strip_prefix("job-")
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| format!("a bad job id `{}`", j.id))?;
+        next_id = next_id.max(n + 1);
+        map.insert(n, j);
+    }
+    Ok((map, next_id))
+}
+
 impl Actor for Control {
     type Msg = Rpc;
     type State = ControlState;
@@ -421,24 +479,30 @@ impl Actor for Control {
         args: ControlArgs,
     ) -> Result<ControlState, ActorProcessingErr> {
         let path = args.dir.join("jobs.json");
-        let jobs: Vec<JobRecord> = match std::fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map_err(|e| format!("control: {} is corrupt: {e}", path.display()))?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        let (map, next_id) = match std::fs::read(&path) {
+            Ok(bytes) => match parse_jobs(&bytes) {
+                Ok(loaded) => loaded,
+                Err(e) => {
+                    // A corrupt store must not keep Control (and so the node) down: it is
+                    // kept aside for a person to inspect and Control starts with no jobs.
+                    let aside = args.dir.join(format!("jobs.json.corrupt-{}", now_unix()));
+                    std::fs::rename(&path, &aside).map_err(|re| {
+                        format!(
+                            "control: {} is corrupt ({e}) and cannot be moved aside: {re}",
+                            path.display()
+                        )
+                    })?;
+                    tracing::error!(
+                        "control: {} is corrupt ({e}); moved to {} and starting with no jobs",
+                        path.display(),
+                        aside.display()
+                    );
+                    (BTreeMap::new(), 1)
+                }
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (BTreeMap::new(), 1),
             Err(e) => return Err(format!("control: cannot read {}: {e}", path.display()).into()),
         };
-        let mut map = BTreeMap::new();
-        let mut next_id = 1;
-        for j in jobs {
-            let n: u64 =
-                j.id.strip_prefix("job-")
-                    .and_then(|s| s.parse().ok())
-                    .ok_or_else(|| {
-                        format!("control: {} holds a bad job id `{}`", path.display(), j.id)
-                    })?;
-            next_id = next_id.max(n + 1);
-            map.insert(n, j);
-        }
         if !map.is_empty() {
             tracing::info!("control: loaded {} jobs from {}", map.len(), path.display());
         }
@@ -522,6 +586,113 @@ mod tests {
         }
     }
 
+    struct AnySpec;
+    impl JobValidator for AnySpec {
+        fn validate(&self, _file: &str, _text: &str) -> Result<JobNeeds, String> {
+            Ok(needs(1))
+        }
+    }
+
+    async fn spawn_control(dir: &std::path::Path) -> ActorRef<Rpc> {
+        let (control, _) = Actor::spawn(
+            None,
+            Control,
+            ControlArgs {
+                validator: Arc::new(AnySpec),
+                dir: dir.to_path_buf(),
+                label: "test".into(),
+            },
+        )
+        .await
+        .expect("control starts");
+        control
+    }
+
+    async fn ask(control: &ActorRef<Rpc>, req: &ControlRequest) -> ControlReply {
+        rpc::call(&control.get_cell(), req, Duration::from_secs(10))
+            .await
+            .expect("control answers")
+    }
+
+    /// A corrupt `jobs.json` is moved aside and Control starts empty; what it stores next is
+    /// private to the node's user and parses back.
+    #[tokio::test]
+    async fn a_corrupt_store_is_moved_aside_and_the_new_one_is_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("jobs.json"), b"[{\"id\": \"job-1\", tor").unwrap();
+        let control = spawn_control(dir.path()).await;
+        let names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(
+            names.iter().any(|n| n.starts_with("jobs.json.corrupt-")),
+            "{names:?}"
+        );
+        let submit = ControlRequest::Submit {
+            file: "j.toml".into(),
+            spec: "x".into(),
+        };
+        let ControlReply::Jobs(jobs) = ask(&control, &submit).await else {
+            panic!("submit refused")
+        };
+        assert_eq!(jobs[0].id, "job-1");
+        let store = dir.path().join("jobs.json");
+        let mode = std::fs::metadata(&store).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{mode:o}");
+        let (stored, next) = parse_jobs(&std::fs::read(&store).unwrap()).unwrap();
+        assert_eq!((stored.len(), next), (1, 2));
+        control.stop(None);
+    }
+
+    /// A step limit set after submission is stored with the job; nonsense is refused by name.
+    #[tokio::test]
+    async fn the_step_limit_is_stored_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let control = spawn_control(dir.path()).await;
+        let submit = ControlRequest::Submit {
+            file: "j.toml".into(),
+            spec: "x".into(),
+        };
+        assert!(matches!(
+            ask(&control, &submit).await,
+            ControlReply::Jobs(_)
+        ));
+        let set = |id: &str, max_steps| ControlRequest::SetMaxSteps {
+            id: id.into(),
+            max_steps,
+        };
+        match ask(&control, &set("job-1", 0)).await {
+            ControlReply::Error(e) => assert!(e.contains("max_steps"), "{e}"),
+            r => panic!("{r:?}"),
+        }
+        match ask(&control, &set("job-9", 5)).await {
+            ControlReply::Error(e) => assert!(e.contains("job-9"), "{e}"),
+            r => panic!("{r:?}"),
+        }
+        let ControlReply::Jobs(jobs) = ask(&control, &set("job-1", 5)).await else {
+            panic!("refused")
+        };
+        assert_eq!(jobs[0].max_steps, Some(5));
+        control.stop_and_wait(None, None).await.unwrap();
+        // It is stored, so it survives Control's restart.
+        let (stored, _) =
+            parse_jobs(&std::fs::read(dir.path().join("jobs.json")).unwrap()).unwrap();
+        assert_eq!(stored[&1].max_steps, Some(5));
+        // An ended job's limit cannot change.
+        let control = spawn_control(dir.path()).await;
+        assert!(matches!(
+            ask(&control, &ControlRequest::Cancel("job-1".into())).await,
+            ControlReply::Jobs(_)
+        ));
+        match ask(&control, &set("job-1", 7)).await {
+            ControlReply::Error(e) => assert!(e.contains("ended"), "{e}"),
+            r => panic!("{r:?}"),
+        }
+        control.stop(None);
+    }
+
     #[test]
     fn only_running_jobs_are_active() {
         let mut job = JobRecord {
@@ -533,6 +704,7 @@ mod tests {
             placement: Placement::default(),
             submitted_unix: 0,
             progress: None,
+            max_steps: None,
         };
         assert!(job.is_active());
         let mut counts = crate::loops::job::JobCounts {

@@ -1,5 +1,5 @@
 //! `clawrl` subcommands of the cluster area: certificates (`cluster init`), running a node
-//! (`node`, `attach`), and talking to the cluster (`submit`, `status`, `cancel`, `nodes`, `ping`).
+//! (`node`, `attach`), and talking to the cluster (`submit`, `status`, `cancel`, `limit`, `nodes`, `ping`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -66,6 +66,20 @@ pub enum Commands {
     Cancel {
         /// The job id.
         job: String,
+        /// Config of the node to talk to.
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Change when a running job stops: after `--max-steps` trainer optimizer steps in all
+    /// (raised or lowered; it replaces the spec's `stop.max_steps`, survives a restart of the
+    /// trainer node, and the spec's other stop bounds still hold). Applies to jobs run by the
+    /// cluster's trainer nodes (`clawrl submit`).
+    Limit {
+        /// The job id.
+        job: String,
+        /// Stop once the trainer has made this many optimizer steps (at least 1).
+        #[arg(long)]
+        max_steps: u64,
         /// Config of the node to talk to.
         #[arg(long)]
         config: PathBuf,
@@ -283,6 +297,15 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
         }
         Commands::Cancel { job, config } => {
             print_jobs(&control(&config, ControlRequest::Cancel(job))?);
+            Ok(())
+        }
+        Commands::Limit {
+            job,
+            max_steps,
+            config,
+        } => {
+            let req = ControlRequest::SetMaxSteps { id: job, max_steps };
+            print_jobs(&control(&config, req)?);
             Ok(())
         }
         Commands::Nodes { config, json } => match ask(&config, CliRequest::Nodes)? {

@@ -141,6 +141,10 @@ pub trait TrainerLink<S>: Send + Sync + 'static {
     fn idle(&self) -> BoxFuture<'_, Result<TrainerCounts, String>> {
         self.counts()
     }
+
+    /// Replaces the trainer's own step limit, when it keeps one (the job's step limit
+    /// changed while it runs).
+    fn set_max_steps(&self, max_steps: Option<u64>) -> Result<(), String>;
 }
 
 fn trainer_counts(s: &TrainerStats) -> TrainerCounts {
@@ -177,6 +181,11 @@ impl TrainerLink<TrainSample> for ActorRef<TrainerMsg> {
                 .map(|s| trainer_counts(&s))
                 .map_err(|e| format!("waiting for the trainer: {e}"))
         })
+    }
+
+    fn set_max_steps(&self, max_steps: Option<u64>) -> Result<(), String> {
+        self.cast(TrainerMsg::SetMaxSteps(max_steps))
+            .map_err(|e| format!("the trainer is gone: {e}"))
     }
 }
 
@@ -348,6 +357,9 @@ pub enum JobMsg<S> {
     Tick,
     /// Stop now (as if the stop condition were reached) and drain.
     Stop,
+    /// Replace the trainer-step bound of the stop condition (and the trainer's own limit). A
+    /// job already draining keeps draining.
+    SetMaxSteps(u64),
     /// Write a record (e.g. a trainer step event) to the job's records.
     Record {
         /// The weight version the record belongs to.
@@ -1042,6 +1054,13 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
                 }
             }
             JobMsg::Stop => state.begin_drain("stop requested"),
+            JobMsg::SetMaxSteps(max_steps) => {
+                tracing::info!(job = %state.args.job, max_steps, "the job's step limit changed");
+                state.args.settings.stop.max_trainer_steps = Some(max_steps);
+                if let Err(e) = state.args.trainer.set_max_steps(Some(max_steps)) {
+                    state.counts.last_error = Some(e);
+                }
+            }
             JobMsg::Record {
                 version,
                 kind,

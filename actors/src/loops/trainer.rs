@@ -570,6 +570,9 @@ pub enum TrainerMsg {
     Idle(RpcReplyPort<TrainerStats>),
     /// Writes a checkpoint now (after the step in flight); replies its directory.
     Checkpoint(RpcReplyPort<Result<PathBuf, String>>),
+    /// Replaces the step limit ([`TrainerConfig::max_steps`]); samples held back by the old
+    /// limit are stepped on at once when the new one allows it.
+    SetMaxSteps(Option<u64>),
     /// Internal: the learner thread finished a step.
     #[doc(hidden)]
     StepDone(Box<StepDone>),
@@ -1389,6 +1392,11 @@ impl<L: Learner> Actor for Trainer<L> {
             TrainerMsg::Unsubscribe(id) => state.subscribers.retain(|(i, _)| *i != id),
             TrainerMsg::Flush => {
                 state.flush = true;
+                state.maybe_step();
+            }
+            TrainerMsg::SetMaxSteps(max_steps) => {
+                tracing::info!(?max_steps, "trainer step limit changed");
+                state.config.max_steps = max_steps.filter(|&m| m > 0);
                 state.maybe_step();
             }
             TrainerMsg::Idle(port) => {

@@ -1,26 +1,31 @@
-//! A job across several `clawrl node` processes on loopback (mutual TLS), and the faults of
-//! issue 6: a rollout node SIGKILLed mid-job (its sessions re-route, the job completes), an
-//! environment node SIGKILLed (its sessions restart on the other node or count as lost), and
-//! the trainer node SIGKILLed (restarted, it resumes from the last checkpoint and versions keep
-//! counting up). Every job uses the fixture policy, a scripted environment and a scripted
-//! judge; counts must balance (`produced = trained + dropped_stale + failed + pending`).
+//! A job across several `clawrl node` processes on loopback (mutual TLS), and its faults: a
+//! rollout node SIGKILLed mid-job (its sessions re-route, the job completes), an environment
+//! node SIGKILLed (its sessions restart on the other node or count as lost), and the trainer
+//! node SIGKILLed (restarted, it resumes from the last checkpoint and versions keep counting
+//! up). Every job uses the fixture policy, a scripted environment and a scripted judge; counts
+//! must balance (`produced = trained + dropped_stale + failed + pending`).
+//!
+//! No test races its job: each job is submitted with a step limit it cannot reach
+//! ([`HELD_OPEN`]), so it is still running when the fault is in place whatever the machine's
+//! speed; only then does the test set the real limit through Control (`clawrl limit`), above
+//! the steps already made, and the job runs on to it.
 //!
 //! The three tests share the machine's cores, so they run one at a time.
-
-#[path = "cluster/util.rs"]
-mod util;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use crate::util::*;
 use serde_json::Value;
-use util::*;
 
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3-tiny");
 /// Generous: waits end as soon as their condition holds.
 const LONG: Duration = Duration::from_secs(240);
+/// The step limit jobs are submitted with: far more steps than a test ever waits for, so a
+/// job ends only after the test has set its real limit.
+const HELD_OPEN: u64 = 1_000_000;
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -119,8 +124,8 @@ impl Cluster {
         .unwrap_or_else(|| panic!("the cluster never noticed the loss:\n{}", self.logs()));
     }
 
-    /// Writes the job spec and submits it; returns the job id.
-    fn submit(&self, parallelism: u32, max_steps: u64, checkpoint_every: u64) -> String {
+    /// Writes the job spec and submits it, held open ([`HELD_OPEN`]); returns the job id.
+    fn submit(&self, parallelism: u32, checkpoint_every: u64) -> String {
         let tasks = self.dir.path().join("tasks.jsonl");
         std::fs::write(
             &tasks,
@@ -157,7 +162,7 @@ kind = "scripted"
 parallelism = {parallelism}
 tasks = "tasks.jsonl"
 [stop]
-max_steps = {max_steps}
+max_steps = {HELD_OPEN}
 "#
         );
         let job = self.dir.path().join("job.toml");
@@ -189,6 +194,31 @@ max_steps = {max_steps}
             (!p.is_null() && ok(&p)).then_some(p)
         })
         .unwrap_or_else(|| panic!("{what} never happened:\n{}", self.logs()))
+    }
+
+    /// Sets the job's step limit through Control.
+    fn limit(&self, job: &str, max_steps: u64) {
+        clawrl_ok(&[
+            "limit",
+            job,
+            "--max-steps",
+            &max_steps.to_string(),
+            "--config",
+            self.control().to_str().unwrap(),
+        ]);
+    }
+
+    /// Once the job has made progress past `after` (more turns and more trainer steps), sets
+    /// its step limit a few steps above where it stands; returns the limit.
+    fn finish_after_progress(&self, job: &str, after: &Value) -> u64 {
+        let (turns, steps) = (n(after, "turns"), n(&after["trainer"], "steps"));
+        let now = self.wait_counts(job, "progress after the fault", |p| {
+            p["turns"].as_u64().unwrap_or(0) > turns
+                && p["trainer"]["steps"].as_u64().unwrap_or(0) > steps
+        });
+        let max_steps = n(&now["trainer"], "steps") + 2;
+        self.limit(job, max_steps);
+        max_steps
     }
 
     fn wait_finished(&self, job: &str) -> Value {
@@ -228,8 +258,7 @@ fn a_job_survives_a_rollout_node_killed_mid_job() {
     c.start("e1", &["env"], Some("scripted:4"));
     c.wait_up(&[("clawrl.rollout", 2), ("clawrl.envhost.scripted", 1)]);
 
-    let max_steps = 40;
-    let job = c.submit(4, max_steps, 0);
+    let job = c.submit(4, 0);
     // Both rollout nodes serve the job, and turns flow.
     let before = c.wait_counts(&job, "turns through both rollout nodes", |p| {
         p["turns"].as_u64().unwrap_or(0) >= 12
@@ -245,12 +274,10 @@ fn a_job_survives_a_rollout_node_killed_mid_job() {
     // Once the cluster has noticed (r1 left the group), the job is still running...
     c.wait_up_after_loss(&[("clawrl.rollout", 1)]);
     let after = c.wait_counts(&job, "counts after the kill", |_| true);
-    assert_eq!(
-        after["phase"], "running",
-        "the job ended before the kill took effect: {after}"
-    );
+    assert_eq!(after["phase"], "running", "{after}");
     assert!(n(&after, "turns") >= n(&before, "turns"));
-    // ... and completes, with turns generated by r2 alone.
+    // ... goes on with turns generated by r2 alone, and completes.
+    let max_steps = c.finish_after_progress(&job, &after);
     let end = c.wait_finished(&job);
     assert_completed(&end, max_steps);
     assert!(
@@ -271,8 +298,7 @@ fn a_job_survives_an_environment_node_killed_mid_job() {
     c.start("e2", &["env"], Some("scripted:2"));
     c.wait_up(&[("clawrl.rollout", 1), ("clawrl.envhost.scripted", 2)]);
 
-    let max_steps = 40;
-    let job = c.submit(4, max_steps, 0);
+    let job = c.submit(4, 0);
     c.wait_counts(&job, "turns on both environment nodes", |p| {
         p["turns"].as_u64().unwrap_or(0) >= 12
     });
@@ -288,10 +314,8 @@ fn a_job_survives_an_environment_node_killed_mid_job() {
     c.kill("e1");
     c.wait_up_after_loss(&[("clawrl.envhost.scripted", 1)]);
     let after = c.wait_counts(&job, "counts after the kill", |_| true);
-    assert_eq!(
-        after["phase"], "running",
-        "the job ended before the kill took effect: {after}"
-    );
+    assert_eq!(after["phase"], "running", "{after}");
+    let max_steps = c.finish_after_progress(&job, &after);
     let end = c.wait_finished(&job);
     assert!(
         n(&end, "turns") > n(&after, "turns"),
@@ -327,18 +351,26 @@ fn a_restarted_trainer_node_resumes_the_job_from_its_checkpoint() {
     c.start("e1", &["env", "rollout"], Some("scripted:2"));
     c.wait_up(&[("clawrl.rollout", 2), ("clawrl.envhost.scripted", 1)]);
 
-    let max_steps = 12;
-    let job = c.submit(2, max_steps, 1);
+    let job = c.submit(2, 1);
     let before = c.wait_counts(&job, "three trainer versions", |p| {
         p["trainer"]["version"].as_u64().unwrap_or(0) >= 3
     });
     c.kill("tr");
+    // The dead incarnation checkpointed after every step, so it made at most one step past
+    // its newest checkpoint.
     let checkpoints = c.dir.path().join(format!("data/tr/jobs/{job}/checkpoints"));
-    assert!(
-        std::fs::read_dir(&checkpoints).is_ok_and(|mut d| d.next().is_some()),
-        "no checkpoint in {}",
-        checkpoints.display()
-    );
+    let latest = std::fs::read_to_string(checkpoints.join("latest"))
+        .unwrap_or_else(|e| panic!("no checkpoint in {}: {e}", checkpoints.display()));
+    let saved_steps: u64 = latest
+        .trim()
+        .strip_prefix("step-")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("`latest` names {latest:?}"));
+    assert!(saved_steps >= 1, "{latest}");
+    // The limit is set while the trainer node is down: the restarted job runs with it, and it
+    // lies beyond any step the dead incarnation made.
+    let max_steps = saved_steps + 3;
+    c.limit(&job, max_steps);
     c.restart("tr");
     let end = c.wait_finished(&job);
     assert_completed(&end, max_steps);

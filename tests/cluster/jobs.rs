@@ -1,12 +1,9 @@
 //! The root `cluster.toml` is a working single-node cluster, and job specs are validated with
 //! errors that name the offending key and the file.
 
-#[path = "cluster/util.rs"]
-mod util;
-
 use std::time::Duration;
 
-use util::*;
+use crate::util::*;
 
 #[test]
 fn root_cluster_toml_runs_a_single_node_that_takes_jobs_and_names_bad_keys() {

@@ -6,9 +6,6 @@
 //! worker switching over the bulk plane on loopback QUIC, steps off the message loop, failed
 //! steps retried then counted, checkpoint + resume with the version counting on.
 
-#[path = "bulk_net/loopback.rs"]
-mod loopback;
-
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -782,10 +779,10 @@ async fn wait_serving(w: &ActorRef<RolloutMsg<HashReplica>>, version: u64) -> St
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rollout_workers_fetch_versions_over_the_bulk_plane() {
-    let ca = loopback::TestCa::new();
-    let book = loopback::Book::default();
-    let trainer_node = loopback::node(&ca, &book, "trainer", BulkConfig::new("unset"));
-    let replica_node = loopback::node(&ca, &book, "replica", BulkConfig::new("unset"));
+    let ca = crate::loopback::TestCa::new();
+    let book = crate::loopback::Book::default();
+    let trainer_node = crate::loopback::node(&ca, &book, "trainer", BulkConfig::new("unset"));
+    let replica_node = crate::loopback::node(&ca, &book, "replica", BulkConfig::new("unset"));
     let remote = Actor::spawn(
         None,
         RolloutWorker::<HashReplica>::new(),
@@ -865,11 +862,13 @@ async fn rollout_workers_fetch_versions_over_the_bulk_plane() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relaying_publisher_delivers_before_announcing_and_sends_one_copy() {
-    let ca = loopback::TestCa::new();
-    let book = loopback::Book::default();
-    let trainer_node = loopback::node(&ca, &book, "trainer", BulkConfig::new("unset"));
+    let ca = crate::loopback::TestCa::new();
+    let book = crate::loopback::Book::default();
+    let trainer_node = crate::loopback::node(&ca, &book, "trainer", BulkConfig::new("unset"));
     let replicas: Vec<_> = (0..2)
-        .map(|r| loopback::node(&ca, &book, &format!("replica{r}"), BulkConfig::new("unset")))
+        .map(|r| {
+            crate::loopback::node(&ca, &book, &format!("replica{r}"), BulkConfig::new("unset"))
+        })
         .collect();
     let mut workers = Vec::new();
     for node in &replicas {

@@ -443,6 +443,10 @@ impl TrainerLink<Sample> for Trainer {
         let c = self.counts.lock().unwrap().clone();
         Box::pin(async move { Ok(c) })
     }
+    /// This test trainer keeps no step limit of its own.
+    fn set_max_steps(&self, _: Option<u64>) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,12 +2,9 @@
 //! over QUIC, process groups span them, remote calls round-trip, jobs are placed on workers of
 //! several nodes (including ones attached later), and a SIGKILLed node leaves and rejoins.
 
-#[path = "cluster/util.rs"]
-mod util;
-
 use std::time::{Duration, Instant};
 
-use util::*;
+use crate::util::*;
 
 const JOIN_LIMIT: Duration = Duration::from_secs(20);
 

@@ -4,9 +4,6 @@
 //! version serving, loads run off the message loop, and announced versions arrive over the bulk
 //! plane on real QUIC endpoints.
 
-#[path = "bulk_net/loopback.rs"]
-mod loopback;
-
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
@@ -298,12 +295,12 @@ async fn loads_run_off_the_message_loop_and_newer_updates_supersede_waiting_ones
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn announced_versions_are_fetched_over_the_bulk_plane_and_verified() {
-    let ca = loopback::TestCa::new();
-    let book = loopback::Book::default();
+    let ca = crate::loopback::TestCa::new();
+    let book = crate::loopback::Book::default();
     let mut cfg = BulkConfig::new("unset");
     cfg.chunk_size = 64 << 10;
-    let trainer = loopback::node(&ca, &book, "trainer", cfg.clone());
-    let replica = loopback::node(&ca, &book, "replica", cfg);
+    let trainer = crate::loopback::node(&ca, &book, "trainer", cfg.clone());
+    let replica = crate::loopback::node(&ca, &book, "replica", cfg);
     let weights = format!("w2{}", "x".repeat(300_000));
     let blob = trainer.plane.publish(Bytes::from(weights.clone())).unwrap();
     let mut a = announce(2, weights.as_bytes());

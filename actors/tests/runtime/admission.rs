@@ -374,6 +374,10 @@ impl TrainerLink<Sample> for SlowTrainer {
         let c = self.state.lock().unwrap().1.clone();
         Box::pin(async move { Ok(c) })
     }
+    /// This test trainer keeps no step limit of its own.
+    fn set_max_steps(&self, _: Option<u64>) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// Runs a job of 6 sessions of 3-turn episodes against a trainer taking batches of 4 with a

@@ -2,13 +2,10 @@
 //! bit-exact and the source sends about one copy; corrupt chunks, unknown blobs, garbage and
 //! truncated streams are errors that name what is wrong, and the node keeps serving.
 
-#[path = "bulk_net/loopback.rs"]
-mod loopback;
-
+use crate::loopback::{node, random_bytes, Book, Node, TestCa};
 use bytes::Bytes;
 use clawrl_actors::bulk::wire::{self, FetchReply, PushAck, PushDone, Request, BULK_TAG};
 use clawrl_actors::bulk::{BlobId, BroadcastError, BulkConfig, Manifest, TransferError};
-use loopback::{node, random_bytes, Book, Node, TestCa};
 
 const MIB: usize = 1 << 20;
 
@@ -30,7 +27,7 @@ fn cluster(names: &[&str]) -> (TestCa, Book, Vec<Node>) {
 
 /// Opens a raw bulk stream from a fresh endpoint (certified by `ca`) to `to`.
 async fn raw_stream(ca: &TestCa, to: &Node) -> (quinn::SendStream, quinn::RecvStream) {
-    let ep = loopback::endpoint(ca, "raw");
+    let ep = crate::loopback::endpoint(ca, "raw");
     let conn = ep.connect(to.addr, &to.name).unwrap().await.unwrap();
     let (mut send, recv) = conn.open_bi().await.unwrap();
     send.write_all(&[BULK_TAG]).await.unwrap();
@@ -137,7 +134,7 @@ async fn a_corrupted_fetched_chunk_is_detected_and_named() {
     let id = manifest.id();
 
     // A peer that answers fetches with the right manifest but a flipped byte in chunk 1.
-    let liar = loopback::endpoint(&ca, "liar");
+    let liar = crate::loopback::endpoint(&ca, "liar");
     book.lock()
         .unwrap()
         .insert("liar".into(), liar.local_addr().unwrap());

@@ -1,12 +1,9 @@
 //! Mutual TLS between node processes: a node whose certificate comes from another cluster CA is
 //! refused (and the refusal is logged), and neither side lists the other.
 
-#[path = "cluster/util.rs"]
-mod util;
-
 use std::time::Duration;
 
-use util::*;
+use crate::util::*;
 
 #[test]
 fn a_node_with_a_certificate_from_another_ca_is_refused() {

@@ -178,3 +178,65 @@ async fn bad_settings_are_refused_by_name() {
         .unwrap_err();
     assert!(err.to_string().contains("a-file"), "{err}");
 }
+
+/// A crash mid-write leaves a torn last line: the recorder cuts it when it opens the file
+/// (counted), appends after the last complete line, and every line then parses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_torn_last_line_is_cut_counted_and_appending_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("job-7.v00000003.jsonl");
+    let whole = r#"{"version":3,"kind":"turn","record":{"seq":0}}"#;
+    std::fs::write(&file, format!("{whole}\n{{\"version\":3,\"kind\":\"tu")).unwrap();
+    // A file that is one torn line and nothing else is emptied.
+    let lone = dir.path().join("job-7.v00000004.jsonl");
+    std::fs::write(&lone, r#"{"version":4,"ki"#).unwrap();
+    let (actor, h) = start(dir.path(), 64, 4).await;
+    h.record(3, "turn", &serde_json::json!({"seq": 1}))
+        .await
+        .unwrap();
+    h.record(4, "turn", &serde_json::json!({"seq": 2}))
+        .await
+        .unwrap();
+    h.flush().await.unwrap();
+    assert_eq!(h.stats().torn_lines_cut, 2, "{:?}", h.stats());
+    let got = read(dir.path());
+    assert_eq!(got[&3], vec![("turn".into(), 0), ("turn".into(), 1)]);
+    assert_eq!(got[&4], vec![("turn".into(), 2)]);
+    // Files that end cleanly are left alone.
+    actor.stop_and_wait(None, None).await.unwrap();
+    let (actor, h) = start(dir.path(), 64, 4).await;
+    h.record(3, "turn", &serde_json::json!({"seq": 3}))
+        .await
+        .unwrap();
+    h.flush().await.unwrap();
+    assert_eq!(h.stats().torn_lines_cut, 0);
+    assert_eq!(read(dir.path())[&3].len(), 3);
+    actor.stop_and_wait(None, None).await.unwrap();
+}
+
+/// Written lines are fsynced on the interval without anyone asking for a flush, and record
+/// files are private to their owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lines_are_fsynced_on_the_interval_and_files_are_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = RecorderConfig::new(dir.path(), "job-7");
+    cfg.sync_interval = std::time::Duration::from_millis(50);
+    let (actor, _) = Actor::spawn(None, Recorder, cfg).await.unwrap();
+    let h = ractor::call!(actor, RecorderMsg::Handle).unwrap();
+    h.try_record(1, "turn", &serde_json::json!({"seq": 0}))
+        .unwrap();
+    // Waits for the condition (bounded), never for a guessed time.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while h.stats().syncs == 0 {
+        assert!(std::time::Instant::now() < deadline, "never fsynced");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(h.stats().written, 1);
+    let mode = std::fs::metadata(dir.path().join("job-7.v00000001.jsonl"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600, "{mode:o}");
+    actor.stop_and_wait(None, None).await.unwrap();
+}

@@ -1,0 +1,442 @@
+//! The job home: the job runner of a `trainer` node runs each job Control placed on it to its
+//! stop condition (and resumes it after a restart), and the node services a `clawrl node`
+//! starts for its roles.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use clawrl_actors::config::{NodeConfig, Role};
+use clawrl_actors::control::{ControlReply, ControlRequest, JobRecord, JobState as PlacedState};
+use clawrl_actors::loops::{
+    spawn_job, JobArgs, JobCounts, JobMsg, JobPhase, ProgressReport, Recorder, RecorderConfig,
+    RecorderMsg, RelayPublisher, TrainSample, Trainer, TrainerArgs, TrainerMsg, WeightPublisher,
+};
+use clawrl_actors::node::Node;
+use clawrl_actors::worker::EnvSpec;
+use ractor::{Actor, ActorRef};
+
+use super::env_host::{EnvHost, EnvHostArgs};
+use super::remote_env::RemoteEnvironment;
+use super::remote_policy::{RemoteChatPolicy, RolloutPool};
+use super::rollout_host::{RolloutHost, RolloutHostArgs};
+use super::{control_call, lock, RUNNER_POLL};
+use crate::job::{JobKind, JobSpec};
+use crate::model::{load_checkpoint, EngineOptions};
+use crate::pipeline::{
+    actor_err, build_judging, job_settings, learner, samples, sampling_params, spawn_teacher,
+    step_records, train_config, trainer_config, wait_serving, RunError, KEEP_CHECKPOINTS,
+};
+use crate::train::learner::Learner as BurnLearner;
+use crate::CpuAutodiff;
+
+/// Runs one job placed on this node to its stop condition (see the module docs). Returns its
+/// final counts; `stop` set from outside (a cancel) makes a waiting job give up and a running
+/// one drain.
+pub async fn run_placed_job(
+    node: &Node,
+    record: &JobRecord,
+    out: PathBuf,
+    progress: ProgressReport,
+    stop: Arc<AtomicBool>,
+    supervisor: Arc<Mutex<Option<ActorRef<JobMsg<TrainSample>>>>>,
+) -> Result<JobCounts, RunError> {
+    let job_id = record.id.clone();
+    let file = record.file.clone();
+    let mut spec = JobSpec::parse(&record.spec, &file)?;
+    // A limit set through Control after submission replaces the spec's.
+    if let Some(m) = record.max_steps {
+        spec.stop.max_steps = Some(m);
+    }
+    if spec.kind != JobKind::Rl {
+        return Err(RunError::Actor {
+            what: "job runner",
+            message: "only `rl` jobs run across nodes; a `personal` job runs with `clawrl run`"
+                .into(),
+        });
+    }
+    let waiting = |what: &str| {
+        let counts = JobCounts {
+            last_error: Some(format!("waiting for {what}")),
+            ..Default::default()
+        };
+        progress(&counts);
+    };
+
+    // The environment, on the hosts Control placed.
+    let (kind, task_count, max_steps) = loop {
+        if stop.load(Ordering::Relaxed) {
+            return Err(RunError::Actor {
+                what: "job",
+                message: "cancelled before it started".into(),
+            });
+        }
+        match RemoteEnvironment::describe(&job_id, &file, &spec, &record.spec).await {
+            Ok(Some(d)) => break d,
+            Ok(None) => {
+                waiting(&format!("an environment host of kind `{}`", spec.env.kind));
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => {
+                return Err(RunError::Env {
+                    kind: spec.env.kind.clone(),
+                    tasks: spec.resolve(&spec.env.tasks),
+                    message: e,
+                })
+            }
+        }
+    };
+    let env = Arc::new(RemoteEnvironment {
+        job: job_id.clone(),
+        file: file.clone(),
+        spec: record.spec.clone(),
+        kind,
+        task_count,
+        max_steps,
+        timeout: Duration::from_secs_f64(spec.env.episode_timeout_s.unwrap_or(600.0)),
+        open: Default::default(),
+        next: AtomicUsize::new(0),
+    });
+
+    // The learner and the policy's tokenizer and template.
+    let ckpt_dir = spec.resolve(&spec.policy.checkpoint);
+    let device = Default::default();
+    let ck =
+        load_checkpoint::<CpuAutodiff>(&ckpt_dir, &device).map_err(|e| RunError::Checkpoint {
+            path: ckpt_dir.clone(),
+            message: e.to_string(),
+        })?;
+    let stop_ids = ck.stop_token_ids();
+    let tokenizer = Arc::new(ck.tokenizer);
+    let template = Arc::new(ck.chat_template);
+    let learner = BurnLearner::new(ck.config, ck.model, train_config(&spec), device, spec.seed);
+    let model_config = learner.model_config().clone();
+    let engine = EngineOptions {
+        max_batch: spec.policy.max_batch as usize,
+        max_context: spec.policy.max_context as usize,
+    };
+
+    // Records.
+    let (recorder, _) = Actor::spawn(
+        None,
+        Recorder,
+        RecorderConfig::new(out.join("records"), &job_id),
+    )
+    .await
+    .map_err(actor_err("recorder"))?;
+    let rec =
+        ractor::call_t!(recorder, RecorderMsg::Handle, 10_000).map_err(actor_err("recorder"))?;
+
+    // Generation on the rollout hosts, the OPD teacher here, the trainer publishing on this
+    // node's bulk plane.
+    // The trainer pushes each version through the bulk plane's relay groups to the rollout
+    // hosts' nodes before announcing it (its uplink sends about one copy whatever their
+    // number); a node the relay misses fetches from the trainer's node when offered.
+    let relay = Arc::new(
+        RelayPublisher::new(node.bulk().clone(), Vec::new()).map_err(|e| RunError::Actor {
+            what: "weight publisher",
+            message: e.to_string(),
+        })?,
+    );
+    let pool = RolloutPool::start(&job_id, &model_config, engine, Some(relay.clone()));
+    let mut subscribers = vec![pool.subscriber()];
+    let teacher = spawn_teacher(
+        &spec,
+        &model_config,
+        &template,
+        &tokenizer,
+        &mut subscribers,
+    )
+    .await?;
+    let publisher: Arc<dyn WeightPublisher> = relay;
+    let (trainer, _) = Actor::spawn(
+        None,
+        Trainer::new(),
+        TrainerArgs {
+            config: trainer_config(&spec, &job_id, &out),
+            learner: learner::PolicyLearner::new(learner, KEEP_CHECKPOINTS),
+            publisher,
+            subscribers,
+        },
+    )
+    .await
+    .map_err(actor_err("trainer"))?;
+    let stop_all = |trainer: &ActorRef<TrainerMsg>| {
+        trainer.stop(None);
+        if let Some(t) = &teacher {
+            t.stop(None);
+        }
+        recorder.stop(None);
+    };
+    waiting("a rollout worker serving the job's first version");
+    if !pool.wait_serving(&stop).await {
+        stop_all(&trainer);
+        pool.release().await;
+        return Err(RunError::Actor {
+            what: "job",
+            message: "cancelled before it started".into(),
+        });
+    }
+    if let Some(t) = &teacher {
+        wait_serving(std::slice::from_ref(t), "OPD teacher").await?;
+    }
+
+    let (judge, builder) =
+        build_judging(&spec, &file, &ckpt_dir, engine, &job_id, teacher.clone())?;
+    let chat = RemoteChatPolicy {
+        job: job_id.clone(),
+        template,
+        tokenizer,
+        params: sampling_params(&spec, stop_ids),
+        max_context: engine.max_context,
+        next: AtomicUsize::new(0),
+        next_seed: AtomicU64::new(spec.seed),
+    };
+    let (job, done) = spawn_job::<TrainSample>(JobArgs {
+        job: job_id.clone(),
+        env,
+        policy: Arc::new(chat),
+        judge: Arc::new(judge),
+        builder: Arc::new(samples::SharedBuilder(Arc::new(builder))),
+        trainer: Arc::new(trainer.clone()),
+        recorder: Some(rec.clone()),
+        settings: job_settings(&spec, Duration::from_millis(200)),
+        progress: Some(progress.clone()),
+        done: None,
+    })
+    .await
+    .map_err(actor_err("job supervisor"))?;
+    *lock(&supervisor) = Some(job.clone());
+    if stop.load(Ordering::Relaxed) {
+        let _ = job.cast(JobMsg::Stop);
+    }
+    trainer
+        .cast(TrainerMsg::Subscribe(step_records(job.clone()), None))
+        .map_err(actor_err("trainer"))?;
+
+    let counts = done.await.map_err(|_| RunError::Lost)?;
+    match ractor::call_t!(trainer, TrainerMsg::Checkpoint, 600_000) {
+        Ok(Ok(p)) => tracing::info!(job = %job_id, "final checkpoint {}", p.display()),
+        Ok(Err(e)) => tracing::warn!(job = %job_id, "final checkpoint: {e}"),
+        Err(e) => tracing::warn!(job = %job_id, "final checkpoint: {e}"),
+    }
+    let _ = rec.flush().await;
+    trainer.stop(None);
+    if let Some(t) = &teacher {
+        t.stop(None);
+    }
+    pool.release().await;
+    let _ = recorder
+        .stop_and_wait(None, Some(Duration::from_secs(60)))
+        .await;
+    Ok(counts)
+}
+
+/// Sends `counts` to Control as job `id`'s progress, retrying a while (the final counts must
+/// arrive, or Control would run the job again).
+async fn report(id: &str, counts: &JobCounts, attempts: u32) -> bool {
+    for _ in 0..attempts {
+        let req = ControlRequest::Progress {
+            id: id.to_string(),
+            counts: Box::new(counts.clone()),
+        };
+        match control_call(&req).await {
+            Ok(ControlReply::Jobs(_)) => return true,
+            Ok(ControlReply::Error(e)) => {
+                tracing::warn!("reporting {id} to Control: {e}");
+                return false;
+            }
+            Err(e) => tracing::debug!("reporting {id} to Control: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    false
+}
+
+/// A job this node runs.
+struct Running {
+    stop: Arc<AtomicBool>,
+    supervisor: Arc<Mutex<Option<ActorRef<JobMsg<TrainSample>>>>>,
+    task: tokio::task::JoinHandle<()>,
+    /// The step limit Control recorded that the job runs with now.
+    max_steps: Option<u64>,
+}
+
+impl Running {
+    fn stop(&self) {
+        if !self.stop.swap(true, Ordering::Relaxed) {
+            if let Some(j) = lock(&self.supervisor).as_ref() {
+                let _ = j.cast(JobMsg::Stop);
+            }
+        }
+    }
+
+    /// Hands a step limit Control recorded after the launch to the job's supervisor. Before
+    /// the supervisor exists the job is still being built from the record it was launched
+    /// with, so the limit is left unapplied and tried again on the next poll.
+    fn follow_max_steps(&mut self, id: &str, max_steps: Option<u64>) {
+        let Some(m) = max_steps else { return };
+        if self.max_steps == Some(m) {
+            return;
+        }
+        if let Some(j) = lock(&self.supervisor).as_ref() {
+            match j.cast(JobMsg::SetMaxSteps(m)) {
+                Ok(()) => self.max_steps = Some(m),
+                Err(e) => tracing::warn!(job = %id, "changing the step limit: {e}"),
+            }
+        }
+    }
+}
+
+/// The job runner of a trainer node (see the module docs).
+pub struct JobRunner;
+
+impl JobRunner {
+    /// Starts the runner's loop on `node`; run directories go under `data_dir/jobs`.
+    pub fn start(node: Node, data_dir: PathBuf) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            let mut running: HashMap<String, Running> = HashMap::new();
+            loop {
+                tokio::time::sleep(RUNNER_POLL).await;
+                running.retain(|_, r| !r.task.is_finished());
+                let jobs = match control_call(&ControlRequest::List).await {
+                    Ok(ControlReply::Jobs(j)) => j,
+                    _ => continue,
+                };
+                for j in jobs {
+                    let mine = j.placement.trainer.as_deref() == Some(node.name());
+                    if let Some(r) = running.get_mut(&j.id) {
+                        if j.state == PlacedState::Cancelled || !mine {
+                            r.stop();
+                        } else {
+                            r.follow_max_steps(&j.id, j.max_steps);
+                        }
+                        continue;
+                    }
+                    if !mine || !j.is_active() || j.state == PlacedState::Waiting {
+                        continue;
+                    }
+                    running.insert(j.id.clone(), Self::launch(&node, &data_dir, j));
+                }
+            }
+        })
+    }
+
+    fn launch(node: &Node, data_dir: &std::path::Path, record: JobRecord) -> Running {
+        let max_steps = record.max_steps;
+        let stop = Arc::new(AtomicBool::new(false));
+        let supervisor = Arc::new(Mutex::new(None));
+        let out = data_dir.join("jobs").join(&record.id);
+        let (node, s, sup) = (node.clone(), stop.clone(), supervisor.clone());
+        tracing::info!(job = %record.id, "running job {} here ({})", record.id, out.display());
+        let task = tokio::spawn(async move {
+            let id = record.id.clone();
+            // Progress goes to Control in order, at most about once a second.
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<JobCounts>();
+            let reporter_id = id.clone();
+            let reporter = tokio::spawn(async move {
+                while let Some(mut c) = rx.recv().await {
+                    while let Ok(newer) = rx.try_recv() {
+                        c = newer;
+                    }
+                    report(&reporter_id, &c, 1).await;
+                    tokio::time::sleep(Duration::from_millis(1000)).await;
+                }
+            });
+            let progress: ProgressReport = Arc::new(move |c: &JobCounts| {
+                if c.phase != JobPhase::Finished {
+                    let _ = tx.send(c.clone());
+                }
+            });
+            let result = run_placed_job(&node, &record, out, progress, s, sup).await;
+            reporter.abort();
+            let counts = match result {
+                Ok(c) => {
+                    tracing::info!(
+                        job = %id,
+                        "finished: {} turns, {} steps, version {}",
+                        c.turns,
+                        c.trainer.steps,
+                        c.trainer.version
+                    );
+                    c
+                }
+                Err(e) => {
+                    let why = format!("the job could not run on node {}: {e}", node.name());
+                    tracing::error!(job = %id, "{why}");
+                    JobCounts {
+                        phase: JobPhase::Finished,
+                        last_error: Some(why.clone()),
+                        gave_up: Some(why),
+                        ..Default::default()
+                    }
+                }
+            };
+            if !report(&id, &counts, 120).await {
+                tracing::error!(job = %id, "Control never took the final counts");
+            }
+        });
+        Running {
+            stop,
+            supervisor,
+            task,
+            max_steps,
+        }
+    }
+}
+
+/// Why a node's job services could not start.
+#[derive(Debug, thiserror::Error)]
+#[error("starting the {what}: {message}")]
+pub struct ServicesError {
+    what: String,
+    message: String,
+}
+
+/// Starts what a `clawrl node` runs for jobs, by its roles: a [`RolloutHost`] (`rollout`), an
+/// [`EnvHost`] per environment kind of `envs`, and the [`JobRunner`] (`trainer`).
+pub async fn start_node_services(
+    node: &Node,
+    config: &NodeConfig,
+    envs: &[EnvSpec],
+) -> Result<(), ServicesError> {
+    let err = |what: String| {
+        move |e: ractor::SpawnErr| ServicesError {
+            what,
+            message: e.to_string(),
+        }
+    };
+    if config.has_role(Role::Rollout) {
+        let what = format!("{}/rollout", node.name());
+        Actor::spawn(
+            Some(what.clone()),
+            RolloutHost,
+            RolloutHostArgs {
+                source: Arc::new(node.bulk().clone()),
+            },
+        )
+        .await
+        .map_err(err(what))?;
+    }
+    let mut kinds: Vec<&str> = envs.iter().map(|e| e.kind.as_str()).collect();
+    kinds.sort();
+    kinds.dedup();
+    for kind in kinds {
+        let what = format!("{}/envhost.{kind}", node.name());
+        Actor::spawn(
+            Some(what.clone()),
+            EnvHost,
+            EnvHostArgs {
+                kind: kind.to_string(),
+            },
+        )
+        .await
+        .map_err(err(what))?;
+    }
+    if config.has_role(Role::Trainer) {
+        JobRunner::start(node.clone(), config.data_dir.clone());
+    }
+    Ok(())
+}

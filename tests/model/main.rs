@@ -1,0 +1,13 @@
+//! The policy and the trainer: Qwen3 checkpoints, parity with the reference fixtures, the engine, the learner, and their CLI commands.
+//!
+//! One test binary of modules: every module here shares one build and link of the
+//! crates it tests.
+
+mod checkpoint;
+mod cli;
+mod device_cli;
+mod engine;
+mod parity;
+mod train_learner;
+mod train_offline_cli;
+mod train_parity;

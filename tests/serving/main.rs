@@ -1,0 +1,10 @@
+//! Serving: the OpenAI-compatible gateway over HTTP, real client SDKs, load, and weight versions swapped in while it serves.
+//!
+//! One test binary of modules: every module here shares one build and link of the
+//! crates it tests.
+
+mod hot_swap;
+mod http;
+mod load;
+mod never_paused;
+mod openai_sdk;
