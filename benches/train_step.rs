@@ -1,5 +1,5 @@
 //! Training-throughput benchmark (not a test): one learner step (forward, backward, global-norm
-//! clip, AdamW) of the DESIGN §1 loss on the `qwen3-20m` shape with random weights, batch 8 ×
+//! clip, AdamW) of the docs/design.md §1 loss on the `qwen3-20m` shape with random weights, batch 8 ×
 //! 256 tokens (128 prompt + 128 response), the train workload of `benches/shapes/README.md`.
 //! Prints one JSON line: tokens/s (all sequence tokens per second of step time) and peak RSS.
 //! `scripts/bench_train.sh` runs it beside the PyTorch reference and prints the ratios.

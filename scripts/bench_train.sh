@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Trainer benchmark: one training step (forward + backward + global-norm clip + AdamW) of the
-# DESIGN §1 loss on the qwen3-20m shape, batch 8 x 256 tokens (128 prompt + 128 response):
+# docs/design.md §1 loss on the qwen3-20m shape, batch 8 x 256 tokens (128 prompt + 128 response):
 # clawrl (Burn, Flex CPU) vs PyTorch CPU (transformers Qwen3ForCausalLM, torch.optim.AdamW,
 # the same loss), same thread count, in one invocation. Prints both sides and the ratios.
 #

@@ -276,7 +276,7 @@ pub struct OptimSpec {
     pub lr: f64,
     /// PPO clip ε (lower side).
     pub clip: f64,
-    /// PPO clip ε_high, the upper side (default 0.28, DESIGN §1).
+    /// PPO clip ε_high, the upper side (default 0.28, docs/design.md §1).
     #[serde(default = "default_clip_high")]
     pub clip_high: f64,
     /// KL coefficient β (0 disables the reference model).

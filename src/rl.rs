@@ -1,4 +1,4 @@
-//! The RL core: the pure arithmetic of the OpenClaw-RL method (DESIGN §1).
+//! The RL core: the pure arithmetic of the OpenClaw-RL method (docs/design.md §1).
 //!
 //! Everything here is plain data in, plain data out: no Burn, no actors, no IO and no clock, in
 //! the spirit of quinn's protocol core. It owns vote aggregation and hint selection ([`vote`]),

@@ -1,4 +1,4 @@
-//! The learner: the OpenClaw-RL objective of DESIGN §1 in Burn. It owns the batch layout of
+//! The learner: the OpenClaw-RL objective of docs/design.md §1 in Burn. It owns the batch layout of
 //! variable-length samples ([`batch`]), the loss ([`loss`]), a `torch.optim.AdamW`-exact optimizer
 //! with a global gradient-norm clip ([`optim`]), the training configuration ([`config`]), the
 //! learner itself with versioned weight export ([`learner`]), checkpoints ([`checkpoint`]) and

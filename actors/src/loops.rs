@@ -1,4 +1,4 @@
-//! The loops of DESIGN §2 as actors that know no LLM: a [`rollout::RolloutWorker`] serves
+//! The loops of docs/design.md §2 as actors that know no LLM: a [`rollout::RolloutWorker`] serves
 //! generate requests from a policy replica and swaps weight versions without pausing, and a
 //! [`recorder::Recorder`] writes JSONL records off the hot path.
 //!

@@ -30,7 +30,7 @@ pub enum Commands {
         #[arg(long)]
         samples: PathBuf,
         /// TRAIN.toml (lr, betas, adam_eps, weight_decay, eps_clip, eps_clip_high, kl_coef,
-        /// grad_clip, batch_size, device); defaults from DESIGN §1 when omitted.
+        /// grad_clip, batch_size, device); defaults from docs/design.md §1 when omitted.
         #[arg(long)]
         config: Option<PathBuf>,
         /// Compute device, `cpu` or `cuda:N` (CUDA needs a build with `--features cuda`);

@@ -1,4 +1,4 @@
-//! The GUI environment (DESIGN §4): a local HTML page in headless Chromium, driven over the
+//! The GUI environment (docs/design.md §4): a local HTML page in headless Chromium, driven over the
 //! Chrome DevTools Protocol ([`cdp`], [`page`]); the policy sees the page's accessibility tree as
 //! text with element ids ([`axtree`]) and the path of a screenshot, acts with `click`, `type`,
 //! `key` and `scroll` by element id, finishes with `submit` (or a plain answer), and a JavaScript

@@ -8,7 +8,7 @@
 //! one: `"next time : <what to change> ."`, naming exactly the rules that failed. The directive
 //! is what an OPD hint judge extracts; with probability `1 - directive_rate` an unhappy user
 //! only complains. The episode ends when the user is satisfied or after `max_turns` replies.
-//! There is no verifiable outcome (DESIGN §4: personal agents are judged by the PRM only).
+//! There is no verifiable outcome (docs/design.md §4: personal agents are judged by the PRM only).
 
 use std::sync::Arc;
 

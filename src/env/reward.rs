@@ -1,5 +1,5 @@
 //! How the pipeline turns the episodes of general-agent environments into step advantages
-//! (DESIGN §1, "General agents: step-wise rewards"): groups of `n` samples per task, each step's
+//! (docs/design.md §1, "General agents: step-wise rewards"): groups of `n` samples per task, each step's
 //! PRM votes aggregated and combined with the episode outcome by the kind's formula
 //! ([`crate::rl::stepwise::step_reward`]), then z-scored within (group, step index) buckets
 //! ([`crate::rl::stepwise::zscore_buckets`]). [`RewardMode::OutcomeOnly`] drops the process

@@ -1,4 +1,4 @@
-//! The tool-call environment (DESIGN §4): math questions from JSONL, a `code_interpreter` tool
+//! The tool-call environment (docs/design.md §4): math questions from JSONL, a `code_interpreter` tool
 //! that runs Python 3 in the sandbox, at most 16 tool calls, and an outcome from matching the
 //! final answer against the reference by normalised numeric value ([`super::answer`]).
 //!

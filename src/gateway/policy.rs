@@ -1,5 +1,5 @@
 //! The gateway's policy: the weight versions it serves, and the switch to a new one without
-//! pausing (DESIGN §2, "serving never pauses for an update").
+//! pausing (docs/design.md §2, "serving never pauses for an update").
 //!
 //! Each version is its own generation engine ([`crate::model::engine`]: one scheduler thread
 //! over that version's weights; the gateway streams tokens through

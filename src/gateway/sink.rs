@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 
 use super::session::TurnEnd;
 
-/// One recorded main-line turn (DESIGN §1): the prompt ids exactly as served, the sampled ids,
+/// One recorded main-line turn (docs/design.md §1): the prompt ids exactly as served, the sampled ids,
 /// their log-probs, the version, the messages, and the next state.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TurnRecord {

@@ -36,7 +36,7 @@ impl ChatMessage {
 /// Sampling parameters of one judge query.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct SamplingParams {
-    /// Temperature (DESIGN §1: 0.6).
+    /// Temperature (docs/design.md §1: 0.6).
     pub temperature: f32,
     /// Nucleus sampling mass.
     pub top_p: f32,

@@ -171,7 +171,7 @@ impl<B: Backend> TeacherModel<'_, B> {
         Ok(score_response(self.model, &prompt.ids, response_ids))
     }
 
-    /// The combined training sample of one turn (DESIGN §1's four cases): with a hint, the
+    /// The combined training sample of one turn (docs/design.md §1's four cases): with a hint, the
     /// teacher scores the response under `s_enhanced` and `old_logprobs` (the old policy under
     /// `s_t`) give the OPD term; `reward` gives the binary term. `Ok(None)`: no sample.
     #[allow(clippy::too_many_arguments)]

@@ -1,6 +1,6 @@
 //! The pure part of hindsight-guided on-policy distillation (OPD): building `s_enhanced`.
 //!
-//! DESIGN §1: append `"\n\n[user's hint / instruction]\n" + hint` to the content of the last
+//! docs/design.md §1: append `"\n\n[user's hint / instruction]\n" + hint` to the content of the last
 //! `user` message of `s_t` (the last message if there is no user message), then re-render with
 //! the same chat template and tools. Messages and tools are [`minijinja::Value`]s, the form the
 //! chat template renders (`crate::model::chat`), so key order, tool schemas and every other field

@@ -1,4 +1,4 @@
-//! Parsing a judge's text into a vote and a hint, exactly as DESIGN §1 says.
+//! Parsing a judge's text into a vote and a hint, exactly as docs/design.md §1 says.
 //!
 //! - A vote is the **last** `\boxed{n}` whose content is exactly one signed ASCII digit
 //!   (`1`, `-1`, `+1`, `0`, …). Boxes holding anything else (`\boxed{10}`, `\boxed{ 1 }`,

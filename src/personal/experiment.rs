@@ -14,11 +14,11 @@
 //! rolled out on the current weights through the generation engine; each first response goes to
 //! its user, whose reply is judged (`m` evaluation votes, and for OPD/combined `hint_m` hint
 //! votes) by the configured judge. Each turn becomes a training sample by the method's rule:
-//! binary RL — DESIGN §1's selection ([`crate::rl::binary_samples`]) with the majority reward on
+//! binary RL — docs/design.md §1's selection ([`crate::rl::binary_samples`]) with the majority reward on
 //! every token; OPD — only turns with an accepted hint, advantage `teacher_k − old_k` where the
 //! teacher (current or frozen initial policy, `judge.opd.teacher`) scores the original response
 //! under the hint-enhanced prompt ([`crate::judge::TeacherModel`]); combined — the four cases of
-//! DESIGN §1 ([`crate::judge::TeacherModel::combined_sample`]). Rounds continue until
+//! docs/design.md §1 ([`crate::judge::TeacherModel::combined_sample`]). Rounds continue until
 //! `batch_size` samples are pending (at most `max_rounds` rounds); the learner then takes one
 //! optimizer step on `batch_size` of them (leftovers wait for the next update, as the trainer
 //! keeps accepted samples). This loop runs in-process over the engine and the learner; it does

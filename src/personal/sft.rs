@@ -7,7 +7,7 @@
 //!
 //! Training goes through the project's [`Learner`] (exact AdamW, gradient-norm clip): with every
 //! advantage `1`, no KL term and old log-probs equal to the current ones, the gradient of the
-//! DESIGN §1 loss is exactly that of the mean token negative log-likelihood, so one learner step
+//! docs/design.md §1 loss is exactly that of the mean token negative log-likelihood, so one learner step
 //! is one supervised step.
 
 use std::path::{Path, PathBuf};

@@ -6,7 +6,7 @@
 //! (`hint_m` votes), all concurrently; the record is issue 5's judged-turn record. `stepwise`
 //! judges each step with the step prompt of the environment's kind; its reward is the aggregated
 //! process score. A turn without a next state is not sent to the judge: it is recorded as
-//! unjudged ("no next state"), as DESIGN §1 excludes it from the loss.
+//! unjudged ("no next state"), as docs/design.md §1 excludes it from the loss.
 
 use clawrl_actors::loops::{BoxFuture, Judgement, Turn, TurnJudge};
 use serde_json::{json, Value};

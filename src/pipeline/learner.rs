@@ -1,6 +1,6 @@
 //! The Qwen3 learner behind the job's [`Trainer`](clawrl_actors::loops::Trainer): it implements
 //! the actors crate's [`Learner`](clawrl_actors::loops::Learner) trait over
-//! [`crate::train::learner::Learner`] (optimizer steps of the DESIGN §1 objective, versioned
+//! [`crate::train::learner::Learner`] (optimizer steps of the docs/design.md §1 objective, versioned
 //! safetensors export, atomic checkpoints under [`crate::train::checkpoint`]).
 //!
 //! Truncated importance weights (the trainer's staleness mode `importance`) are computed here:

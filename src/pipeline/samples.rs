@@ -1,4 +1,4 @@
-//! Training samples from judged episodes, per method (DESIGN §1), and the OPD teacher.
+//! Training samples from judged episodes, per method (docs/design.md §1), and the OPD teacher.
 //!
 //! - `binary`: [`crate::rl::binary_samples`] picks the turns of an episode (next state and
 //!   reward ±1, else the session's first turn with a next state, "at least one"); every response

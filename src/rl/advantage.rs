@@ -1,9 +1,9 @@
 //! Per-token advantages: binary RL (evaluative), OPD (directive) and their combination.
 //!
 //! Binary RL gives every response token of a turn the turn's scalar reward, after the exclusion
-//! rules of DESIGN §1 pick which turns train. OPD gives token `k` the log-probability gap
+//! rules of docs/design.md §1 pick which turns train. OPD gives token `k` the log-probability gap
 //! `teacher_k − old_k`. The combination `A_k = w_binary·r + w_opd·(teacher_k − old_k)` follows the
-//! four-case dispatch of DESIGN §1.
+//! four-case dispatch of docs/design.md §1.
 
 use std::collections::HashMap;
 
@@ -68,7 +68,7 @@ pub struct BinarySample {
     pub at_least_one: bool,
 }
 
-/// Selects the turns that train under binary RL (DESIGN §1).
+/// Selects the turns that train under binary RL (docs/design.md §1).
 ///
 /// A turn without a next state, or with reward `0`, is excluded. "At least one": when a session
 /// has no usable turn (next state and reward ±1), its first turn with a next state (lowest
@@ -117,7 +117,7 @@ pub fn binary_samples(turns: &[BinaryTurn]) -> Vec<BinarySample> {
         .collect()
 }
 
-/// OPD per-token advantages: `teacher_k − old_k` (DESIGN §1).
+/// OPD per-token advantages: `teacher_k − old_k` (docs/design.md §1).
 ///
 /// `teacher` are the teacher's log-probs of the original response tokens under `s_enhanced`,
 /// `old` the old policy's log-probs of the same tokens under `s_t`.
@@ -163,7 +163,7 @@ impl Default for AdvantageWeights {
     }
 }
 
-/// Which of the four cases of DESIGN §1 a turn falls in.
+/// Which of the four cases of docs/design.md §1 a turn falls in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CombineCase {
@@ -199,7 +199,7 @@ pub struct CombinedSample {
 }
 
 /// The combined advantage of one turn, `A_k = w_binary·r + w_opd·(teacher_k − old_k)`, by the
-/// four-case dispatch of DESIGN §1.
+/// four-case dispatch of docs/design.md §1.
 ///
 /// `reward` is the majority-vote reward (`0` for a turn without a next state). `opd` is
 /// `Some((teacher, old))` when a hint was accepted and the teacher scored the response, `None`

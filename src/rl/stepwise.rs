@@ -1,7 +1,7 @@
 //! Step-wise rewards for general agents (terminal, GUI, SWE, tool-call) and their z-scoring.
 //!
 //! Each step of an episode gets a process score from the PRM judge; the step reward combines it
-//! with the episode outcome by the agent kind's formula (DESIGN §1). Advantages are then z-scored
+//! with the episode outcome by the agent kind's formula (docs/design.md §1). Advantages are then z-scored
 //! within buckets of samples sharing the same task group and the same step index.
 
 use std::collections::HashMap;
@@ -104,7 +104,7 @@ pub struct ZScored {
     pub advantage: f64,
 }
 
-/// Z-scores rewards within (task group, step index) buckets (DESIGN §1).
+/// Z-scores rewards within (task group, step index) buckets (docs/design.md §1).
 ///
 /// - `advantage = (r − mean) / (std + 1e-6)` with the *sample* standard deviation (Bessel's
 ///   `n − 1`), as GRPO implementations compute it.

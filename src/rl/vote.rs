@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 /// A hint must be longer than this many characters (Unicode scalar values, after trimming) to be
-/// accepted (DESIGN §1: "trimmed hint longer than 10 characters").
+/// accepted (docs/design.md §1: "trimmed hint longer than 10 characters").
 pub const MIN_HINT_CHARS: usize = 10;
 
 /// How the `m` votes of one setting are reduced to one score.
@@ -21,7 +21,7 @@ pub enum Aggregation {
     Mean,
 }
 
-/// The majority of the valid votes (DESIGN §1).
+/// The majority of the valid votes (docs/design.md §1).
 ///
 /// The score with the strictly highest count wins. A tie between the top counts (for example
 /// `[1, -1]` or `[1, -1, 0]`) gives `0`, and so does a list with no valid vote. Failed votes
@@ -69,7 +69,7 @@ pub fn aggregate(votes: &[Option<i8>], how: Aggregation) -> f64 {
     }
 }
 
-/// Chooses the hindsight hint among the hint judge's votes (DESIGN §1).
+/// Chooses the hindsight hint among the hint judge's votes (docs/design.md §1).
 ///
 /// Keeps the votes that say `1` and whose trimmed hint is longer than [`MIN_HINT_CHARS`]
 /// characters (counted as Unicode scalar values, so a non-ASCII hint is not favoured by its

@@ -10,7 +10,7 @@
 //! task's intermediate quantity or its answer, not printed by an earlier step; `-1` otherwise
 //! (an error, a refused call, nothing useful printed, a wrong value, or a repeat). A step with
 //! no next state (the final answer) is not judged: it gets no vote, so its process score is 0
-//! (DESIGN §1, [`crate::env::reward`]). One deterministic vote per step (`m = 1`).
+//! (docs/design.md §1, [`crate::env::reward`]). One deterministic vote per step (`m = 1`).
 
 use crate::env::answer::{extract_answer, numbers_match, parse_number, Number};
 

@@ -10,7 +10,7 @@
 //! messages or tool schemas (the environment's fixed system prompt and `code_interpreter` schema
 //! would triple the prompt of this tiny policy; the warm start teaches it the tool's format).
 //! [`continuation_ids`] appends tool results to a transcript by token concatenation, so that
-//! every later prompt holds the exact ids sampled before (DESIGN §1: never re-tokenised).
+//! every later prompt holds the exact ids sampled before (docs/design.md §1: never re-tokenised).
 
 use serde_json::{json, Value};
 use thiserror::Error;

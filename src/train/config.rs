@@ -1,5 +1,5 @@
-//! The learner's hyper-parameters (`TRAIN.toml`): the loss of DESIGN §1 and AdamW, with the
-//! DESIGN defaults, parsed strictly (an unknown key is an error naming the key and the file).
+//! The learner's hyper-parameters (`TRAIN.toml`): the loss and AdamW of docs/design.md §1, with
+//! its defaults, parsed strictly (an unknown key is an error naming the key and the file).
 
 use std::path::Path;
 
@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
-    /// AdamW learning rate (DESIGN §1: 1e-5 personal, 1e-6 general).
+    /// AdamW learning rate (docs/design.md §1: 1e-5 personal, 1e-6 general).
     pub lr: f64,
     /// AdamW `(β1, β2)`.
     pub betas: [f64; 2],
@@ -78,7 +78,7 @@ pub enum ConfigError {
 }
 
 impl TrainConfig {
-    /// Reads and validates a `TRAIN.toml`. Missing keys take the DESIGN §1 defaults.
+    /// Reads and validates a `TRAIN.toml`. Missing keys take the docs/design.md §1 defaults.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.display().to_string(),

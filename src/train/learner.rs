@@ -1,5 +1,5 @@
 //! The learner: owns the policy (differentiable), AdamW's state, and a frozen reference model
-//! when the KL term is on. [`Learner::step`] runs one optimizer step of the DESIGN §1 objective on
+//! when the KL term is on. [`Learner::step`] runs one optimizer step of the docs/design.md §1 objective on
 //! a batch of samples; [`Learner::export_weights`] hands out the current weights as one
 //! safetensors blob under Hugging Face names, tagged with a version that grows by one per applied
 //! step.

@@ -1,4 +1,4 @@
-//! The OpenClaw-RL objective of DESIGN §1 on tensors: per-token log-probabilities gathered from
+//! The OpenClaw-RL objective of docs/design.md §1 on tensors: per-token log-probabilities gathered from
 //! logits, the asymmetric clipped policy-gradient term, the k3 KL term, and their aggregation
 //! (mean over each sample's response tokens, then over samples), with optional per-token
 //! truncated importance weights on the policy-gradient term. Generic over the backend, so the
@@ -42,7 +42,7 @@ pub struct LossTerms<B: Backend> {
     pub clip_fraction: Tensor<B, 1>,
 }
 
-/// Computes the DESIGN §1 loss. Every tensor is `[batch, window]`:
+/// Computes the docs/design.md §1 loss. Every tensor is `[batch, window]`:
 /// `logp_new` (differentiable), `logp_old`, `logp_ref` (when the KL term is on), `advantages`,
 /// `mask` (1 on response tokens) and `weights` (`mask / (tokens_i * batch)`).
 ///

@@ -53,7 +53,7 @@ fn teacher_scores_the_original_response_under_s_enhanced() {
         .logprobs(&original, Some(&tools), hint, &response)
         .unwrap();
 
-    // Independent construction of s_enhanced, straight from DESIGN §1's words.
+    // Independent construction of s_enhanced, straight from docs/design.md §1's words.
     let by_hand = parse_json_value(
         &messages(&format!("now sort them by size{HINT_PREFIX}{hint}")),
         "messages",

@@ -1,6 +1,6 @@
 //! Property tests of the judge's vote and hint parsing against adversarial outputs: several boxes,
 //! `\boxed{10}`, nested braces, missing end tags, unicode, and 1 MB of text. The parser is checked
-//! against independent regex oracles that state DESIGN §1's rules directly.
+//! against independent regex oracles that state docs/design.md §1's rules directly.
 
 use clawrl::judge::{last_boxed_digit, parse_hint, parse_vote, VoteError};
 use proptest::prelude::*;

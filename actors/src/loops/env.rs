@@ -11,7 +11,7 @@
 //! - the episode owns its conversation: after [`Episode::step`] the next
 //!   [`Episode::observation`] holds the assistant message for the action and then the
 //!   `next_state` messages the step returned;
-//! - `next_state` is what DESIGN §1 calls `s_{t+1}`: tool results (`role: "tool"`), a terminal's
+//! - `next_state` is what docs/design.md §1 calls `s_{t+1}`: tool results (`role: "tool"`), a terminal's
 //!   output, or the user's reply (`role: "user"`); it is empty only when the episode ended
 //!   without one;
 //! - a step after `done` is an error ([`EnvError::Finished`]), never a panic;
