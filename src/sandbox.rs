@@ -28,6 +28,7 @@ mod capture;
 mod child;
 mod plan;
 mod run;
+mod seccomp;
 
 use std::path::PathBuf;
 use std::sync::OnceLock;

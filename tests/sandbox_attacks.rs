@@ -1,4 +1,4 @@
-//! The sandbox under attack (issue 8, item 1): a fork bomb, a memory bomb, writes outside the
+//! The sandbox under attack: a fork bomb, a memory bomb, writes outside the
 //! work dir, reads of `/root` and of a stand-in for the node's TLS key, a connection to a
 //! listener on 127.0.0.1, `sleep 1000` and 100 MB of stdout are each contained and reported,
 //! and the test process keeps running. Plus the normal cases the environments rely on: exit
@@ -517,4 +517,81 @@ async fn unread_stdin_does_not_block() {
     spec.limits = limits(30);
     let out = run(&spec).await;
     assert_eq!(out.stdout.trim(), "4194304", "{out:?}");
+}
+
+/// The seccomp filter behind the namespaces: each call below is one an unprivileged process
+/// may otherwise make (tracing or reading the memory of its own child, the keyring,
+/// userfaultfd) or that reaches a wide kernel surface (mount, bpf, perf_event_open, kexec,
+/// module loading, a new user namespace); each fails with EPERM, and `clone3` with ENOSYS so
+/// the C library falls back to `clone`. Ordinary programs still run: 64 Python threads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_seccomp_filter_refuses_the_kernels_exposed_calls() {
+    if std::env::consts::ARCH != "x86_64" {
+        return; // the syscall numbers below are x86_64's
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let script = r#"
+import ctypes, errno, os, subprocess, threading
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+child = subprocess.Popen(["sleep", "30"])
+buf = ctypes.create_string_buffer(8)
+local = (ctypes.c_void_p * 2)(ctypes.cast(buf, ctypes.c_void_p), 8)
+remote = (ctypes.c_void_p * 2)(ctypes.cast(buf, ctypes.c_void_p), 8)
+calls = [
+    ("ptrace_attach_child", 101, 16, child.pid, 0, 0),
+    ("process_vm_readv_child", 310, child.pid, local, 1, remote, 1, 0),
+    ("mount_tmpfs", 165, b"none", b"/tmp", b"tmpfs", 0, 0),
+    ("bpf", 321, 0, 0, 0),
+    ("perf_event_open", 298, 0, 0, -1, -1, 0),
+    ("keyctl_session_keyring", 250, 0, -3, 0),
+    ("add_key", 248, b"user", b"k", b"v", 1, -3),
+    ("userfaultfd", 323, 0),
+    ("kexec_load", 246, 0, 0, 0, 0),
+    ("init_module", 175, 0, 0, b""),
+    ("unshare_newuser", 272, 0x10000000),
+    ("setns", 308, 0, 0),
+    ("clone3", 435, 0, 0),
+]
+for name, nr, *args in calls:
+    ctypes.set_errno(0)
+    r = libc.syscall(nr, *args)
+    e = ctypes.get_errno()
+    print(name, "ok" if r >= 0 else errno.errorcode.get(e, str(e)))
+child.kill()
+done = []
+threads = [threading.Thread(target=lambda: done.append(1)) for _ in range(64)]
+for t in threads: t.start()
+for t in threads: t.join()
+print("threads", len(done))
+"#;
+    let spec = SandboxSpec::new(
+        dir.path(),
+        vec!["python3".into(), "-c".into(), script.into()],
+    );
+    let out = run(&spec).await;
+    assert_eq!(out.exit_code, Some(0), "{out:?}");
+    let lines: std::collections::BTreeMap<&str, &str> = out
+        .stdout
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .collect();
+    for name in [
+        "ptrace_attach_child",
+        "process_vm_readv_child",
+        "mount_tmpfs",
+        "bpf",
+        "perf_event_open",
+        "keyctl_session_keyring",
+        "add_key",
+        "userfaultfd",
+        "kexec_load",
+        "init_module",
+        "unshare_newuser",
+        "setns",
+    ] {
+        assert_eq!(lines.get(name), Some(&"EPERM"), "{name}: {}", out.stdout);
+    }
+    assert_eq!(lines.get("clone3"), Some(&"ENOSYS"), "{}", out.stdout);
+    assert_eq!(lines.get("threads"), Some(&"64"), "{}", out.stdout);
 }

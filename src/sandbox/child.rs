@@ -32,6 +32,7 @@ pub(super) const STEP_IDS: u32 = 12;
 pub(super) const STEP_NNP: u32 = 13;
 pub(super) const STEP_CHDIR: u32 = 14;
 pub(super) const STEP_SIGNALS: u32 = 15;
+pub(super) const STEP_SECCOMP: u32 = 16;
 pub(super) const STEP_OP: u32 = 100;
 
 /// The uid and gid of the command inside the sandbox.
@@ -660,6 +661,10 @@ unsafe fn command(ex: &Exec<'_>) -> ! {
     }
     if libc::chdir(plan.fixed.work.as_ptr()) != 0 {
         fail(STEP_CHDIR);
+    }
+    // Last, so the setup above may still make the calls the filter refuses.
+    if super::seccomp::install(plan.seccomp).is_err() {
+        fail(STEP_SECCOMP);
     }
     // execvp: the first candidate that execs; report the most telling error.
     let mut best: (u32, i32) = (0, libc::ENOENT);

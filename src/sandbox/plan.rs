@@ -119,6 +119,8 @@ pub(super) struct Plan {
     pub rlimits: Vec<(libc::__rlimit_resource_t, libc::rlimit)>,
     /// Keeps the strings the fixed paths point to.
     pub fixed: Fixed,
+    /// The seccomp filters the command runs under.
+    pub seccomp: &'static super::seccomp::Programs,
 }
 
 /// Fixed C strings used by the init.
@@ -523,6 +525,7 @@ pub(super) fn build(spec: &SandboxSpec, workdir: &Path) -> Result<Plan, SandboxE
         dev: cstr("/dev"),
         hostname: cstr(hostname),
     };
+    let seccomp = super::seccomp::programs().map_err(SandboxError::Unsupported)?;
     Ok(Plan {
         ops,
         exec_candidates,
@@ -530,5 +533,6 @@ pub(super) fn build(spec: &SandboxSpec, workdir: &Path) -> Result<Plan, SandboxE
         envp,
         rlimits,
         fixed,
+        seccomp,
     })
 }

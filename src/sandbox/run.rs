@@ -325,6 +325,7 @@ fn step_name(plan: &Plan, step: u32) -> String {
         STEP_NNP => "setting no_new_privs".into(),
         STEP_CHDIR => "entering /work".into(),
         STEP_SIGNALS => "resetting signals".into(),
+        STEP_SECCOMP => "installing the seccomp filter".into(),
         s if s >= STEP_OP => plan
             .ops
             .get((s - STEP_OP) as usize)
