@@ -1,4 +1,4 @@
-//! The personal-agent gateway (DESIGN §4, issue 7): an OpenAI-compatible HTTP endpoint that
+//! The personal-agent gateway (DESIGN §4): an OpenAI-compatible HTTP endpoint that
 //! serves the policy and records every main-line turn, with its exact token ids, log-probs and
 //! next state, for training.
 //!
@@ -23,7 +23,9 @@ use serde::Deserialize;
 
 pub use policy::{GatewayPolicy, InstallError, PolicyStats, ServingVersion};
 pub use server::{Gateway, GatewayError};
-pub use session::{EndPolicy, SessionConfig, SessionTable, TurnEnd, TurnType};
+pub use session::{
+    Admission, EndPolicy, Scope, SessionConfig, SessionTable, SessionsFull, TurnEnd, TurnType,
+};
 pub use sink::{TurnRecord, TurnSink};
 
 /// Gateway settings (`clawrl serve --config FILE`, TOML; every key optional).
@@ -33,10 +35,12 @@ pub use sink::{TurnRecord, TurnSink};
 /// model_name = "my-agent"          # default: the checkpoint directory's name
 /// api_keys = ["sk-local-1"]        # bearer keys; none configured = open
 /// api_keys_env = "CLAWRL_API_KEYS" # also read comma-separated keys from this variable
+/// metrics_public = false           # true: GET /metrics needs no key (it does when keys are set)
 /// max_body_bytes = 4194304         # larger request bodies get 413
 /// default_turn_type = "main"       # for requests naming neither a session nor a turn type
 /// idle_timeout_secs = 300.0        # a session idle this long ends
 /// on_session_end = "keep"          # last turn: "keep" (no next state) or "drop"
+/// max_sessions_per_key = 1024      # open sessions per API key (one more: 429)
 /// data_dir = "data/gateway"        # turns-v<version>.jsonl go here
 /// record_queue = 1024              # records waiting for the writer
 /// max_batch = 16                   # sequences decoded together
@@ -56,6 +60,9 @@ pub struct GatewayConfig {
     pub api_keys: Vec<String>,
     /// Environment variable with more comma-separated keys (empty string = none).
     pub api_keys_env: String,
+    /// `GET /metrics` without an API key. When keys are configured it needs one by default:
+    /// the counters tell how the gateway is used.
+    pub metrics_public: bool,
     /// Request body limit in bytes.
     pub max_body_bytes: usize,
     /// Turn type of requests that name neither a session nor a turn type.
@@ -64,6 +71,10 @@ pub struct GatewayConfig {
     pub idle_timeout_secs: f64,
     /// What happens to a session's last turn when it ends.
     pub on_session_end: EndPolicy,
+    /// Most sessions one API key may have open (with no key configured, all clients together).
+    /// A main request that would open one more is refused with 429 and `Retry-After`; so the
+    /// session table holds at most this many sessions per configured key.
+    pub max_sessions_per_key: usize,
     /// Directory of the recorded turns.
     pub data_dir: PathBuf,
     /// Capacity of the record queue.
@@ -88,10 +99,12 @@ impl Default for GatewayConfig {
             model_name: None,
             api_keys: Vec::new(),
             api_keys_env: "CLAWRL_API_KEYS".into(),
+            metrics_public: false,
             max_body_bytes: 4 << 20,
             default_turn_type: TurnType::Main,
             idle_timeout_secs: 300.0,
             on_session_end: EndPolicy::Keep,
+            max_sessions_per_key: 1024,
             data_dir: PathBuf::from("data/gateway"),
             record_queue: 1024,
             max_batch: 16,
@@ -161,6 +174,9 @@ impl GatewayConfig {
         if self.max_body_bytes == 0 {
             return bad("max_body_bytes", "must be at least 1");
         }
+        if self.max_sessions_per_key == 0 {
+            return bad("max_sessions_per_key", "must be at least 1");
+        }
         if self.record_queue == 0 {
             return bad("record_queue", "must be at least 1");
         }
@@ -191,6 +207,7 @@ impl GatewayConfig {
             default_turn_type: self.default_turn_type,
             idle_timeout: Duration::from_secs_f64(self.idle_timeout_secs),
             on_end: self.on_session_end,
+            max_sessions_per_key: self.max_sessions_per_key,
         }
     }
 
@@ -231,5 +248,18 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("idle_timeout_secs"));
+        let c: GatewayConfig =
+            toml::from_str("metrics_public = true\nmax_sessions_per_key = 8").unwrap();
+        assert!(c.metrics_public);
+        assert_eq!(c.session_config().max_sessions_per_key, 8);
+        let c = GatewayConfig {
+            max_sessions_per_key: 0,
+            ..Default::default()
+        };
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("max_sessions_per_key"));
     }
 }

@@ -11,6 +11,12 @@
 //! `ractor_cluster` dropped, and gossips the peer list so nodes form a full mesh. A connection
 //! silent for [`transport::IDLE_TIMEOUT`] is dead: its node session ends and its members leave
 //! their process groups.
+//!
+//! A node's name is the identity in its certificate: each side admits the other only under the
+//! name its verified certificate carries, and never under a reserved name (the CLI's client
+//! certificate may make CLI requests, nothing else). Node sessions, gossip and the bulk plane
+//! serve admitted peers only. CLI requests name no path on the node: blob bytes come and go on
+//! the CLI stream ([`crate::cli`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -24,7 +30,9 @@ use serde::{Deserialize, Serialize};
 use tokio::io::AsyncReadExt;
 
 use crate::bulk::{BlobId, BulkConfig, BulkPlane, ConnectError, PeerConnector};
-use crate::cli::{BlobReply, BlobRequest, CliReply, CliRequest, ClusterView, NodeView, PingResult};
+use crate::cli::{
+    self, BlobReply, BlobRequest, CliReply, CliRequest, ClusterView, NodeView, PingResult,
+};
 use crate::config::{NodeConfig, Role};
 use crate::control::{Control, ControlArgs, JobValidator};
 use crate::pki::{self, Identity, NODE_SERVER_NAME};
@@ -144,6 +152,49 @@ enum HelloReply {
     Refused { name: String, reason: String },
 }
 
+/// Why a peer may not be admitted under the name its hello claims.
+#[derive(Debug, thiserror::Error)]
+enum IdentityError {
+    /// Its certificate carries no usable name.
+    #[error("it claims to be `{claimed}` but its certificate names no node: {source}")]
+    Unnamed {
+        /// The name in the hello.
+        claimed: String,
+        /// Why no name was read.
+        source: pki::CertNameError,
+    },
+    /// Its certificate names another node.
+    #[error("it claims to be `{claimed}` but its certificate names `{certified}`")]
+    Mismatch {
+        /// The name in the hello.
+        claimed: String,
+        /// The name in its certificate.
+        certified: String,
+    },
+    /// The name is reserved, as the CLI's client certificate's is.
+    #[error("`{0}` is a reserved name (the CLI's client certificate may not join as a node)")]
+    Reserved(String),
+}
+
+/// Checks that the peer of `conn` may be node `claimed`: the name in its certificate (verified
+/// against the cluster CA by the handshake) must be `claimed`, and not a reserved one.
+fn check_identity(conn: &quinn::Connection, claimed: &str) -> Result<(), IdentityError> {
+    let certified = transport::peer_name(conn).map_err(|source| IdentityError::Unnamed {
+        claimed: claimed.to_string(),
+        source,
+    })?;
+    if certified != claimed {
+        return Err(IdentityError::Mismatch {
+            claimed: claimed.to_string(),
+            certified,
+        });
+    }
+    if pki::is_reserved_name(claimed) {
+        return Err(IdentityError::Reserved(certified));
+    }
+    Ok(())
+}
+
 /// Whether a new connection to a peer replaces the one already held. Both ends compute the
 /// same answer: the connection dialed by the node whose name sorts first wins; between two
 /// dialed by the same node, the newer wins (the older is a leftover of a restart).
@@ -259,6 +310,18 @@ impl Node {
                 config.file.display(),
                 config.name
             )));
+        }
+        match pki::certificate_name(&identity.cert) {
+            Ok(n) if n == config.name => {}
+            Ok(n) => tracing::warn!(
+                "node `{}`: its certificate names `{n}`; peers will refuse it under the name `{}`",
+                config.name,
+                config.name
+            ),
+            Err(e) => tracing::warn!(
+                "node `{}`: its certificate names no node ({e}); peers will refuse it",
+                config.name
+            ),
         }
         let endpoint = transport::endpoint(&identity, config.listen, true)?;
         let local = endpoint
@@ -614,28 +677,21 @@ impl Node {
                     conn.close(2u32.into(), b"ALPN clawrl/1 required");
                     return;
                 }
-                node.serve_connection(conn, None).await;
+                node.serve_connection(conn).await;
             });
         }
     }
 
     /// Serves the streams a connection's peer opens until the connection ends.
-    async fn serve_connection(self, conn: quinn::Connection, mut peer: Option<String>) {
+    async fn serve_connection(self, conn: quinn::Connection) {
         loop {
             let (send, recv) = match conn.accept_bi().await {
                 Ok(s) => s,
                 Err(_) => break,
             };
-            if peer.is_none() {
-                peer = lock(&self.inner.peers)
-                    .values()
-                    .find(|p| p.conn.stable_id() == conn.stable_id())
-                    .map(|p| p.name.clone());
-            }
             let node = self.clone();
             let c = conn.clone();
-            let p = peer.clone();
-            tokio::spawn(async move { node.serve_stream(c, p, send, recv).await });
+            tokio::spawn(async move { node.serve_stream(c, send, recv).await });
         }
         let reason = conn
             .close_reason()
@@ -652,13 +708,7 @@ impl Node {
         }
     }
 
-    async fn serve_stream(
-        self,
-        conn: quinn::Connection,
-        peer: Option<String>,
-        send: SendStream,
-        mut recv: RecvStream,
-    ) {
+    async fn serve_stream(self, conn: quinn::Connection, send: SendStream, mut recv: RecvStream) {
         let from = conn.remote_address();
         let mut tag = [0u8; 1];
         match tokio::time::timeout(
@@ -714,17 +764,22 @@ impl Node {
             }
             Some(StreamTag::Cli) => self.serve_cli(from, send, recv).await,
             Some(StreamTag::Bulk) => {
+                // Blobs are served to admitted nodes only: a connection that has not completed
+                // the hello (the CLI's, or a refused one) has no node identity.
+                let Some(peer) = self.admitted_name(&conn) else {
+                    tracing::warn!("{from}: bulk stream before hello; refused");
+                    refuse_stream(send, recv);
+                    return;
+                };
                 if let Err(e) = self.inner.bulk.serve_stream(send, recv).await {
-                    tracing::warn!(
-                        "bulk stream from {}: {e}",
-                        peer.unwrap_or_else(|| from.to_string())
-                    );
+                    tracing::warn!("bulk stream from `{peer}` ({from}): {e}");
                 }
             }
             None => tracing::warn!("{from}: unknown stream tag {:#04x}; stream dropped", tag[0]),
         }
     }
 
+    /// The name of the admitted peer whose connection `conn` is, if any.
     fn admitted_name(&self, conn: &quinn::Connection) -> Option<String> {
         lock(&self.inner.peers)
             .values()
@@ -764,6 +819,9 @@ impl Node {
             refuse("same name as this node")
         } else if !crate::config::valid_node_name(&hello.name) {
             refuse("invalid node name")
+        } else if let Err(e) = check_identity(&conn, &hello.name) {
+            tracing::warn!("refused `{}` from {from}: {e}", hello.name);
+            refuse(&e.to_string())
         } else if self.admit(&conn, &hello, &hello.name) {
             self.learn(hello.peers.iter().cloned());
             HelloReply::Welcome(self.my_hello())
@@ -795,10 +853,19 @@ impl Node {
         let reply = match req {
             CliRequest::Nodes => CliReply::Nodes(self.view()),
             CliRequest::Ping => CliReply::Ping(self.ping_all().await),
-            CliRequest::Blob(b) => match self.blob_request(b).await {
-                Ok(r) => CliReply::Blob(r),
+            CliRequest::Blob(BlobRequest::Publish { len }) => {
+                self.receive_blob(from, len, &mut recv).await
+            }
+            CliRequest::Blob(BlobRequest::Save { id }) => match self.held_blob(&id) {
+                Ok(data) => return self.send_blob(from, send, data).await,
                 Err(e) => CliReply::Error(e),
             },
+            CliRequest::Blob(BlobRequest::Broadcast { id, targets }) => {
+                match self.broadcast_blob(&id, &targets).await {
+                    Ok(r) => CliReply::Blob(r),
+                    Err(e) => CliReply::Error(e),
+                }
+            }
             CliRequest::Control(c) => {
                 let mut members = ractor::pg::get_members(&crate::groups::CONTROL.to_string());
                 members.sort_by_key(rpc::actor_label);
@@ -827,51 +894,74 @@ impl Node {
         let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
     }
 
-    async fn blob_request(&self, req: BlobRequest) -> Result<BlobReply, String> {
-        let parse = |id: &str| id.parse::<BlobId>().map_err(|e| e.to_string());
-        match req {
-            BlobRequest::Publish { path } => {
-                let data = tokio::fs::read(&path)
-                    .await
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
-                let len = data.len() as u64;
-                let id = self
-                    .inner
-                    .bulk
-                    .publish(bytes::Bytes::from(data))
-                    .map_err(|e| e.to_string())?;
-                tracing::info!("published blob {id} ({len} bytes) from {}", path.display());
-                Ok(BlobReply::Published {
+    /// `blob publish`: the CLI's file arrives as the body after its request, in pieces, and
+    /// becomes a blob. The body is bounded by the bulk plane's `max_blob` and by its declared
+    /// length (the buffer grows as bytes arrive, so a declared length alone reserves nothing).
+    async fn receive_blob(&self, from: SocketAddr, len: u64, recv: &mut RecvStream) -> CliReply {
+        let cap = self.inner.bulk.config().max_blob;
+        let mut data = Vec::new();
+        let body = cli::read_body(recv, len, cap, |piece| {
+            data.extend_from_slice(piece);
+            Ok(())
+        })
+        .await;
+        if let Err(e) = body {
+            tracing::warn!("{from}: blob publish refused: {e}");
+            let _ = recv.stop(STREAM_REFUSED);
+            return CliReply::Error(format!("blob publish refused: {e}"));
+        }
+        match self.inner.bulk.publish(bytes::Bytes::from(data)) {
+            Ok(id) => {
+                tracing::info!("published blob {id} ({len} bytes) sent by the CLI at {from}");
+                CliReply::Blob(BlobReply::Published {
                     id: id.to_string(),
                     len,
                 })
             }
-            BlobRequest::Broadcast { id, targets } => {
-                let r = self
-                    .inner
-                    .bulk
-                    .broadcast(parse(&id)?, &targets)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                Ok(BlobReply::Broadcast {
-                    delivered: r.delivered,
-                    retried: r.retried,
-                })
-            }
-            BlobRequest::Save { id, path } => {
-                let id = parse(&id)?;
-                let data = self.inner.bulk.get(&id).ok_or_else(|| {
-                    format!("blob {id} is not held by node `{}`", self.inner.name)
-                })?;
-                tokio::fs::write(&path, &data)
-                    .await
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
-                Ok(BlobReply::Saved {
-                    len: data.len() as u64,
-                    blake3: blake3::hash(&data).to_hex().to_string(),
-                })
-            }
+            Err(e) => CliReply::Error(e.to_string()),
         }
+    }
+
+    /// The bytes of blob `id` if this node holds it.
+    fn held_blob(&self, id: &str) -> Result<bytes::Bytes, String> {
+        let id = id.parse::<BlobId>().map_err(|e| e.to_string())?;
+        self.inner
+            .bulk
+            .get(&id)
+            .ok_or_else(|| format!("blob {id} is not held by node `{}`", self.inner.name))
+    }
+
+    /// `blob save`: answers [`BlobReply::Bytes`], then sends the blob as the body; the CLI
+    /// writes the file on its own machine.
+    async fn send_blob(&self, from: SocketAddr, mut send: SendStream, data: bytes::Bytes) {
+        let header = CliReply::Blob(BlobReply::Bytes {
+            len: data.len() as u64,
+            blake3: blake3::hash(&data).to_hex().to_string(),
+        });
+        if let Err(e) = transport::write_frame(&mut send, &header).await {
+            tracing::warn!("{from}: cannot answer blob save: {e}");
+            return;
+        }
+        if let Err(e) = cli::write_body(&mut send, &mut &data[..], data.len() as u64).await {
+            tracing::warn!("{from}: blob save: {e}");
+            return;
+        }
+        let _ = send.finish();
+        let _ = tokio::time::timeout(cli::BODY_STALL, send.stopped()).await;
+    }
+
+    async fn broadcast_blob(&self, id: &str, targets: &[String]) -> Result<BlobReply, String> {
+        let id = id.parse::<BlobId>().map_err(|e| e.to_string())?;
+        let r = self
+            .inner
+            .bulk
+            .broadcast(id, targets)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(BlobReply::Broadcast {
+            delivered: r.delivered,
+            retried: r.retried,
+        })
     }
 
     /// Pings every node member and environment worker, concurrently.
@@ -952,6 +1042,11 @@ impl Node {
             }
             HelloReply::Welcome(h) => h,
         };
+        if let Err(e) = check_identity(&conn, &hello.name) {
+            tracing::warn!("refused `{}` at {addr}: {e}", hello.name);
+            conn.close(4u32.into(), b"refused");
+            return Err(format!("`{}` refused: {e}", hello.name));
+        }
         self.set_target_name(addr, &hello.name);
         if hello.cluster != self.inner.digest {
             conn.close(4u32.into(), b"another cluster");
@@ -964,7 +1059,7 @@ impl Node {
         }
         self.open_session(&hello.name, &conn).await;
         let node = self.clone();
-        tokio::spawn(node.serve_connection(conn, Some(hello.name)));
+        tokio::spawn(node.serve_connection(conn));
         Ok(())
     }
 
@@ -1109,6 +1204,15 @@ impl Target {
             name: None,
         }
     }
+}
+
+/// Error code of a stream refused before its conversation starts.
+const STREAM_REFUSED: quinn::VarInt = quinn::VarInt::from_u32(1);
+
+/// Refuses a stream: resets our side and asks the peer to stop sending.
+fn refuse_stream(mut send: SendStream, mut recv: RecvStream) {
+    let _ = send.reset(STREAM_REFUSED);
+    let _ = recv.stop(STREAM_REFUSED);
 }
 
 /// What the node supervisor restarts, and how.

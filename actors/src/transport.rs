@@ -214,6 +214,20 @@ pub fn endpoint(
     Ok(ep)
 }
 
+/// The node name in the certificate the peer of `conn` presented ([`crate::pki::certificate_name`]
+/// of the leaf; the handshake already verified the chain against the cluster CA).
+pub fn peer_name(conn: &quinn::Connection) -> Result<String, crate::pki::CertNameError> {
+    let chain = conn
+        .peer_identity()
+        .and_then(|id| {
+            id.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
+                .ok()
+        })
+        .ok_or(crate::pki::CertNameError::Missing)?;
+    let leaf = chain.first().ok_or(crate::pki::CertNameError::Missing)?;
+    crate::pki::certificate_name(leaf)
+}
+
 /// The ALPN a connection negotiated, if any.
 pub fn negotiated_alpn(conn: &quinn::Connection) -> Option<Vec<u8>> {
     conn.handshake_data()

@@ -93,7 +93,8 @@ pub enum Commands {
         #[arg(long)]
         json: bool,
     },
-    /// Move blobs with a node's bulk plane (paths are on that node's filesystem).
+    /// Move blobs with a node's bulk plane (files are read and written on this machine; their
+    /// bytes travel over the CLI's connection).
     Blob {
         #[command(subcommand)]
         cmd: BlobCmd,
@@ -112,9 +113,9 @@ pub enum Commands {
 /// `clawrl blob ...`
 #[derive(Subcommand)]
 pub enum BlobCmd {
-    /// Publish a file's bytes as a blob on the node; prints the blob id.
+    /// Publish a local file's bytes as a blob on the node; prints the blob id and size.
     Publish {
-        /// The file.
+        /// The file (read here, sent to the node).
         path: PathBuf,
         /// Config of the node.
         #[arg(long)]
@@ -131,11 +132,11 @@ pub enum BlobCmd {
         #[arg(long)]
         config: PathBuf,
     },
-    /// Write a blob the node holds to a file; prints its size and blake3.
+    /// Fetch a blob the node holds into a local file; prints its size and blake3.
     Save {
         /// The blob id.
         id: String,
-        /// The file to write.
+        /// The file to write (here; replaced only once every byte arrived and checked).
         path: PathBuf,
         /// Config of the node.
         #[arg(long)]
@@ -156,6 +157,10 @@ pub enum ClusterCmd {
         nodes: Vec<String>,
     },
 }
+
+/// Longest a `blob publish` or `blob save` may take (a body stalled for `BODY_STALL` fails
+/// sooner).
+const BLOB_TIMEOUT: Duration = Duration::from_secs(3600);
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
@@ -324,35 +329,34 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
             }
             other => bail!("unexpected reply from the node: {other:?}"),
         },
-        Commands::Blob { cmd } => {
-            let (config, req) = match cmd {
-                BlobCmd::Publish { path, config } => {
-                    let path = std::path::absolute(&path)
-                        .with_context(|| format!("resolving {}", path.display()))?;
-                    (config, BlobRequest::Publish { path })
-                }
-                BlobCmd::Broadcast { id, to, config } => {
-                    (config, BlobRequest::Broadcast { id, targets: to })
-                }
-                BlobCmd::Save { id, path, config } => {
-                    let path = std::path::absolute(&path)
-                        .with_context(|| format!("resolving {}", path.display()))?;
-                    (config, BlobRequest::Save { id, path })
-                }
-            };
-            match ask(&config, CliRequest::Blob(req))? {
-                CliReply::Blob(BlobReply::Published { id, len }) => println!("{id}\t{len}"),
-                CliReply::Blob(BlobReply::Broadcast { delivered, retried }) => {
-                    println!("delivered\t{}", delivered.join(","));
-                    if !retried.is_empty() {
-                        println!("retried\t{}", retried.join(","));
-                    }
-                }
-                CliReply::Blob(BlobReply::Saved { len, blake3 }) => println!("{len}\t{blake3}"),
-                other => bail!("unexpected reply from the node: {other:?}"),
+        Commands::Blob { cmd } => match cmd {
+            BlobCmd::Publish { path, config } => {
+                let cfg = load(&config)?;
+                let blob = runtime()?.block_on(client::publish_blob(&cfg, &path, BLOB_TIMEOUT))?;
+                println!("{}\t{}", blob.id, blob.len);
+                Ok(())
             }
-            Ok(())
-        }
+            BlobCmd::Broadcast { id, to, config } => {
+                let req = CliRequest::Blob(BlobRequest::Broadcast { id, targets: to });
+                match ask(&config, req)? {
+                    CliReply::Blob(BlobReply::Broadcast { delivered, retried }) => {
+                        println!("delivered\t{}", delivered.join(","));
+                        if !retried.is_empty() {
+                            println!("retried\t{}", retried.join(","));
+                        }
+                        Ok(())
+                    }
+                    other => bail!("unexpected reply from the node: {other:?}"),
+                }
+            }
+            BlobCmd::Save { id, path, config } => {
+                let cfg = load(&config)?;
+                let saved =
+                    runtime()?.block_on(client::save_blob(&cfg, &id, &path, BLOB_TIMEOUT))?;
+                println!("{}\t{}", saved.len, saved.blake3);
+                Ok(())
+            }
+        },
         Commands::Ping { config, json } => match ask(&config, CliRequest::Ping)? {
             CliReply::Ping(results) => {
                 if json {

@@ -4,10 +4,14 @@
 //!   tokens are sampled (`stream: true`), `tool_calls` deltas for `<tool_call>` blocks;
 //! - `GET /v1/models`, `GET /v1/models/{id}`, `GET /healthz`, `GET /metrics`.
 //!
-//! `/v1/*` needs `Authorization: Bearer <key>` when keys are configured (401 otherwise). Bodies
-//! over the limit get 413, malformed JSON 400, an unknown model 404; every error is OpenAI's
-//! `{"error": {"message", "type", "param", "code"}}`. Each answer carries `session_id` (body
-//! field and `X-Session-Id` header); see [`super::session`] for what is recorded.
+//! `/v1/*` and `/metrics` (unless `metrics_public`) need `Authorization: Bearer <key>` when keys
+//! are configured: a missing or wrong key gets 401 from the headers alone, before the body is
+//! read, and the key found is the request's session [`Scope`]. Bodies over the limit get 413,
+//! malformed JSON 400, messages with keys the gateway does not understand 400, an unknown model
+//! 404, a main request that would open more sessions than its key may have 429 with
+//! `Retry-After`; every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+//! Each answer carries `session_id` (body field and `X-Session-Id` header); see
+//! [`super::session`] for what is recorded.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -23,6 +27,7 @@ use axum::middleware::Next;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::Extension;
 use axum::{Json, Router};
 use burn::tensor::backend::Backend;
 use serde::Deserialize;
@@ -31,7 +36,7 @@ use tokio::sync::mpsc;
 
 use super::metrics::Metrics;
 use super::policy::{GatewayPolicy, ServingVersion};
-use super::session::{Finished, SessionTable, TurnType};
+use super::session::{Admission, Finished, Scope, SessionTable, SessionsFull, TurnType};
 use super::sink::{SinkError, TurnRecord, TurnSink};
 use super::text::{split_all, Piece, TextStream, ToolCallSplitter};
 use super::GatewayConfig;
@@ -61,7 +66,9 @@ pub enum GatewayError {
 struct AppState {
     cfg: GatewayConfig,
     model_name: String,
-    keys: Vec<String>,
+    /// blake3 digests of the accepted API keys, in config order (a key's index is its
+    /// [`Scope`]); compared in constant time, never the keys themselves.
+    key_digests: Vec<[u8; 32]>,
     policy: GatewayPolicy,
     tokenizer: Arc<tokenizers::Tokenizer>,
     template: ChatTemplate,
@@ -122,7 +129,11 @@ impl Gateway {
                 .model_name
                 .clone()
                 .unwrap_or_else(|| default_name.to_string()),
-            keys: cfg.resolved_api_keys(),
+            key_digests: cfg
+                .resolved_api_keys()
+                .iter()
+                .map(|k| *blake3::hash(k.as_bytes()).as_bytes())
+                .collect(),
             policy,
             tokenizer,
             template: chat_template,
@@ -168,12 +179,21 @@ impl Gateway {
     /// The routes.
     pub fn router(&self) -> Router {
         let s = self.state.clone();
-        Router::new()
+        let mut keyed = Router::new()
             .route("/v1/chat/completions", post(chat_completions))
             .route("/v1/models", get(list_models))
-            .route("/v1/models/{id}", get(get_model))
-            .route("/healthz", get(healthz))
-            .route("/metrics", get(metrics))
+            .route("/v1/models/{id}", get(get_model));
+        let mut open = Router::new().route("/healthz", get(healthz));
+        if s.cfg.metrics_public {
+            open = open.route("/metrics", get(metrics));
+        } else {
+            keyed = keyed.route("/metrics", get(metrics));
+        }
+        // A route layer runs after routing and before the handler's extractors, so a request
+        // without a valid key is answered from its headers: its body is never read.
+        let keyed = keyed.route_layer(axum::middleware::from_fn_with_state(s.clone(), require_key));
+        keyed
+            .merge(open)
             .fallback(not_found)
             .layer(DefaultBodyLimit::max(s.cfg.max_body_bytes))
             .layer(axum::middleware::from_fn_with_state(s.clone(), track))
@@ -332,24 +352,51 @@ async fn track(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Resp
     resp
 }
 
-fn check_auth(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    if s.keys.is_empty() {
-        return Ok(());
+/// The scope of the bearer key in `headers`: `Scope(0)` when no key is configured, else the
+/// index of the first configured key it matches. The given key's blake3 digest is compared with
+/// every configured key's digest in constant time, with no early exit, so the time taken tells
+/// neither which bytes of a guess were right nor how long a key is.
+fn authenticate(s: &AppState, headers: &HeaderMap) -> Result<Scope, ApiError> {
+    use subtle::{ConditionallySelectable, ConstantTimeEq};
+    if s.key_digests.is_empty() {
+        return Ok(Scope(0));
     }
     let given = headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim);
-    match given {
-        Some(k) if s.keys.iter().any(|x| x == k) => Ok(()),
-        _ => Err(ApiError {
-            status: StatusCode::UNAUTHORIZED,
-            kind: "invalid_request_error",
-            code: "invalid_api_key",
-            param: None,
-            message: "missing or invalid API key: send Authorization: Bearer <key>".into(),
-        }),
+    let rejected = || ApiError {
+        status: StatusCode::UNAUTHORIZED,
+        kind: "invalid_request_error",
+        code: "invalid_api_key",
+        param: None,
+        message: "missing or invalid API key: send Authorization: Bearer <key>".into(),
+    };
+    let digest = blake3::hash(given.ok_or_else(rejected)?.as_bytes());
+    let mut found = subtle::Choice::from(0);
+    let mut index = 0u32;
+    for (i, d) in s.key_digests.iter().enumerate() {
+        let hit = digest.as_bytes()[..].ct_eq(&d[..]);
+        index.conditional_assign(&(i as u32), hit & !found);
+        found |= hit;
+    }
+    if bool::from(found) {
+        Ok(Scope(index))
+    } else {
+        Err(rejected())
+    }
+}
+
+/// Admits only requests with a valid key (when keys are configured) and hands their [`Scope`]
+/// to the handler.
+async fn require_key(State(s): State<Arc<AppState>>, mut req: Request, next: Next) -> Response {
+    match authenticate(&s, req.headers()) {
+        Ok(scope) => {
+            req.extensions_mut().insert(scope);
+            next.run(req).await
+        }
+        Err(e) => e.into_response(),
     }
 }
 
@@ -357,21 +404,11 @@ fn model_json(s: &AppState) -> Json_ {
     json!({"id": s.model_name, "object": "model", "created": s.created, "owned_by": "clawrl"})
 }
 
-async fn list_models(State(s): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    if let Err(e) = check_auth(&s, &headers) {
-        return e.into_response();
-    }
+async fn list_models(State(s): State<Arc<AppState>>) -> Response {
     Json(json!({"object": "list", "data": [model_json(&s)]})).into_response()
 }
 
-async fn get_model(
-    State(s): State<Arc<AppState>>,
-    headers: HeaderMap,
-    AxPath(id): AxPath<String>,
-) -> Response {
-    if let Err(e) = check_auth(&s, &headers) {
-        return e.into_response();
-    }
+async fn get_model(State(s): State<Arc<AppState>>, AxPath(id): AxPath<String>) -> Response {
     if id != s.model_name {
         return unknown_model(&id, &s).into_response();
     }
@@ -451,6 +488,12 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
             "counter",
             "Sessions opened.",
             st.started as f64,
+        ),
+        (
+            "clawrl_gateway_sessions_refused_total",
+            "counter",
+            "Main requests refused (429): their key had max_sessions_per_key sessions.",
+            st.refused_full as f64,
         ),
         (
             "clawrl_gateway_sessions_ended_done_total",
@@ -661,32 +704,140 @@ fn sampling_params(s: &AppState, r: &ChatRequest) -> Result<SamplingParams, ApiE
     })
 }
 
+/// The message keys the gateway understands: the chat template renders `role`, `content`,
+/// `tool_calls` and `reasoning_content`; `name` and `tool_call_id` are OpenAI's bookkeeping
+/// (clients send them on tool results), kept in the record.
+const MESSAGE_KEYS: [&str; 6] = [
+    "role",
+    "content",
+    "name",
+    "tool_calls",
+    "tool_call_id",
+    "reasoning_content",
+];
+
+/// The keys of one entry of `tool_calls` (`index` comes with calls accumulated from stream
+/// deltas) and of its `function`.
+const TOOL_CALL_KEYS: [&str; 4] = ["id", "type", "function", "index"];
+const FUNCTION_KEYS: [&str; 2] = ["name", "arguments"];
+
+/// The longest `name`, `tool_call_id` or tool-call `id`: none is rendered into the prompt, so
+/// none is bounded by the context check.
+const MAX_ID_BYTES: usize = 1024;
+
+/// A request whose messages carry a key the gateway does not understand is refused, never
+/// served with the key ignored: an ignored field would silently change what the client asked
+/// for, and an unrendered one would reach the record unbounded by the context check. A key
+/// whose value is `null` counts as absent (SDKs resend fields such as `refusal` or `audio` as
+/// `null`).
+fn unsupported_key(at: &str, key: &str, known: &[&str]) -> ApiError {
+    ApiError::bad(
+        "unsupported_message_key",
+        Some("messages"),
+        format!(
+            "{at} has the key {key:?}, which this gateway does not support (supported: {}; a \
+             null value counts as absent)",
+            known.join(", ")
+        ),
+    )
+}
+
+fn invalid_message(at: &str, what: impl std::fmt::Display) -> ApiError {
+    ApiError::bad(
+        "invalid_messages",
+        Some("messages"),
+        format!("{at}: {what}"),
+    )
+}
+
+/// A string of at most [`MAX_ID_BYTES`], or null.
+fn check_id(at: &str, key: &str, v: &minijinja::Value) -> Result<(), ApiError> {
+    match v.as_str() {
+        _ if v.is_none() => Ok(()),
+        Some(t) if t.len() <= MAX_ID_BYTES => Ok(()),
+        Some(_) => Err(invalid_message(
+            at,
+            format!("{key:?} is longer than {MAX_ID_BYTES} bytes"),
+        )),
+        None => Err(invalid_message(at, format!("{key:?} must be a string"))),
+    }
+}
+
+/// Checks the entries of a message's `tool_calls` list (see [`unsupported_key`]).
+fn check_tool_calls(at: &str, calls: &minijinja::Value) -> Result<(), ApiError> {
+    use minijinja::value::ValueKind;
+    for (j, c) in calls.try_iter().expect("a list").enumerate() {
+        let at = format!("{at}, tool call {j}");
+        if c.kind() != ValueKind::Map {
+            return Err(invalid_message(&at, "a tool call must be an object"));
+        }
+        for k in c.try_iter().expect("a map") {
+            let v = c.get_item(&k).unwrap_or_default();
+            match k.as_str().unwrap_or_default() {
+                "id" => check_id(&at, "id", &v)?,
+                "type" if v.is_none() || v.as_str() == Some("function") => {}
+                "type" => return Err(invalid_message(&at, "\"type\" must be \"function\"")),
+                "index" if v.is_none() || v.is_integer() => {}
+                "index" => return Err(invalid_message(&at, "\"index\" must be an integer")),
+                "function" if v.kind() == ValueKind::Map => {
+                    for fk in v.try_iter().expect("a map") {
+                        let null = v.get_item(&fk).is_ok_and(|x| x.is_none());
+                        let name = fk.as_str().unwrap_or_default();
+                        if !FUNCTION_KEYS.contains(&name) && !null {
+                            let at = format!("{at}, function");
+                            return Err(unsupported_key(&at, name, &FUNCTION_KEYS));
+                        }
+                    }
+                }
+                "function" => return Err(invalid_message(&at, "\"function\" must be an object")),
+                _ if v.is_none() => {}
+                other => return Err(unsupported_key(&at, other, &TOOL_CALL_KEYS)),
+            }
+        }
+    }
+    Ok(())
+}
+
 /// OpenAI messages → what the chat template expects: text-part lists joined, a missing or null
-/// `content` made `""`, and tool-call `arguments` given as a JSON string decoded to the object the
-/// model wrote (key order kept).
+/// `content` made `""`, tool-call `arguments` given as a JSON string decoded to the object the
+/// model wrote (key order kept), other keys with a null value left out. A key outside
+/// [`MESSAGE_KEYS`] with a value is refused ([`unsupported_key`]).
 fn normalize_messages(messages: &minijinja::Value) -> Result<minijinja::Value, ApiError> {
     use minijinja::value::ValueKind;
     validate_messages(messages, "messages")
         .map_err(|e| ApiError::bad("invalid_messages", Some("messages"), e.to_string()))?;
     let mut out = Vec::new();
     for (i, m) in messages.try_iter().expect("validated list").enumerate() {
+        let at = format!("message {i}");
         let mut pairs: Vec<(minijinja::Value, minijinja::Value)> = Vec::new();
         let mut has_content = false;
         for k in m.try_iter().expect("validated map") {
             let v = m.get_item(&k).unwrap_or_default();
-            let v = match k.as_str() {
-                Some("content") => {
+            let v = match k.as_str().unwrap_or_default() {
+                "content" => {
                     has_content = true;
-                    content_text(&v).map_err(|e| {
-                        ApiError::bad(
-                            "invalid_messages",
-                            Some("messages"),
-                            format!("message {i}: {e}"),
-                        )
-                    })?
+                    content_text(&v).map_err(|e| invalid_message(&at, e))?
                 }
-                Some("tool_calls") if v.kind() == ValueKind::Seq => decode_arguments(&v),
-                _ => v,
+                "tool_calls" if v.kind() == ValueKind::Seq => {
+                    check_tool_calls(&at, &v)?;
+                    decode_arguments(&v)
+                }
+                "tool_calls" if v.is_none() => v,
+                "tool_calls" => return Err(invalid_message(&at, "\"tool_calls\" must be a list")),
+                key @ ("name" | "tool_call_id") => {
+                    check_id(&at, key, &v)?;
+                    v
+                }
+                "reasoning_content" if v.is_none() || v.kind() == ValueKind::String => v,
+                "reasoning_content" => {
+                    return Err(invalid_message(
+                        &at,
+                        "\"reasoning_content\" must be a string",
+                    ))
+                }
+                "role" => v,
+                _ if v.is_none() => continue,
+                other => return Err(unsupported_key(&at, other, &MESSAGE_KEYS)),
             };
             pairs.push((k, v));
         }
@@ -775,7 +926,10 @@ fn rebuild(map: &minijinja::Value, key: &str, value: minijinja::Value) -> miniji
 
 /// Everything a request resolved to before generation.
 struct Prepared {
+    scope: Scope,
     session_id: String,
+    /// A main request's hold on its session, once admitted.
+    hold: Option<Hold>,
     turn_type: TurnType,
     done: bool,
     messages: minijinja::Value,
@@ -787,7 +941,53 @@ struct Prepared {
     include_usage: bool,
 }
 
-fn prepare(s: &AppState, headers: &HeaderMap, r: ChatRequest) -> Result<Prepared, ApiError> {
+/// A main request's [`Admission`] while its turn is generated. It is handed to the session
+/// table when the turn was served ([`finish_turn`]); dropped before that (the engine refused
+/// the request, generation failed, the client left), it releases the admission, so the request
+/// leaves no session behind.
+struct Hold {
+    state: Arc<AppState>,
+    admission: Option<Admission>,
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        if let Some(a) = self.admission.take() {
+            // Never dropped while the table is locked: the lock is taken only here and for
+            // single statements or blocks that hold no `Hold`.
+            let mut t = self
+                .state
+                .sessions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            t.release(a);
+        }
+    }
+}
+
+/// 429 for a main request whose key has `max_sessions_per_key` sessions, with `Retry-After`
+/// (whole seconds until the key's first session times out).
+fn sessions_full(full: SessionsFull) -> Response {
+    let secs = full.retry_after.as_secs_f64().ceil().max(1.0) as u64;
+    let mut r = ApiError {
+        status: StatusCode::TOO_MANY_REQUESTS,
+        kind: "rate_limit_error",
+        code: "too_many_sessions",
+        param: Some("session_id"),
+        message: format!("{full}; retry after {secs} s"),
+    }
+    .into_response();
+    r.headers_mut()
+        .insert(axum::http::header::RETRY_AFTER, HeaderValue::from(secs));
+    r
+}
+
+fn prepare(
+    s: &AppState,
+    scope: Scope,
+    headers: &HeaderMap,
+    r: ChatRequest,
+) -> Result<Prepared, ApiError> {
     if r.model != s.model_name {
         return Err(unknown_model(&r.model, s));
     }
@@ -847,7 +1047,9 @@ fn prepare(s: &AppState, headers: &HeaderMap, r: ChatRequest) -> Result<Prepared
         message: e.to_string(),
     })?;
     Ok(Prepared {
+        scope,
         session_id,
+        hold: None,
         turn_type,
         done,
         messages,
@@ -893,12 +1095,10 @@ fn decode(s: &AppState, ids: &[u32]) -> String {
 
 async fn chat_completions(
     State(s): State<Arc<AppState>>,
+    Extension(scope): Extension<Scope>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    if let Err(e) = check_auth(&s, &headers) {
-        return e.into_response();
-    }
     let body = match body {
         Ok(b) => b,
         Err(rej) => {
@@ -926,10 +1126,28 @@ async fn chat_completions(
         }
     };
     let t0 = Instant::now();
-    let prepared = match parse_request(&body).and_then(|r| prepare(&s, &headers, r)) {
+    let mut prepared = match parse_request(&body).and_then(|r| prepare(&s, scope, &headers, r)) {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
+    // A main request may open a session only within its key's cap; it is opened when the turn
+    // has been served (`finish_turn`), and released if it never is.
+    if prepared.turn_type == TurnType::Main {
+        let admitted =
+            s.sessions
+                .lock()
+                .unwrap()
+                .admit(scope, &prepared.session_id, Instant::now());
+        match admitted {
+            Ok(a) => {
+                prepared.hold = Some(Hold {
+                    state: s.clone(),
+                    admission: Some(a),
+                })
+            }
+            Err(full) => return sessions_full(full),
+        }
+    }
     // The request's last message completes the session's pending main turn.
     let last = prepared
         .messages
@@ -937,6 +1155,7 @@ async fn chat_completions(
         .ok()
         .and_then(|m| serde_json::to_value(&m).ok());
     let out = s.sessions.lock().unwrap().on_request(
+        scope,
         &prepared.session_id,
         prepared.turn_type,
         last.as_ref(),
@@ -957,7 +1176,11 @@ async fn chat_completions(
         Some(StreamEvent::Failed(e)) => {
             s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
             if prepared.done {
-                let out = s.sessions.lock().unwrap().end_session(&prepared.session_id);
+                let out = s
+                    .sessions
+                    .lock()
+                    .unwrap()
+                    .end_session(scope, &prepared.session_id);
                 record_all(&s, out).await;
             }
             return engine_error(e).into_response();
@@ -1030,7 +1253,7 @@ impl Collected {
 /// Builds the record of a served turn and hands it to the session table.
 async fn finish_turn(
     s: &AppState,
-    p: Prepared,
+    mut p: Prepared,
     version: u64,
     c: Collected,
     message: Json_,
@@ -1060,13 +1283,14 @@ async fn finish_turn(
         next_state: None,
         end: None,
     };
-    let out = s.sessions.lock().unwrap().on_served(
-        &p.session_id,
-        p.turn_type,
-        record,
-        p.done,
-        Instant::now(),
-    );
+    let admission = p.hold.as_mut().and_then(|h| h.admission.take());
+    let out = {
+        let mut t = s.sessions.lock().unwrap();
+        match admission {
+            Some(a) => t.on_served(a, record, p.done, Instant::now()),
+            None => t.on_side_served(p.scope, &p.session_id, p.done, Instant::now()),
+        }
+    };
     record_all(s, out).await;
 }
 

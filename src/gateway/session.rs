@@ -2,17 +2,27 @@
 //! clock-free (`now` is an argument, DESIGN §6); the server calls it under a lock and sends what
 //! it returns to the record sink.
 //!
-//! Rules (DESIGN §4, issue 7):
+//! Rules (DESIGN §4):
 //! - a request names its session (`X-Session-Id` / `session_id`); one without gets a fresh id;
+//! - sessions belong to the API key that opened them ([`Scope`]): the table is keyed by
+//!   (scope, id), so the same id sent with another key is another session, and one key's
+//!   requests never complete, end or see another key's turns;
 //! - its turn type is `main` or `side` (`X-Turn-Type` / `turn_type`); when absent, a request
 //!   that names a session is `main`, and one that does not takes the configured default
 //!   (`main` unless configured otherwise);
-//! - side turns are served and counted, never recorded;
+//! - side turns are served and counted, never recorded, and never open a session;
+//! - a main request is admitted first ([`SessionTable::admit`]): it may open a session only
+//!   while its key has fewer than `max_sessions_per_key` sessions open or being opened; the
+//!   session is opened when its turn has been served, so a refused or failed request leaves
+//!   none behind ([`SessionTable::release`]);
 //! - a main turn waits as the session's *pending* turn; on the next main request its last
 //!   message becomes the pending turn's next state (if it is a `user` or `tool` message;
 //!   otherwise the pending turn is closed as if the session ended);
 //! - a session ends on `X-Session-Done` or after the idle timeout; its pending turn is then
 //!   recorded without a next state or dropped ([`EndPolicy`]), and counted either way.
+//!
+//! The table is bounded: at most `max_sessions_per_key` entries per scope, and scopes are the
+//! configured keys (one when none is configured).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -66,6 +76,12 @@ pub enum TurnEnd {
     IdleTimeout,
 }
 
+/// Whose sessions: the API key a request authenticated with, as its index among the gateway's
+/// keys (`Scope(0)` for every request when no key is configured, so there is one scope).
+/// Session ids are chosen by clients, so only (scope, id) names a session.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Scope(pub u32);
+
 /// Session rules.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SessionConfig {
@@ -75,6 +91,8 @@ pub struct SessionConfig {
     pub idle_timeout: Duration,
     /// What happens to a pending turn when its session ends.
     pub on_end: EndPolicy,
+    /// Most sessions one scope may have open or being opened.
+    pub max_sessions_per_key: usize,
 }
 
 /// Counters of the table, for `/metrics`.
@@ -96,6 +114,45 @@ pub struct SessionStats {
     pub kept_without_next_state: u64,
     /// Last turns dropped.
     pub dropped: u64,
+    /// Main requests refused because their key had `max_sessions_per_key` sessions.
+    pub refused_full: u64,
+}
+
+/// A main request was refused: its key already has as many sessions as it may.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{cap} sessions are already open for this API key (for all clients when no key is \
+     configured), the most allowed (max_sessions_per_key = {cap}); end one with \
+     X-Session-Done, continue an open session, or retry when an idle one has timed out"
+)]
+pub struct SessionsFull {
+    /// The cap (`max_sessions_per_key`).
+    pub cap: usize,
+    /// When the first of the key's sessions ends by the idle timeout, if nothing touches it.
+    pub retry_after: Duration,
+}
+
+/// A main request's hold on its session, from admission to the end of its turn: it keeps a
+/// place under the key's cap for a session that is not open yet. Hand it back to
+/// [`SessionTable::on_served`] when the turn was served or to [`SessionTable::release`] when it
+/// was not.
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "an admission holds a place under the cap until it is served or released"]
+pub struct Admission {
+    scope: Scope,
+    session_id: String,
+}
+
+impl Admission {
+    /// The session's scope.
+    pub fn scope(&self) -> Scope {
+        self.scope
+    }
+
+    /// The session id.
+    pub fn session_id(&self) -> &str {
+        &self.session_id
+    }
 }
 
 /// A turn handed back for recording; `T` is the server's turn data.
@@ -116,10 +173,17 @@ struct Session<T> {
     pending: Option<T>,
 }
 
+/// One session id of a scope: open once a turn of it was served, and held while admitted main
+/// requests of it run. It counts under the cap either way, and leaves the table when neither.
+struct Entry<T> {
+    open: Option<Session<T>>,
+    in_flight: usize,
+}
+
 /// The table of open sessions.
 pub struct SessionTable<T> {
     cfg: SessionConfig,
-    sessions: HashMap<String, Session<T>>,
+    scopes: HashMap<Scope, HashMap<String, Entry<T>>>,
     stats: SessionStats,
 }
 
@@ -128,7 +192,7 @@ impl<T> SessionTable<T> {
     pub fn new(cfg: SessionConfig) -> Self {
         Self {
             cfg,
-            sessions: HashMap::new(),
+            scopes: HashMap::new(),
             stats: SessionStats::default(),
         }
     }
@@ -143,9 +207,18 @@ impl<T> SessionTable<T> {
         self.stats
     }
 
-    /// Open sessions.
+    /// Open sessions, every scope together.
     pub fn open_sessions(&self) -> usize {
-        self.sessions.len()
+        self.scopes
+            .values()
+            .flat_map(|m| m.values())
+            .filter(|e| e.open.is_some())
+            .count()
+    }
+
+    /// Sessions of `scope` open or being opened (what the cap counts).
+    pub fn held(&self, scope: Scope) -> usize {
+        self.scopes.get(&scope).map_or(0, HashMap::len)
     }
 
     /// The turn type of a request: explicit wins; a named session means main; else the default.
@@ -157,17 +230,61 @@ impl<T> SessionTable<T> {
         }
     }
 
-    /// A request of `session_id` arrives. For a main request, `last_message` (the request's last
-    /// message) completes the session's pending turn. Returns turns to record.
+    /// Admits a main request of `session_id` under `scope`: always when the session is open or
+    /// being opened already, else only while the scope holds fewer than `max_sessions_per_key`
+    /// sessions.
+    pub fn admit(
+        &mut self,
+        scope: Scope,
+        session_id: &str,
+        now: Instant,
+    ) -> Result<Admission, SessionsFull> {
+        let cap = self.cfg.max_sessions_per_key;
+        let entries = self.scopes.entry(scope).or_default();
+        if !entries.contains_key(session_id) && entries.len() >= cap {
+            self.stats.refused_full += 1;
+            let retry_after = self.first_expiry(scope, now);
+            return Err(SessionsFull { cap, retry_after });
+        }
+        entries
+            .entry(session_id.to_string())
+            .or_insert(Entry {
+                open: None,
+                in_flight: 0,
+            })
+            .in_flight += 1;
+        Ok(Admission {
+            scope,
+            session_id: session_id.to_string(),
+        })
+    }
+
+    /// An admitted request was not served (refused, failed, or its client left): its hold ends,
+    /// and a session it would have opened is never opened.
+    pub fn release(&mut self, admission: Admission) {
+        let Admission { scope, session_id } = admission;
+        if let Some(e) = self.entry_mut(scope, &session_id) {
+            e.in_flight = e.in_flight.saturating_sub(1);
+        }
+        self.prune(scope, &session_id);
+    }
+
+    /// A request of (`scope`, `session_id`) arrives; an open session is touched, none is opened.
+    /// For a main request, `last_message` (the request's last message) completes the session's
+    /// pending turn. Returns turns to record.
     pub fn on_request(
         &mut self,
+        scope: Scope,
         session_id: &str,
         turn_type: TurnType,
         last_message: Option<&serde_json::Value>,
         now: Instant,
     ) -> Vec<Finished<T>> {
         let mut out = Vec::new();
-        let s = self.touch(session_id, now);
+        let Some(s) = self.open_mut(scope, session_id) else {
+            return out;
+        };
+        s.last_seen = s.last_seen.max(now);
         if turn_type == TurnType::Side {
             return out;
         }
@@ -191,88 +308,155 @@ impl<T> SessionTable<T> {
         out
     }
 
-    /// A turn of `session_id` was served. A main turn becomes the pending turn (a still pending
-    /// older one, from overlapping requests, is closed without a next state); a side turn is
-    /// only counted. With `done`, the session ends now. Returns turns to record.
+    /// The main turn of `admission` was served: the session is opened if it is not, and the
+    /// turn becomes its pending turn (a still pending older one, from overlapping requests, is
+    /// closed without a next state). With `done`, the session ends now. Returns turns to record.
     pub fn on_served(
         &mut self,
-        session_id: &str,
-        turn_type: TurnType,
+        admission: Admission,
         turn: T,
         done: bool,
         now: Instant,
     ) -> Vec<Finished<T>> {
+        let Admission { scope, session_id } = admission;
         let mut out = Vec::new();
-        let s = self.touch(session_id, now);
-        let older = match turn_type {
-            TurnType::Main => s.pending.replace(turn),
-            TurnType::Side => None,
-        };
-        match turn_type {
-            TurnType::Main => self.stats.main_turns += 1,
-            TurnType::Side => self.stats.side_turns += 1,
+        self.stats.main_turns += 1;
+        let entry = self
+            .scopes
+            .entry(scope)
+            .or_default()
+            .entry(session_id.clone())
+            .or_insert(Entry {
+                open: None,
+                in_flight: 1,
+            });
+        entry.in_flight = entry.in_flight.saturating_sub(1);
+        let opened = entry.open.is_none();
+        let s = entry.open.get_or_insert(Session {
+            last_seen: now,
+            pending: None,
+        });
+        s.last_seen = s.last_seen.max(now);
+        let older = s.pending.replace(turn);
+        if opened {
+            self.stats.started += 1;
         }
         if let Some(t) = older {
-            self.close(session_id, t, TurnEnd::NoNextState, &mut out);
+            self.close(&session_id, t, TurnEnd::NoNextState, &mut out);
         }
         if done {
-            out.extend(self.end(session_id, TurnEnd::SessionDone));
+            out.extend(self.end(scope, &session_id, TurnEnd::SessionDone));
         }
         out
     }
 
-    /// Ends `session_id` now (`X-Session-Done` on a request that was not served, e.g. one that
-    /// failed). Returns its pending turn if it is kept.
-    pub fn end_session(&mut self, session_id: &str) -> Vec<Finished<T>> {
-        self.end(session_id, TurnEnd::SessionDone)
+    /// A side turn of (`scope`, `session_id`) was served: counted; it opens no session. With
+    /// `done`, the session, if open, ends now. Returns turns to record.
+    pub fn on_side_served(
+        &mut self,
+        scope: Scope,
+        session_id: &str,
+        done: bool,
+        now: Instant,
+    ) -> Vec<Finished<T>> {
+        self.stats.side_turns += 1;
+        if let Some(s) = self.open_mut(scope, session_id) {
+            s.last_seen = s.last_seen.max(now);
+        }
+        if done {
+            return self.end(scope, session_id, TurnEnd::SessionDone);
+        }
+        Vec::new()
+    }
+
+    /// Ends (`scope`, `session_id`) now (`X-Session-Done` on a request that was not served, e.g.
+    /// one that failed). Returns its pending turn if it is kept.
+    pub fn end_session(&mut self, scope: Scope, session_id: &str) -> Vec<Finished<T>> {
+        self.end(scope, session_id, TurnEnd::SessionDone)
     }
 
     /// Ends every session idle for at least the timeout at `now`.
     pub fn expire(&mut self, now: Instant) -> Vec<Finished<T>> {
         let timeout = self.cfg.idle_timeout;
-        let idle: Vec<String> = self
-            .sessions
-            .iter()
-            .filter(|(_, s)| now.saturating_duration_since(s.last_seen) >= timeout)
-            .map(|(k, _)| k.clone())
+        let idle: Vec<(Scope, String)> = self
+            .open_entries()
+            .filter(|(_, _, s)| now.saturating_duration_since(s.last_seen) >= timeout)
+            .map(|(scope, id, _)| (scope, id.clone()))
             .collect();
         let mut out = Vec::new();
-        for id in idle {
-            out.extend(self.end(&id, TurnEnd::IdleTimeout));
+        for (scope, id) in idle {
+            out.extend(self.end(scope, &id, TurnEnd::IdleTimeout));
         }
         out
     }
 
     /// Ends every session (server shutdown), as an idle timeout would.
     pub fn end_all(&mut self) -> Vec<Finished<T>> {
-        let ids: Vec<String> = self.sessions.keys().cloned().collect();
+        let ids: Vec<(Scope, String)> = self
+            .open_entries()
+            .map(|(scope, id, _)| (scope, id.clone()))
+            .collect();
         let mut out = Vec::new();
-        for id in ids {
-            out.extend(self.end(&id, TurnEnd::IdleTimeout));
+        for (scope, id) in ids {
+            out.extend(self.end(scope, &id, TurnEnd::IdleTimeout));
         }
         out
     }
 
-    fn touch(&mut self, session_id: &str, now: Instant) -> &mut Session<T> {
-        if !self.sessions.contains_key(session_id) {
-            self.stats.started += 1;
-        }
-        let s = self
-            .sessions
-            .entry(session_id.to_string())
-            .or_insert(Session {
-                last_seen: now,
-                pending: None,
-            });
-        s.last_seen = s.last_seen.max(now);
-        s
+    fn open_entries(&self) -> impl Iterator<Item = (Scope, &String, &Session<T>)> {
+        self.scopes.iter().flat_map(|(scope, m)| {
+            m.iter()
+                .filter_map(move |(id, e)| e.open.as_ref().map(|s| (*scope, id, s)))
+        })
     }
 
-    fn end(&mut self, session_id: &str, why: TurnEnd) -> Vec<Finished<T>> {
+    /// How long until the first open session of `scope` times out (at least a second: the
+    /// answer is a `Retry-After` in whole seconds); a second when none is open yet.
+    fn first_expiry(&self, scope: Scope, now: Instant) -> Duration {
+        let timeout = self.cfg.idle_timeout;
+        self.scopes
+            .get(&scope)
+            .into_iter()
+            .flat_map(|m| m.values())
+            .filter_map(|e| e.open.as_ref())
+            .map(|s| timeout.saturating_sub(now.saturating_duration_since(s.last_seen)))
+            .min()
+            .unwrap_or_default()
+            .max(Duration::from_secs(1))
+    }
+
+    fn entry_mut(&mut self, scope: Scope, session_id: &str) -> Option<&mut Entry<T>> {
+        self.scopes.get_mut(&scope)?.get_mut(session_id)
+    }
+
+    fn open_mut(&mut self, scope: Scope, session_id: &str) -> Option<&mut Session<T>> {
+        self.entry_mut(scope, session_id)?.open.as_mut()
+    }
+
+    /// Removes an entry that is neither open nor held, and a scope left empty.
+    fn prune(&mut self, scope: Scope, session_id: &str) {
+        let Some(m) = self.scopes.get_mut(&scope) else {
+            return;
+        };
+        if m.get(session_id)
+            .is_some_and(|e| e.open.is_none() && e.in_flight == 0)
+        {
+            m.remove(session_id);
+        }
+        if m.is_empty() {
+            self.scopes.remove(&scope);
+        }
+    }
+
+    fn end(&mut self, scope: Scope, session_id: &str, why: TurnEnd) -> Vec<Finished<T>> {
         let mut out = Vec::new();
-        let Some(s) = self.sessions.remove(session_id) else {
+        let Some(s) = self
+            .entry_mut(scope, session_id)
+            .and_then(|e| e.open.take())
+        else {
             return out;
         };
+        self.prune(scope, session_id);
         match why {
             TurnEnd::IdleTimeout => self.stats.ended_idle += 1,
             _ => self.stats.ended_done += 1,
@@ -304,12 +488,29 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    const A: Scope = Scope(0);
+    const B: Scope = Scope(1);
+
     fn table(on_end: EndPolicy) -> SessionTable<&'static str> {
         SessionTable::new(SessionConfig {
             default_turn_type: TurnType::Main,
             idle_timeout: Duration::from_secs(10),
             on_end,
+            max_sessions_per_key: 4,
         })
+    }
+
+    /// Serves a main turn of (`scope`, `id`) the way the server does: admitted, then served.
+    fn serve(
+        t: &mut SessionTable<&'static str>,
+        scope: Scope,
+        id: &str,
+        turn: &'static str,
+        done: bool,
+        now: Instant,
+    ) -> Vec<Finished<&'static str>> {
+        let adm = t.admit(scope, id, now).unwrap();
+        t.on_served(adm, turn, done, now)
     }
 
     #[test]
@@ -318,19 +519,17 @@ mod tests {
         let t0 = Instant::now();
         let user1 = json!({"role": "user", "content": "hi"});
         assert!(t
-            .on_request("s", TurnType::Main, Some(&user1), t0)
+            .on_request(A, "s", TurnType::Main, Some(&user1), t0)
             .is_empty());
-        assert!(t.on_served("s", TurnType::Main, "a1", false, t0).is_empty());
+        assert!(serve(&mut t, A, "s", "a1", false, t0).is_empty());
         // A side turn in between neither completes nor replaces the pending turn.
         let side = json!({"role": "user", "content": "summarise"});
         assert!(t
-            .on_request("s", TurnType::Side, Some(&side), t0)
+            .on_request(A, "s", TurnType::Side, Some(&side), t0)
             .is_empty());
-        assert!(t
-            .on_served("s", TurnType::Side, "side", false, t0)
-            .is_empty());
+        assert!(t.on_side_served(A, "s", false, t0).is_empty());
         let tool = json!({"role": "tool", "content": "exit 0"});
-        let out = t.on_request("s", TurnType::Main, Some(&tool), t0);
+        let out = t.on_request(A, "s", TurnType::Main, Some(&tool), t0);
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].turn, "a1");
         assert_eq!(out[0].next_state, Some(tool));
@@ -347,19 +546,17 @@ mod tests {
         let t0 = Instant::now();
         let u = json!({"role": "user", "content": "x"});
         let mut keep = table(EndPolicy::Keep);
-        keep.on_request("s", TurnType::Main, Some(&u), t0);
-        let out = keep.on_served("s", TurnType::Main, "last", true, t0);
+        keep.on_request(A, "s", TurnType::Main, Some(&u), t0);
+        let out = serve(&mut keep, A, "s", "last", true, t0);
         assert_eq!(out.len(), 1);
         assert_eq!((out[0].turn, out[0].next_state.clone()), ("last", None));
         assert_eq!(out[0].end, TurnEnd::SessionDone);
         assert_eq!(keep.stats().kept_without_next_state, 1);
-        assert_eq!(keep.open_sessions(), 0);
+        assert_eq!((keep.open_sessions(), keep.held(A)), (0, 0));
 
         let mut drop = table(EndPolicy::Drop);
-        drop.on_request("s", TurnType::Main, Some(&u), t0);
-        assert!(drop
-            .on_served("s", TurnType::Main, "last", true, t0)
-            .is_empty());
+        drop.on_request(A, "s", TurnType::Main, Some(&u), t0);
+        assert!(serve(&mut drop, A, "s", "last", true, t0).is_empty());
         assert_eq!((drop.stats().dropped, drop.stats().ended_done), (1, 1));
     }
 
@@ -367,14 +564,8 @@ mod tests {
     fn idle_timeout_ends_only_idle_sessions() {
         let mut t = table(EndPolicy::Keep);
         let t0 = Instant::now();
-        t.on_served("old", TurnType::Main, "o", false, t0);
-        t.on_served(
-            "new",
-            TurnType::Main,
-            "n",
-            false,
-            t0 + Duration::from_secs(5),
-        );
+        serve(&mut t, A, "old", "o", false, t0);
+        serve(&mut t, A, "new", "n", false, t0 + Duration::from_secs(5));
         assert!(t.expire(t0 + Duration::from_secs(9)).is_empty());
         let out = t.expire(t0 + Duration::from_secs(10));
         assert_eq!(out.len(), 1);
@@ -382,7 +573,7 @@ mod tests {
         assert_eq!(t.open_sessions(), 1);
         assert_eq!(t.stats().ended_idle, 1);
         // A session that is touched again lives on.
-        t.on_request("new", TurnType::Side, None, t0 + Duration::from_secs(14));
+        t.on_request(A, "new", TurnType::Side, None, t0 + Duration::from_secs(14));
         assert!(t.expire(t0 + Duration::from_secs(16)).is_empty());
     }
 
@@ -398,6 +589,7 @@ mod tests {
             default_turn_type: TurnType::Side,
             idle_timeout: Duration::from_secs(1),
             on_end: EndPolicy::Keep,
+            max_sessions_per_key: 1,
         });
         // A named session without a turn type is main even when the default is side.
         assert_eq!(side_default.resolve_turn_type(None, true), TurnType::Main);
@@ -410,13 +602,76 @@ mod tests {
     fn a_non_user_last_message_closes_the_pending_turn_without_next_state() {
         let mut t = table(EndPolicy::Keep);
         let t0 = Instant::now();
-        t.on_served("s", TurnType::Main, "a", false, t0);
+        serve(&mut t, A, "s", "a", false, t0);
         let asst = json!({"role": "assistant", "content": "..."});
-        let out = t.on_request("s", TurnType::Main, Some(&asst), t0);
+        let out = t.on_request(A, "s", TurnType::Main, Some(&asst), t0);
         assert_eq!(out.len(), 1);
         assert_eq!(
             (out[0].next_state.clone(), out[0].end),
             (None, TurnEnd::NoNextState)
         );
+    }
+
+    #[test]
+    fn the_same_id_under_two_keys_is_two_sessions() {
+        let mut t = table(EndPolicy::Keep);
+        let t0 = Instant::now();
+        serve(&mut t, A, "s", "a-turn", false, t0);
+        // B's message on the same id completes nothing of A's, and B's done ends nothing of A's.
+        let praise = json!({"role": "user", "content": "perfect, thanks!"});
+        assert!(t
+            .on_request(B, "s", TurnType::Main, Some(&praise), t0)
+            .is_empty());
+        assert!(t.end_session(B, "s").is_empty());
+        assert!(t.on_side_served(B, "s", true, t0).is_empty());
+        let out = serve(&mut t, B, "s", "b-turn", true, t0);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].turn, "b-turn");
+        // A's turn is still pending, and A's own next message completes it.
+        let fix = json!({"role": "user", "content": "shorter"});
+        let out = t.on_request(A, "s", TurnType::Main, Some(&fix), t0);
+        assert_eq!(
+            (out[0].turn, out[0].next_state.clone()),
+            ("a-turn", Some(fix))
+        );
+    }
+
+    #[test]
+    fn the_cap_counts_open_and_admitted_sessions_per_key() {
+        let mut t = table(EndPolicy::Keep);
+        let t0 = Instant::now();
+        serve(&mut t, A, "s0", "0", false, t0);
+        serve(&mut t, A, "s1", "1", false, t0 + Duration::from_secs(3));
+        let a2 = t.admit(A, "s2", t0).unwrap();
+        let a3 = t.admit(A, "s3", t0).unwrap();
+        // Four held: a fifth id is refused, with the time until s0 times out.
+        let full = t.admit(A, "s4", t0 + Duration::from_secs(4)).unwrap_err();
+        assert_eq!(full.cap, 4);
+        assert_eq!(full.retry_after, Duration::from_secs(6));
+        assert!(
+            full.to_string().contains("max_sessions_per_key = 4"),
+            "{full}"
+        );
+        // Held ids are still admitted (overlapping requests), and another key has its own cap.
+        let again = t.admit(A, "s2", t0).unwrap();
+        let b = t.admit(B, "s4", t0).unwrap();
+        t.release(b);
+        // A refused (released) admission opens nothing and frees its place.
+        t.release(a3);
+        assert_eq!((t.held(A), t.open_sessions()), (3, 2));
+        let a4 = t.admit(A, "s4", t0).unwrap();
+        t.release(a4);
+        // s2 opens when served; its second admission still holds it until released.
+        t.on_served(a2, "2", false, t0 + Duration::from_secs(5));
+        t.release(again);
+        assert_eq!((t.held(A), t.open_sessions(), t.held(B)), (3, 3, 0));
+        assert_eq!(t.stats().refused_full, 1);
+        // An admission whose session timed out meanwhile reopens it when served.
+        let late = t.admit(A, "s0", t0).unwrap();
+        assert_eq!(t.expire(t0 + Duration::from_secs(10)).len(), 1);
+        assert_eq!(t.held(A), 3, "s0 is still held by its request");
+        t.on_served(late, "0b", false, t0 + Duration::from_secs(10));
+        assert_eq!((t.held(A), t.open_sessions()), (3, 3));
+        assert_eq!(t.stats().started, 4);
     }
 }

@@ -1,5 +1,7 @@
 //! Mutual TLS between node processes: a node whose certificate comes from another cluster CA is
-//! refused (and the refusal is logged), and neither side lists the other.
+//! refused (and the refusal is logged), and neither side lists the other. A node's name is the
+//! identity in its certificate: a node presenting another node's certificate, or the CLI's
+//! client certificate, is refused whichever side dials, with a log line naming both names.
 
 use std::time::Duration;
 
@@ -52,4 +54,94 @@ fn a_node_with_a_certificate_from_another_ca_is_refused() {
     );
     // ... while this cluster's own client certificate works.
     clawrl_ok(&["nodes", "--config", g1.to_str().unwrap()]);
+}
+
+/// Makes the config of node `own` use the certificate and key issued to `cert` instead.
+fn use_certificate(config: &std::path::Path, own: &str, cert: &str) {
+    let text = std::fs::read_to_string(config)
+        .unwrap()
+        .replace(&format!("/{own}.pem\""), &format!("/{cert}.pem\""))
+        .replace(&format!("/{own}.key\""), &format!("/{cert}.key\""));
+    assert!(text.contains(&format!("/{cert}.key\"")), "{text}");
+    std::fs::write(config, text).unwrap();
+}
+
+#[test]
+fn a_node_is_admitted_only_under_the_name_in_its_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = init_certs(dir.path(), &["a", "b", "c"]);
+    // `cluster init` makes the directory and every private key owner-only.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&certs), 0o700);
+        for k in ["ca.key", "a.key", "b.key", "c.key", "client.key"] {
+            assert_eq!(mode(&certs.join(k)), 0o600, "{k}");
+        }
+    }
+    let (pa, pb, pc, pd) = (free_port(), free_port(), free_port(), free_port());
+    // `a` dials `c` (the dialing side checks), `d` dials `a` (the accepting side checks).
+    let a = write_config(dir.path(), "a", pa, &[pc], &["control"], Some(&certs));
+    let b = write_config(dir.path(), "b", pb, &[pa], &["env"], Some(&certs));
+    // `c` runs with `b`'s certificate, `d` with the CLI's client certificate.
+    let c = write_config(dir.path(), "c", pc, &[], &["env"], Some(&certs));
+    use_certificate(&c, "c", "b");
+    let d = write_config(dir.path(), "d", pd, &[pa], &["env"], Some(&certs));
+    use_certificate(&d, "d", "client");
+    let na = NodeProc::start("node", &a, &[]);
+    let _nb = NodeProc::start("node", &b, &[]);
+    let _nc = NodeProc::start("node", &c, &[]);
+    let _nd = NodeProc::start("node", &d, &[]);
+
+    wait_for(Duration::from_secs(20), || {
+        view(&a).filter(|v| node_names(v).contains(&"b".to_string()))
+    })
+    .expect("b (its own certificate) should join a");
+    for (who, line) in [
+        ("c", "refused `c` at 127.0.0.1:"),
+        ("d", "refused `d` from 127.0.0.1:"),
+    ] {
+        wait_for(Duration::from_secs(20), || {
+            na.log_text().contains(line).then_some(())
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "a never logged refusing {who} (a sees {:?}):\n{}",
+                view(&a).map(|v| node_names(&v)),
+                na.log_text()
+            )
+        });
+    }
+    let log = na.log_text();
+    assert!(
+        log.contains("it claims to be `c` but its certificate names `b`"),
+        "{log}"
+    );
+    assert!(
+        log.contains("it claims to be `d` but its certificate names `client`"),
+        "{log}"
+    );
+    // They keep trying; they stay out.
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(node_names(&view(&a).unwrap()), ["a", "b"]);
+    assert_eq!(node_names(&view(&b).unwrap()), ["a", "b"]);
+    assert_eq!(node_names(&view(&d).unwrap()), ["d"]);
+
+    // A node cannot take the client certificate's name either: its config is refused.
+    let e = write_config(
+        dir.path(),
+        "client",
+        free_port(),
+        &[pa],
+        &["env"],
+        Some(&certs),
+    );
+    let mut ne = NodeProc::start("node", &e, &[]);
+    wait_for(Duration::from_secs(20), || (!ne.alive()).then_some(()))
+        .expect("a node named `client` started");
+    assert!(ne.log_text().contains("reserved"), "{}", ne.log_text());
+
+    // The client certificate still does what it is for: CLI requests.
+    clawrl_ok(&["nodes", "--config", a.to_str().unwrap()]);
 }

@@ -22,6 +22,13 @@ assert r.choices[0].finish_reason in ("stop", "length"), r
 assert r.usage.completion_tokens >= 1, r
 assert r.model_extra["session_id"] == "sdk", r.model_extra
 
+# The SDK's own answer resent as history, dumped whole (refusal, audio, function_call and
+# annotations as None): served, the nulls count as absent. A side turn, so nothing is recorded.
+follow = msgs + [r.choices[0].message.model_dump(), {"role": "user", "content": "Shorter."}]
+r2 = client.chat.completions.create(model=model, messages=follow, max_tokens=4,
+                                    extra_headers={"X-Turn-Type": "side"})
+assert r2.choices[0].message.role == "assistant", r2
+
 # Streaming: same seed, same text, in several chunks.
 stream = client.chat.completions.create(
     model=model, messages=msgs, max_tokens=8, temperature=0.7, seed=5, stream=True,

@@ -1,10 +1,12 @@
 //! The gateway over real HTTP on 127.0.0.1 with the qwen3-tiny fixture: OpenAI wire format,
-//! token-by-token SSE, sessions and the JSONL records (exact ids), auth, limits and errors.
+//! token-by-token SSE, sessions and the JSONL records (exact ids), auth, limits and errors, and
+//! least privilege: sessions scoped by API key, the session cap, refused message keys, the key
+//! checked before the body is read, `/metrics` behind the key.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use clawrl::gateway::{EndPolicy, Gateway, GatewayConfig, TurnRecord, TurnType};
+use clawrl::gateway::{EndPolicy, Gateway, GatewayConfig, TurnEnd, TurnRecord, TurnType};
 use clawrl::model::load_checkpoint;
 use clawrl::CpuBackend;
 use serde_json::{json, Value};
@@ -473,7 +475,7 @@ async fn auth_limits_and_bad_requests() {
         .await
         .unwrap();
     assert_eq!(models["data"][0]["id"], "qwen3-tiny");
-    // healthz and metrics stay open.
+    // healthz stays open.
     let h: Value = reqwest::get(format!("{}/healthz", s.base))
         .await
         .unwrap()
@@ -570,6 +572,7 @@ async fn auth_limits_and_bad_requests() {
     }
     let m = c
         .get(format!("{}/metrics", s.base))
+        .bearer_auth("env-key-1")
         .send()
         .await
         .unwrap()
@@ -582,5 +585,346 @@ async fn auth_limits_and_bad_requests() {
     );
     assert!(m.contains("clawrl_gateway_errors_total{kind=\"payload_too_large\"} 1"));
     assert!(m.contains("clawrl_gateway_errors_total{kind=\"model_not_found\"} 2"));
+    s.shutdown().await;
+}
+
+/// A gateway with two keys, `key-a` and `key-b`, and `cfg`'s other settings.
+async fn two_keys(cfg: GatewayConfig) -> Server {
+    Server::start(GatewayConfig {
+        api_keys: vec!["key-a".into(), "key-b".into()],
+        ..cfg
+    })
+    .await
+}
+
+async fn post_as(base: &str, key: &str, b: &Value, headers: &[(&str, &str)]) -> reqwest::Response {
+    let mut rq = reqwest::Client::new()
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth(key)
+        .json(b);
+    for (k, v) in headers {
+        rq = rq.header(*k, *v);
+    }
+    rq.send().await.unwrap()
+}
+
+async fn metrics_as(base: &str, key: &str) -> String {
+    let r = reqwest::Client::new()
+        .get(format!("{base}/metrics"))
+        .bearer_auth(key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.text().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_keys_feedback_never_reaches_another_keys_turns() {
+    let mut s = two_keys(GatewayConfig::default()).await;
+    // A has a turn pending in two sessions.
+    let mut served = std::collections::HashMap::new();
+    for sid in ["feedback", "ending"] {
+        let a1: Value = post_as(&s.base, "key-a", &body(json!({})), &[("X-Session-Id", sid)])
+            .await
+            .json()
+            .await
+            .unwrap();
+        let text = a1["choices"][0]["message"]["content"].as_str().unwrap();
+        served.insert(sid.to_string(), text.to_string());
+    }
+    let history = |sid: &str, last: &Value| {
+        body(json!({"messages": [
+            {"role": "user", "content": "Hello there"},
+            {"role": "assistant", "content": served[sid]},
+            last,
+        ]}))
+    };
+    // B, knowing the ids, praises A's answer in one session and ends the other.
+    let praise = json!({"role": "user", "content": "perfect, thanks!"});
+    let h = [("X-Session-Id", "feedback")];
+    let r = post_as(&s.base, "key-b", &history("feedback", &praise), &h).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-session-id"], "feedback");
+    let h = [("X-Session-Id", "ending"), ("X-Session-Done", "1")];
+    let r = post_as(&s.base, "key-b", &body(json!({"turn_type": "side"})), &h).await;
+    assert_eq!(r.status(), 200);
+    // A's own next messages are the next states of A's turns.
+    let fix = json!({"role": "user", "content": "No, shorter please."});
+    for sid in ["feedback", "ending"] {
+        let h = [("X-Session-Id", sid), ("X-Session-Done", "1")];
+        let r = post_as(&s.base, "key-a", &history(sid, &fix), &h).await;
+        assert_eq!(r.status(), 200);
+    }
+    let m = metrics_as(&s.base, "key-a").await;
+    assert!(m.contains("clawrl_gateway_sessions_started_total 3"), "{m}");
+    s.shutdown().await;
+    // What is recorded (and so judged) as each turn's next state.
+    let recs = s.records();
+    assert_eq!(recs.len(), 5, "A's two turns in each session and B's one");
+    for sid in ["feedback", "ending"] {
+        let first_of_a = recs
+            .iter()
+            .find(|r| {
+                r.session_id == sid
+                    && !r.prompt_text.contains("perfect")
+                    && !r.prompt_text.contains("shorter")
+            })
+            .unwrap();
+        assert_eq!(
+            (first_of_a.next_state.as_ref(), first_of_a.end),
+            (Some(&fix), Some(TurnEnd::NextState)),
+            "{sid}"
+        );
+    }
+    for r in &recs {
+        assert_ne!(
+            r.next_state.as_ref(),
+            Some(&praise),
+            "B's praise judged A's turn"
+        );
+    }
+    let of_b = recs
+        .iter()
+        .find(|r| r.prompt_text.contains("perfect"))
+        .unwrap();
+    assert_eq!(
+        (of_b.next_state.as_ref(), of_b.end),
+        (None, Some(TurnEnd::IdleTimeout)),
+        "B's turn ends with B's own session, at shutdown"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_request_leaves_no_session() {
+    let mut s = Server::start(GatewayConfig {
+        max_sessions_per_key: 1,
+        ..Default::default()
+    })
+    .await;
+    // 300 words do not fit the fixture's 512 positions: the engine refuses, streaming or not.
+    for (stream, sid) in [(false, "refused"), (true, "refused-stream")] {
+        let long = body(json!({"stream": stream,
+            "messages": [{"role": "user", "content": "word ".repeat(300)}]}));
+        let r = post(&s.base, &long, &[("X-Session-Id", sid)]).await;
+        assert!(error_of(r, 400).await.contains("maximum context"));
+    }
+    let m = reqwest::get(format!("{}/metrics", s.base))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(m.contains("clawrl_gateway_sessions_open 0"), "{m}");
+    assert!(m.contains("clawrl_gateway_sessions_started_total 0"), "{m}");
+    // Nor does it take a place under the cap (1 here): a new session still opens.
+    let r = post(&s.base, &body(json!({})), &[("X-Session-Id", "served")]).await;
+    assert_eq!(r.status(), 200);
+    s.shutdown().await;
+    let recs = s.records();
+    assert_eq!(recs.len(), 1);
+    assert_eq!(recs[0].session_id, "served");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_sessions_are_capped_per_key() {
+    let mut s = two_keys(GatewayConfig {
+        max_sessions_per_key: 2,
+        idle_timeout_secs: 60.0,
+        ..Default::default()
+    })
+    .await;
+    let ok = body(json!({"max_tokens": 2}));
+    for sid in ["s1", "s2"] {
+        let r = post_as(&s.base, "key-a", &ok, &[("X-Session-Id", sid)]).await;
+        assert_eq!(r.status(), 200, "{sid}");
+    }
+    // A third session of key A is refused, named or not, with the cap and a Retry-After.
+    for h in [&[("X-Session-Id", "s3")][..], &[]] {
+        let r = post_as(&s.base, "key-a", &ok, h).await;
+        let retry: u64 = r.headers()["retry-after"]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((1..=60).contains(&retry), "Retry-After {retry}");
+        let v: Value = r.json().await.unwrap();
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(m.contains("max_sessions_per_key = 2"), "{m}");
+        assert_eq!(v["error"]["code"], "too_many_sessions");
+    }
+    // Open sessions go on; a side turn opens no session so is served; key B has its own cap.
+    let r = post_as(&s.base, "key-a", &ok, &[("X-Session-Id", "s1")]).await;
+    assert_eq!(r.status(), 200);
+    let side = [("X-Session-Id", "s3"), ("X-Turn-Type", "side")];
+    assert_eq!(post_as(&s.base, "key-a", &ok, &side).await.status(), 200);
+    let r = post_as(&s.base, "key-b", &ok, &[("X-Session-Id", "s3")]).await;
+    assert_eq!(r.status(), 200);
+    // Ending one of A's sessions makes room.
+    let done = [("X-Session-Id", "s1"), ("X-Session-Done", "1")];
+    assert_eq!(post_as(&s.base, "key-a", &ok, &done).await.status(), 200);
+    let r = post_as(&s.base, "key-a", &ok, &[("X-Session-Id", "s3")]).await;
+    assert_eq!(r.status(), 200);
+    let m = metrics_as(&s.base, "key-b").await;
+    assert!(m.contains("clawrl_gateway_sessions_open 3"), "{m}");
+    assert!(
+        m.contains("clawrl_gateway_errors_total{kind=\"too_many_sessions\"} 2"),
+        "{m}"
+    );
+    assert!(m.contains("clawrl_gateway_sessions_refused_total 2"), "{m}");
+    assert!(
+        m.contains(
+            "clawrl_gateway_requests_total{route=\"/v1/chat/completions\",status=\"429\"} 2"
+        ),
+        "{m}"
+    );
+    s.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_message_keys_are_refused_and_nulls_are_absent() {
+    let mut s = Server::start(GatewayConfig::default()).await;
+    // A key the gateway does not understand, at the message or the tool-call level: 400 naming
+    // it (such a field would otherwise be recorded, however large, past the context check).
+    let call = json!({"id": "call_1", "type": "function",
+        "function": {"name": "read_file", "arguments": "{\"path\": \"a.txt\"}"}});
+    let mut odd_call = call.clone();
+    odd_call["function"]["strict"] = json!(true);
+    let mut extra_call = call.clone();
+    extra_call["cache_hint"] = json!("x");
+    for (messages, key) in [
+        (
+            json!([{"role": "user", "content": "hi", "stash": "x".repeat(100_000)}]),
+            "stash",
+        ),
+        (
+            json!([{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": "ok", "refusal": "I will not"},
+                   {"role": "user", "content": "go on"}]),
+            "refusal",
+        ),
+        (
+            json!([{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": null, "tool_calls": [extra_call]}]),
+            "cache_hint",
+        ),
+        (
+            json!([{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": null, "tool_calls": [odd_call]}]),
+            "strict",
+        ),
+    ] {
+        let r = post(&s.base, &body(json!({"messages": messages})), &[]).await;
+        let v: Value = r.json().await.unwrap();
+        let m = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(m.contains(&format!("{key:?}")), "{key}: {v}");
+        assert_eq!(v["error"]["code"], "unsupported_message_key", "{v}");
+    }
+    let m = error_of(
+        post(
+            &s.base,
+            &body(json!({"messages": [{"role": "user", "content": "hi",
+                "name": "n".repeat(2000)}]})),
+            &[],
+        )
+        .await,
+        400,
+    )
+    .await;
+    assert!(m.contains("\"name\" is longer than 1024 bytes"), "{m}");
+
+    // What real clients send is served: the SDK's dump of an answer (refusal, audio,
+    // function_call, annotations as null), a tool result's name, reasoning_content.
+    let history = json!([
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": [{"type": "text", "text": "Read a.txt"}], "name": "ann"},
+        {"role": "assistant", "content": null, "refusal": null, "audio": null,
+         "function_call": null, "annotations": null, "reasoning_content": "Use the tool.",
+         "tool_calls": [{"id": "call_1", "type": "function", "index": 0,
+            "function": {"name": "read_file", "arguments": "{\"path\": \"a.txt\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "read_file", "content": "hello"},
+    ]);
+    let r = post(
+        &s.base,
+        &body(json!({"messages": history})),
+        &[("X-Session-Id", "real"), ("X-Session-Done", "1")],
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let recs = s.wait_records(1).await;
+    let recorded = serde_json::to_value(&recs[0].messages).unwrap();
+    let assistant = recorded[2].as_object().unwrap();
+    for gone in ["refusal", "audio", "function_call", "annotations"] {
+        assert!(!assistant.contains_key(gone), "{gone} recorded: {recorded}");
+    }
+    assert_eq!(assistant["reasoning_content"], "Use the tool.");
+    assert_eq!(recorded[3]["name"], "read_file");
+    s.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_key_is_refused_before_the_body_is_read() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = Server::start(GatewayConfig {
+        api_keys: vec!["right".into()],
+        ..Default::default()
+    })
+    .await;
+    let addr = s.base.strip_prefix("http://").unwrap().to_string();
+    for auth in ["", "Authorization: Bearer wrong\r\n"] {
+        let mut c = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        // A body of 1 MiB (under the 4 MiB limit) is announced and never sent: a gateway that
+        // read the body before the key would wait for it and answer nothing.
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n{auth}\r\n{{\"model\": ",
+            1 << 20
+        );
+        c.write_all(head.as_bytes()).await.unwrap();
+        let mut buf = vec![0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf))
+            .await
+            .expect("no answer while the body is still unsent")
+            .unwrap();
+        let text = String::from_utf8_lossy(&buf[..n]);
+        assert!(text.starts_with("HTTP/1.1 401"), "{auth:?}: {text}");
+        assert!(text.contains("invalid_api_key"), "{text}");
+    }
+    s.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_need_the_key_unless_public() {
+    let mut s = two_keys(GatewayConfig::default()).await;
+    let url = format!("{}/metrics", s.base);
+    let r = reqwest::get(&url).await.unwrap();
+    assert!(error_of(r, 401).await.contains("API key"));
+    let r = reqwest::Client::new()
+        .get(&url)
+        .bearer_auth("nope")
+        .send()
+        .await
+        .unwrap();
+    error_of(r, 401).await;
+    assert!(metrics_as(&s.base, "key-b")
+        .await
+        .contains("clawrl_gateway_errors_total{kind=\"invalid_api_key\"} 2"));
+    s.shutdown().await;
+
+    let mut s = two_keys(GatewayConfig {
+        metrics_public: true,
+        ..Default::default()
+    })
+    .await;
+    let r = reqwest::get(format!("{}/metrics", s.base)).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r
+        .text()
+        .await
+        .unwrap()
+        .contains("clawrl_gateway_sessions_open"));
+    // The API itself still needs the key.
+    let r = post(&s.base, &body(json!({})), &[]).await;
+    error_of(r, 401).await;
     s.shutdown().await;
 }

@@ -1,13 +1,17 @@
 //! A node faced with hostile or broken peers on its UDP port: a TLS client with no certificate,
 //! a client speaking another ALPN, a client with no ALPN, and garbage datagrams. None of them
-//! gets in, and the node neither crashes nor stalls: a proper CLI request still succeeds.
+//! gets in, and the node neither crashes nor stalls: a proper CLI request still succeeds. A
+//! connection with a valid cluster certificate that never said hello gets no blob from the bulk
+//! plane, and a CLI blob body that lies about its length is refused.
 
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clawrl_actors::cli::{self, CliReply, CliRequest};
+use bytes::Bytes;
+use clawrl_actors::bulk::{BulkConfig, BulkPlane, ConnectError, PeerConnector};
+use clawrl_actors::cli::{self, BlobReply, BlobRequest, CliReply, CliRequest};
 use clawrl_actors::config::NodeConfig;
 use clawrl_actors::node::{Node, NodeOptions};
 use clawrl_actors::pki::{self, Identity, NODE_SERVER_NAME};
@@ -140,5 +144,133 @@ async fn peers_without_certificate_or_with_wrong_alpn_are_refused_and_garbage_is
     s1.write_all(&[0x7f, 1, 2, 3]).await.unwrap();
     let (_s2, _r2) = conn.open_bi().await.unwrap();
     cli_works(&ccfg).await;
+    node.shutdown().await;
+}
+
+/// Lends the bulk plane one fixed connection, whoever the peer is.
+struct Fixed(quinn::Connection);
+
+impl PeerConnector for Fixed {
+    fn connection(
+        &self,
+        _peer: &str,
+    ) -> impl std::future::Future<Output = Result<quinn::Connection, ConnectError>> + Send {
+        let c = self.0.clone();
+        async move { Ok(c) }
+    }
+}
+
+fn ephemeral_client(cfg: &NodeConfig) -> Identity {
+    let eph = pki::ephemeral_dir(&cfg.data_dir);
+    Identity::load(
+        &eph.join("ca.pem"),
+        &eph.join("client.pem"),
+        &eph.join("client.key"),
+    )
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bulk_stream_from_a_peer_that_never_said_hello_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), "bulk-target");
+    let node = Node::start(&cfg, NodeOptions::default()).await.unwrap();
+    let secret = Bytes::from(vec![0x5a; 3 << 20]);
+    let id = node.bulk().publish(secret.clone()).unwrap();
+
+    // A certificate of this cluster (the CLI's) and the right ALPN, but no hello: the node has
+    // admitted no peer on this connection.
+    let ep = client_endpoint(ephemeral_client(&cfg).client_config(&[pki::ALPN]).unwrap());
+    let conn = ep
+        .connect(node.addr(), NODE_SERVER_NAME)
+        .unwrap()
+        .await
+        .unwrap();
+    let thief = BulkPlane::new(Fixed(conn.clone()), BulkConfig::new("thief"));
+    let r = tokio::time::timeout(Duration::from_secs(20), thief.fetch(id, "bulk-target"))
+        .await
+        .expect("the node neither served nor refused the bulk stream");
+    assert!(
+        r.is_err(),
+        "a peer without hello fetched a blob over the bulk plane"
+    );
+    assert!(thief.get(&id).is_none());
+
+    // The connection was only refused a stream: the node still answers it on the CLI stream.
+    let (mut send, mut recv) = transport::open_tagged(&conn, StreamTag::Cli).await.unwrap();
+    transport::write_frame(&mut send, &CliRequest::Nodes)
+        .await
+        .unwrap();
+    let _ = send.finish();
+    assert!(matches!(
+        transport::read_frame::<CliReply>(&mut recv).await,
+        Ok(CliReply::Nodes(_))
+    ));
+    node.shutdown().await;
+}
+
+/// Sends a `blob publish` request declaring `declared` bytes followed by `body`, and returns the
+/// node's answer.
+async fn publish_raw(conn: &quinn::Connection, declared: u64, body: &[u8]) -> CliReply {
+    let (mut send, mut recv) = transport::open_tagged(conn, StreamTag::Cli).await.unwrap();
+    let req = CliRequest::Blob(BlobRequest::Publish { len: declared });
+    transport::write_frame(&mut send, &req).await.unwrap();
+    // The node may stop reading as soon as it knows the body is refused.
+    let _ = send.write_all(body).await;
+    let _ = send.finish();
+    tokio::time::timeout(Duration::from_secs(20), transport::read_frame(&mut recv))
+        .await
+        .expect("no answer to blob publish")
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_blob_bodies_are_bounded_by_their_declared_length_and_the_cap() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), "blob-target");
+    let node = Node::start(&cfg, NodeOptions::default()).await.unwrap();
+    let ep = client_endpoint(ephemeral_client(&cfg).client_config(&[pki::ALPN]).unwrap());
+    let conn = ep
+        .connect(node.addr(), NODE_SERVER_NAME)
+        .unwrap()
+        .await
+        .unwrap();
+
+    // More bytes than declared, fewer, and a declared length over the cap: all refused, and
+    // nothing is published.
+    for (declared, body) in [(10u64, vec![1u8; 11]), (10, vec![1; 9])] {
+        match publish_raw(&conn, declared, &body).await {
+            CliReply::Error(e) => assert!(e.contains("declared"), "{e}"),
+            other => panic!(
+                "a {}-byte body declared as {declared} was taken: {other:?}",
+                body.len()
+            ),
+        }
+    }
+    match publish_raw(&conn, u64::MAX, &[1; 1000]).await {
+        CliReply::Error(e) => assert!(e.contains("cap"), "{e}"),
+        other => panic!("a body over the cap was taken: {other:?}"),
+    }
+    assert_eq!(node.bulk().stats().blobs, 0);
+
+    // An honest body, larger than a frame may be, is published, and saved back bit-exact.
+    let data: Vec<u8> = (0..(5u32 << 20))
+        .map(|i| (i * 7 + i / 4099) as u8)
+        .collect();
+    let id = match publish_raw(&conn, data.len() as u64, &data).await {
+        CliReply::Blob(BlobReply::Published { id, len }) => {
+            assert_eq!(len, data.len() as u64);
+            id
+        }
+        other => panic!("an honest body was refused: {other:?}"),
+    };
+    let ccfg = client_config(&cfg, &node);
+    let out = dir.path().join("saved.bin");
+    let saved = cli::save_blob(&ccfg, &id, &out, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(saved.len, data.len() as u64);
+    assert_eq!(saved.blake3, blake3::hash(&data).to_hex().to_string());
+    assert!(std::fs::read(&out).unwrap() == data);
     node.shutdown().await;
 }
