@@ -59,6 +59,8 @@ struct RawTls {
     key: PathBuf,
     client_cert: Option<PathBuf>,
     client_key: Option<PathBuf>,
+    #[serde(default)]
+    deny: Vec<String>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -81,6 +83,9 @@ pub struct TlsFiles {
     pub client_cert: PathBuf,
     /// The CLI's client key (default: `client.key` beside the CA).
     pub client_key: PathBuf,
+    /// Revoked node names (`deny`): certificates naming them are refused, and a running node
+    /// re-reads the list on SIGHUP and closes their connections.
+    pub deny: Vec<String>,
 }
 
 /// A validated node configuration.
@@ -210,6 +215,16 @@ impl NodeConfig {
         let mut roles = n.roles;
         roles.sort();
         roles.dedup();
+        if let Some(t) = &raw.tls {
+            for (i, d) in t.deny.iter().enumerate() {
+                if !valid_node_name(d) {
+                    return Err(schema(
+                        &format!("tls.deny[{i}]"),
+                        format!("`{d}` is not a node name"),
+                    ));
+                }
+            }
+        }
         let tls = raw.tls.map(|t| {
             let ca = resolve(&t.ca);
             let dir = ca.parent().map(Path::to_path_buf).unwrap_or_default();
@@ -225,6 +240,7 @@ impl NodeConfig {
                 ca,
                 cert: resolve(&t.cert),
                 key: resolve(&t.key),
+                deny: t.deny,
             }
         });
         Ok(NodeConfig {

@@ -17,8 +17,12 @@
 //! certificate may make CLI requests, nothing else). Node sessions, gossip and the bulk plane
 //! serve admitted peers only. CLI requests name no path on the node: blob bytes come and go on
 //! the CLI stream ([`crate::cli`]).
+//!
+//! Revocation: a certificate whose name is in the config's `[tls] deny` list is refused at
+//! the handshake's end, whatever the connection is for (node, CLI). On SIGHUP a node re-reads
+//! its config file and closes the connections of names newly denied ([`Node::set_denied`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -232,6 +236,10 @@ struct Inner {
     peers: Arc<Mutex<HashMap<String, Peer>>>,
     targets: Mutex<HashMap<SocketAddr, Target>>,
     bulk: BulkPlane<NodeConnector>,
+    /// Revoked names (`[tls] deny`).
+    denied: Mutex<BTreeSet<String>>,
+    /// The config file, re-read on SIGHUP.
+    config_file: std::path::PathBuf,
 }
 
 /// A running node. Cloning gives another handle to the same node.
@@ -388,6 +396,14 @@ impl Node {
                 NodeConnector { peers },
                 BulkConfig::new(config.name.clone()),
             ),
+            denied: Mutex::new(
+                config
+                    .tls
+                    .as_ref()
+                    .map(|t| t.deny.iter().cloned().collect())
+                    .unwrap_or_default(),
+            ),
+            config_file: config.file.clone(),
         });
         {
             let mut t = lock(&inner.targets);
@@ -513,20 +529,25 @@ impl Node {
         ClusterView { nodes, groups }
     }
 
-    /// Runs until Ctrl-C or SIGTERM, then closes the endpoint and stops the local actors.
+    /// Runs until Ctrl-C or SIGTERM, then closes the endpoint and stops the local actors. On
+    /// SIGHUP it re-reads the config file's `[tls] deny` list ([`Node::set_denied`]).
     pub async fn run_until_signal(self) {
         #[cfg(unix)]
         {
             use tokio::signal::unix::{signal, SignalKind};
-            match signal(SignalKind::terminate()) {
-                Ok(mut term) => {
+            match (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::hangup()),
+            ) {
+                (Ok(mut term), Ok(mut hup)) => loop {
                     tokio::select! {
-                        _ = tokio::signal::ctrl_c() => {}
-                        _ = term.recv() => {}
-                        _ = self.supervisor.wait(None) => {}
+                        _ = tokio::signal::ctrl_c() => break,
+                        _ = term.recv() => break,
+                        _ = hup.recv() => self.reload_denied(),
+                        _ = self.supervisor.wait(None) => break,
                     }
-                }
-                Err(_) => {
+                },
+                _ => {
                     tokio::select! {
                         _ = tokio::signal::ctrl_c() => {}
                         _ = self.supervisor.wait(None) => {}
@@ -540,6 +561,45 @@ impl Node {
             _ = self.supervisor.wait(None) => {}
         }
         self.shutdown().await;
+    }
+
+    /// Re-reads the config file and applies its `[tls] deny` list; a file that no longer
+    /// parses leaves the current list in force.
+    fn reload_denied(&self) {
+        let file = &self.inner.config_file;
+        match NodeConfig::load(file) {
+            Ok(c) => {
+                let deny = c.tls.map(|t| t.deny).unwrap_or_default();
+                tracing::info!("SIGHUP: reloaded {}: deny {:?}", file.display(), deny);
+                self.set_denied(deny);
+            }
+            Err(e) => tracing::error!(
+                "SIGHUP: {} does not load ({e}); the deny list in force is kept",
+                file.display()
+            ),
+        }
+    }
+
+    /// Replaces the revoked names and closes the connections of the peers now revoked (their
+    /// node sessions end and their members leave their groups).
+    pub fn set_denied(&self, names: impl IntoIterator<Item = String>) {
+        let denied: BTreeSet<String> = names.into_iter().collect();
+        let revoked: Vec<(String, quinn::Connection)> = lock(&self.inner.peers)
+            .iter()
+            .filter(|(n, _)| denied.contains(*n))
+            .map(|(n, p)| (n.clone(), p.conn.clone()))
+            .collect();
+        *lock(&self.inner.denied) = denied;
+        for (name, conn) in revoked {
+            tracing::warn!("peer `{name}` is revoked ([tls] deny): closing its connection");
+            conn.close(5u32.into(), b"revoked");
+        }
+    }
+
+    /// The revoked name the certificate of `conn`'s peer carries, if it is revoked.
+    fn revoked_peer(&self, conn: &quinn::Connection) -> Option<String> {
+        let name = transport::peer_name(conn).ok()?;
+        lock(&self.inner.denied).contains(&name).then_some(name)
     }
 
     /// Closes every connection and stops the local actors.
@@ -675,6 +735,13 @@ impl Node {
                 if transport::negotiated_alpn(&conn).as_deref() != Some(pki::ALPN) {
                     tracing::warn!("refused connection from {from}: wrong or missing ALPN");
                     conn.close(2u32.into(), b"ALPN clawrl/1 required");
+                    return;
+                }
+                if let Some(name) = node.revoked_peer(&conn) {
+                    tracing::warn!(
+                        "refused `{name}` from {from}: its certificate is revoked ([tls] deny)"
+                    );
+                    conn.close(5u32.into(), b"revoked");
                     return;
                 }
                 node.serve_connection(conn).await;
@@ -1019,6 +1086,10 @@ impl Node {
             .await
             .map_err(|_| "handshake timed out".to_string())?
             .map_err(|e| e.to_string())?;
+        if let Some(name) = self.revoked_peer(&conn) {
+            conn.close(5u32.into(), b"revoked");
+            return Err(format!("`{name}` at {addr} is revoked ([tls] deny)"));
+        }
         let exchange = async {
             let (mut send, mut recv) = transport::open_tagged(&conn, StreamTag::Hello)
                 .await

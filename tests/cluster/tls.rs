@@ -145,3 +145,49 @@ fn a_node_is_admitted_only_under_the_name_in_its_certificate() {
     // The client certificate still does what it is for: CLI requests.
     clawrl_ok(&["nodes", "--config", a.to_str().unwrap()]);
 }
+
+/// Revocation: `[tls] deny` in a node's config, re-read on SIGHUP, closes a revoked node's
+/// existing connection at once and refuses its certificate afterwards (it keeps redialing and
+/// is refused); a config that no longer loads keeps the list in force.
+#[test]
+fn a_denied_node_is_cut_off_on_sighup_and_refused_after() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = init_certs(dir.path(), &["a", "b"]);
+    let (pa, pb) = (free_port(), free_port());
+    let a = write_config(dir.path(), "a", pa, &[], &["control"], Some(&certs));
+    let b = write_config(dir.path(), "b", pb, &[pa], &["env"], Some(&certs));
+    let na = NodeProc::start("node", &a, &[]);
+    let nb = NodeProc::start("node", &b, &[]);
+    wait_for(Duration::from_secs(30), || {
+        view(&a).filter(|v| node_names(v) == ["a", "b"])
+    })
+    .unwrap_or_else(|| panic!("b never joined:\n{}\n{}", na.log_text(), nb.log_text()));
+
+    // A bad name in the list is refused when the file is read, naming the key.
+    let good = std::fs::read_to_string(&a).unwrap();
+    std::fs::write(&a, good.clone() + "deny = [\"b c\"]\n").unwrap();
+    na.hangup();
+    wait_for(Duration::from_secs(30), || {
+        na.log_text().contains("tls.deny[0]").then_some(())
+    })
+    .unwrap_or_else(|| panic!("a bad deny list was not named:\n{}", na.log_text()));
+    assert_eq!(node_names(&view(&a).unwrap()), ["a", "b"]);
+
+    std::fs::write(&a, good + "deny = [\"b\"]\n").unwrap();
+    let revoked_at = std::time::Instant::now();
+    na.hangup();
+    wait_for(Duration::from_secs(30), || {
+        view(&a).filter(|v| node_names(v) == ["a"])
+    })
+    .unwrap_or_else(|| panic!("b was not cut off:\n{}", na.log_text()));
+    eprintln!(
+        "b left a's view {:?} after the SIGHUP",
+        revoked_at.elapsed()
+    );
+    // b redials and is refused at the handshake's end.
+    wait_for(Duration::from_secs(30), || {
+        na.log_text().contains("refused `b` from").then_some(())
+    })
+    .unwrap_or_else(|| panic!("b's redial was not refused:\n{}", na.log_text()));
+    assert_eq!(node_names(&view(&a).unwrap()), ["a"]);
+}

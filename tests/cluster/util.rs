@@ -114,6 +114,13 @@ impl NodeProc {
         let _ = self.child.wait();
     }
 
+    /// SIGHUP (a node re-reads its config's `[tls] deny`).
+    pub fn hangup(&self) {
+        // SAFETY: a plain kill(2) on our own child's pid.
+        let r = unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGHUP) };
+        assert_eq!(r, 0, "SIGHUP to {}", self.child.id());
+    }
+
     /// The node's log so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
