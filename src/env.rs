@@ -63,7 +63,9 @@ pub struct EnvOptions {
     /// opens its page in one instead of launching (0: every episode launches its own). Counted
     /// under `max_concurrent_commands`, which must be at least this.
     pub warm_browsers: usize,
-    /// Where work dirs are created; `None` is `<temp dir>/clawrl-env-<pid>`.
+    /// The directory under which the environment creates the root of its work dirs, a fresh
+    /// `clawrl-env-<kind>-<random>` of mode 0700 ([`workdir::WorkDirPool::new`]): a node's data
+    /// dir or a run dir when there is one; `None` is the temp dir.
     pub work_root: Option<PathBuf>,
     /// Tool-call only: the most `code_interpreter` calls of an episode.
     pub max_tool_calls: u32,
@@ -119,7 +121,7 @@ impl EnvOptions {
     }
 
     /// What every kind does first: validate the options, refuse an empty task set, and create
-    /// the work dir pool under `<work root>/<kind>`.
+    /// the work dir pool in a fresh `<work root>/clawrl-env-<kind>-<random>`.
     pub(crate) fn prepare(
         &self,
         kind: &str,
@@ -132,15 +134,9 @@ impl EnvOptions {
                 reason: "the task set is empty".into(),
             });
         }
-        let root = self.work_root().join(kind);
-        workdir::WorkDirPool::new(&root, self.warm_workdirs)
+        let root = self.work_root.clone().unwrap_or_else(std::env::temp_dir);
+        workdir::WorkDirPool::new(&root, &format!("clawrl-env-{kind}-"), self.warm_workdirs)
             .map_err(|source| EnvBuildError::WorkDir { root, source })
-    }
-
-    pub(crate) fn work_root(&self) -> PathBuf {
-        self.work_root.clone().unwrap_or_else(|| {
-            std::env::temp_dir().join(format!("clawrl-env-{}", std::process::id()))
-        })
     }
 }
 

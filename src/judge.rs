@@ -5,8 +5,10 @@
 //! OpenAI-compatible endpoint, a local chat model), the concurrent vote runner that never stalls
 //! ([`votes`]), the judged-turn records and their JSONL writer ([`records`]), the pure part of OPD ([`opd`]) and its seams to the
 //! local policy of `crate::model` ([`local`]: the engine as a judge, teacher scoring). Aggregation and the
-//! advantage arithmetic live in [`crate::rl`].
+//! advantage arithmetic live in [`crate::rl`]. Which endpoints and key variables a job's judge
+//! may use is the node's to grant ([`access`]).
 
+pub mod access;
 pub mod backend;
 pub mod config;
 pub mod local;
@@ -18,6 +20,7 @@ pub mod records;
 pub mod scripted;
 pub mod votes;
 
+pub use access::{JudgeAccess, JudgeAccessError};
 pub use backend::{
     BackendError, ChatGenerator, ChatMessage, GenerateError, JudgeBackend, JudgeRequest,
     ModelBackend, SamplingParams,

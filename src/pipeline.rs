@@ -77,6 +77,9 @@ pub enum RunError {
     /// The judge could not be built.
     #[error("judge: {0}")]
     Judge(String),
+    /// The node does not allow the endpoint or key variable the spec's judge asks for.
+    #[error(transparent)]
+    JudgeAccess(#[from] crate::judge::JudgeAccessError),
     /// An actor could not start or answer.
     #[error("starting the {what}: {message}")]
     Actor {
@@ -184,8 +187,19 @@ pub struct RunReport {
     pub turns_per_s: f64,
 }
 
-/// Builds the environment a spec names.
+/// Builds the environment a spec names, its work dirs under the temp dir
+/// ([`build_env_in`] with no work root).
 pub fn build_env(spec: &JobSpec) -> Result<Arc<dyn Environment>, RunError> {
+    build_env_in(spec, None)
+}
+
+/// Builds the environment a spec names; its work dirs go in a fresh private directory under
+/// `work_root` (a node's data dir or the run dir; `None`: the temp dir), see
+/// [`crate::env::EnvOptions::work_root`].
+pub fn build_env_in(
+    spec: &JobSpec,
+    work_root: Option<&Path>,
+) -> Result<Arc<dyn Environment>, RunError> {
     let tasks = spec.resolve(&spec.env.tasks);
     let err = |message: String| RunError::Env {
         kind: spec.env.kind.clone(),
@@ -208,6 +222,7 @@ pub fn build_env(spec: &JobSpec) -> Result<Arc<dyn Environment>, RunError> {
                 // GUI: as many ready browsers as sessions run at once (at most 8), so that the
                 // first wave and every replacement session start without a launch.
                 warm_browsers: (spec.env.parallelism as usize).clamp(1, 8),
+                work_root: work_root.map(Path::to_path_buf),
                 ..Default::default()
             };
             crate::env::build_environment(kind, &tasks, options).map_err(|e| err(e.to_string()))
@@ -485,7 +500,8 @@ pub async fn run_job(
     let started = Instant::now();
     let job_id = options.job_id.clone();
     let out = options.out.clone();
-    let env = build_env(spec)?;
+    // The run dir is this job's data: its work dirs go there rather than in the shared temp dir.
+    let env = build_env_in(spec, Some(&out))?;
 
     // The policy: tokenizer, template, and the learner's weights.
     let ckpt_dir = spec.resolve(&spec.policy.checkpoint);

@@ -22,10 +22,12 @@
 //! non-root host uid inside its own user namespace (the kernel counts processes per user
 //! namespace and uid, so sandboxes do not share the budget); memory bombs by `RLIMIT_AS`.
 //! The work dir is `chown`ed to [`HOST_UID`] before every command so the sandbox can write it;
-//! the host (root) keeps full access.
+//! the host (root) keeps full access. Host-side work on a work dir never follows a link the
+//! command planted ([`host_fs`]).
 
 mod capture;
 mod child;
+pub mod host_fs;
 mod plan;
 mod run;
 mod seccomp;

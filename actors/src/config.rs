@@ -1,8 +1,9 @@
 //! The node configuration file (`cluster.toml`): its schema, parsing and validation.
 //!
-//! A file has a `[node]` section (name, UDP listen address, seeds, roles, data directory) and an
-//! optional `[tls]` section (cluster CA, this node's certificate and key). Unknown keys, wrong
-//! types and missing fields are errors that name the key and the file.
+//! A file has a `[node]` section (name, UDP listen address, seeds, roles, data directory), an
+//! optional `[tls]` section (cluster CA, this node's certificate and key) and an optional
+//! `[judge]` section (which judge endpoints and API-key variables the jobs run here may use).
+//! Unknown keys, wrong types and missing fields are errors that name the key and the file.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -63,11 +64,78 @@ struct RawTls {
     deny: Vec<String>,
 }
 
+/// The `[judge]` section as written in the file.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawJudge {
+    allowed_endpoints: Option<Vec<String>>,
+    #[serde(default)]
+    allowed_key_envs: Vec<String>,
+}
+
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
     node: RawNode,
     tls: Option<RawTls>,
+    judge: Option<RawJudge>,
+}
+
+/// The `allowed_endpoints` entry that stands for every loopback URL.
+pub const LOOPBACK: &str = "loopback";
+
+/// What a job's judge may reach from this node (`[judge]`): a job spec's `judge.endpoint` and
+/// `judge.api_key_env` are its requests, and the node grants them. Whatever a job's spec says,
+/// its judge sends requests only to an allowed endpoint and reads only an allowed variable.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JudgeAccess {
+    /// Endpoints a job's judge may call: [`LOOPBACK`] (any `http`/`https` URL whose host is
+    /// `localhost`, `127.0.0.0/8` or `::1`, any port), or an `http`/`https` URL that the
+    /// endpoint must equal or extend by path (same scheme, host and port). Default:
+    /// `["loopback"]`; `[]` allows none.
+    pub allowed_endpoints: Vec<String>,
+    /// Environment variables a job's judge may read its API key from (sent as a Bearer token
+    /// to the job's endpoint). Default: none.
+    pub allowed_key_envs: Vec<String>,
+}
+
+impl Default for JudgeAccess {
+    fn default() -> Self {
+        Self {
+            allowed_endpoints: vec![LOOPBACK.to_string()],
+            allowed_key_envs: Vec::new(),
+        }
+    }
+}
+
+impl JudgeAccess {
+    /// Checks the entries' shapes: an endpoint is [`LOOPBACK`] or starts `http://` / `https://`
+    /// (without spaces); a key variable is letters, digits and `_`, not starting with a digit.
+    /// Errors name the key (`judge.allowed_endpoints[i]`) and the value.
+    fn validate(&self) -> Result<(), (String, String)> {
+        for (i, e) in self.allowed_endpoints.iter().enumerate() {
+            let url = e.starts_with("http://") || e.starts_with("https://");
+            let ok = e == LOOPBACK || (url && !e.contains(char::is_whitespace));
+            if !ok {
+                return Err((
+                    format!("judge.allowed_endpoints[{i}]"),
+                    format!("`{e}` is neither \"{LOOPBACK}\" nor an http:// or https:// URL"),
+                ));
+            }
+        }
+        for (i, k) in self.allowed_key_envs.iter().enumerate() {
+            let ok = !k.is_empty()
+                && !k.starts_with(|c: char| c.is_ascii_digit())
+                && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !ok {
+                return Err((
+                    format!("judge.allowed_key_envs[{i}]"),
+                    format!("`{k}` is not an environment variable name"),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Certificate files of a cluster member (paths resolved relative to the config file).
@@ -105,6 +173,8 @@ pub struct NodeConfig {
     pub data_dir: PathBuf,
     /// Certificates; `None` means an ephemeral CA under `data_dir`.
     pub tls: Option<TlsFiles>,
+    /// What jobs' judges may reach from this node (`[judge]`; default: loopback, no key).
+    pub judge: JudgeAccess,
 }
 
 /// Why a config file could not be used.
@@ -205,6 +275,16 @@ impl NodeConfig {
                 ),
             ));
         }
+        if crate::pki::is_reserved_name(&n.name) {
+            return Err(schema(
+                "node.name",
+                format!(
+                    "`{}` is reserved (names of the CA's and the CLI's certificates: {})",
+                    n.name,
+                    crate::pki::RESERVED_NAMES.join(", ")
+                ),
+            ));
+        }
         let listen = parse_addr(file, "node.listen", &n.listen)?;
         let seeds = n
             .seeds
@@ -243,6 +323,16 @@ impl NodeConfig {
                 deny: t.deny,
             }
         });
+        let judge = match raw.judge {
+            None => JudgeAccess::default(),
+            Some(j) => JudgeAccess {
+                allowed_endpoints: j
+                    .allowed_endpoints
+                    .unwrap_or_else(|| JudgeAccess::default().allowed_endpoints),
+                allowed_key_envs: j.allowed_key_envs,
+            },
+        };
+        judge.validate().map_err(|(key, m)| schema(&key, m))?;
         Ok(NodeConfig {
             file: file.to_path_buf(),
             name: n.name,
@@ -251,6 +341,7 @@ impl NodeConfig {
             roles,
             data_dir: resolve(&n.data_dir),
             tls,
+            judge,
         })
     }
 
@@ -328,9 +419,60 @@ key = "certs/a.key"
     }
 
     #[test]
+    fn reserved_names_are_refused() {
+        for name in crate::pki::RESERVED_NAMES {
+            let e = err(&GOOD.replace(r#"name = "a""#, &format!("name = \"{name}\"")));
+            assert!(e.contains("node.name") && e.contains("reserved"), "{e}");
+        }
+    }
+
+    #[test]
     fn tls_is_optional() {
         let text = GOOD.split("[tls]").next().unwrap();
         let c = NodeConfig::parse(text, Path::new("cluster.toml")).unwrap();
         assert!(c.tls.is_none());
+    }
+
+    #[test]
+    fn judge_access_defaults_to_loopback_without_keys() {
+        let c = NodeConfig::parse(GOOD, Path::new("cluster.toml")).unwrap();
+        assert_eq!(c.judge, JudgeAccess::default());
+        assert_eq!(c.judge.allowed_endpoints, vec![LOOPBACK.to_string()]);
+        assert!(c.judge.allowed_key_envs.is_empty());
+        // A section with only the keys keeps the loopback default.
+        let text = format!("{GOOD}\n[judge]\nallowed_key_envs = [\"JUDGE_KEY\"]\n");
+        let c = NodeConfig::parse(&text, Path::new("cluster.toml")).unwrap();
+        assert_eq!(c.judge.allowed_endpoints, vec![LOOPBACK.to_string()]);
+        assert_eq!(c.judge.allowed_key_envs, vec!["JUDGE_KEY".to_string()]);
+    }
+
+    #[test]
+    fn judge_access_is_read_and_checked() {
+        let text = format!(
+            "{GOOD}\n[judge]\nallowed_endpoints = [\"https://api.example.com/v1\"]\n\
+             allowed_key_envs = [\"JUDGE_KEY\"]\n"
+        );
+        let c = NodeConfig::parse(&text, Path::new("cluster.toml")).unwrap();
+        assert_eq!(
+            c.judge.allowed_endpoints,
+            vec!["https://api.example.com/v1"]
+        );
+        let text = format!("{GOOD}\n[judge]\nallowed_endpoints = []\n");
+        let c = NodeConfig::parse(&text, Path::new("cluster.toml")).unwrap();
+        assert!(c.judge.allowed_endpoints.is_empty());
+        let e = err(&format!(
+            "{GOOD}\n[judge]\nallowed_endpoints = [\"ftp://x\"]\n"
+        ));
+        assert!(
+            e.contains("judge.allowed_endpoints[0]") && e.contains("ftp://x"),
+            "{e}"
+        );
+        let e = err(&format!("{GOOD}\n[judge]\nallowed_key_envs = [\"A-B\"]\n"));
+        assert!(
+            e.contains("judge.allowed_key_envs[0]") && e.contains("A-B"),
+            "{e}"
+        );
+        let e = err(&format!("{GOOD}\n[judge]\nendpoints = []\n"));
+        assert!(e.contains("endpoints"), "{e}");
     }
 }

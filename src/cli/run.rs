@@ -13,7 +13,7 @@ use clap::Subcommand;
 use clawrl::job::{JobKind, JobSpec, SpecValidator, PERSONAL_ENV_KIND};
 use clawrl::pipeline::gateway_job::{run_gateway_job, GatewayJobOptions, GatewayJobReport};
 use clawrl::pipeline::{run_job, RunOptions, RunReport};
-use clawrl_actors::config::NodeConfig;
+use clawrl_actors::config::{JudgeAccess, NodeConfig};
 use clawrl_actors::control::{ControlReply, ControlRequest};
 use clawrl_actors::loops::{JobCounts, JobPhase, ProgressReport};
 use clawrl_actors::node::{Node, NodeOptions};
@@ -39,7 +39,29 @@ pub enum Commands {
         /// to `<out>/node.toml`).
         #[arg(long, default_value = "127.0.0.1:0")]
         listen: String,
+        /// An endpoint the job's judge may call (repeatable): `loopback` or an http(s) URL
+        /// prefix, as the node config's `[judge] allowed_endpoints`. Given at all, the list is
+        /// exactly these; default: `loopback`.
+        #[arg(long = "allow-judge-endpoint", value_name = "URL")]
+        allow_judge_endpoint: Vec<String>,
+        /// An environment variable the job's judge may read its API key from (repeatable), as
+        /// the node config's `[judge] allowed_key_envs`; default: none.
+        #[arg(long = "allow-judge-key-env", value_name = "NAME")]
+        allow_judge_key_env: Vec<String>,
     },
+}
+
+/// The `[judge]` access of the embedded node: the `--allow-judge-*` flags over the defaults.
+fn judge_access(endpoints: Vec<String>, key_envs: Vec<String>) -> JudgeAccess {
+    let d = JudgeAccess::default();
+    JudgeAccess {
+        allowed_endpoints: if endpoints.is_empty() {
+            d.allowed_endpoints
+        } else {
+            endpoints
+        },
+        allowed_key_envs: key_envs,
+    }
 }
 
 /// The JSON summary of `clawrl run --json`.
@@ -79,22 +101,67 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
             out,
             json,
             listen,
+            allow_judge_endpoint,
+            allow_judge_key_env,
         } => {
+            let node = EmbeddedNode::new(
+                listen,
+                judge_access(allow_judge_endpoint, allow_judge_key_env),
+            )?;
             let spec = JobSpec::load(&job)?;
             match spec.kind {
-                JobKind::Rl => run_rl(spec, &job, out, json, &listen),
-                JobKind::Personal => run_personal(spec, &job, out, json, &listen),
+                JobKind::Rl => run_rl(spec, &job, out, json, &node),
+                JobKind::Personal => run_personal(spec, &job, out, json, &node),
             }
         }
     }
 }
 
-fn node_config_text(listen: &str, data_dir: &Path) -> String {
+/// What `clawrl run` configures its embedded node with.
+struct EmbeddedNode {
+    /// `--listen`.
+    listen: String,
+    /// `--allow-judge-endpoint`, `--allow-judge-key-env`.
+    judge: JudgeAccess,
+}
+
+impl EmbeddedNode {
+    /// Checks the flags as a node's config file is checked (so a bad `--allow-judge-*` entry is
+    /// named before a spec is even read).
+    fn new(listen: String, judge: JudgeAccess) -> anyhow::Result<Self> {
+        let text = node_config_text(&listen, Path::new("node"), &judge);
+        NodeConfig::parse(&text, Path::new("(the embedded node)"))
+            .context("--listen, --allow-judge-endpoint or --allow-judge-key-env")?;
+        Ok(Self { listen, judge })
+    }
+
+    /// The node's config, parsed (and so checked) as a node's file is.
+    fn config(&self, node_file: &Path, data_dir: &Path) -> anyhow::Result<NodeConfig> {
+        let text = node_config_text(&self.listen, data_dir, &self.judge);
+        Ok(NodeConfig::parse(&text, node_file)?)
+    }
+
+    /// Refuses a spec whose judge asks for what this node does not allow, before the node
+    /// starts and so before the judge sends anything.
+    fn check_judge(&self, spec: &JobSpec, file: &str) -> anyhow::Result<()> {
+        clawrl::judge::access::check(&spec.judge, &self.judge)
+            .with_context(|| format!("job spec {file}"))
+    }
+}
+
+fn toml_strings(v: &[String]) -> String {
+    toml::Value::Array(v.iter().cloned().map(toml::Value::String).collect()).to_string()
+}
+
+fn node_config_text(listen: &str, data_dir: &Path, judge: &JudgeAccess) -> String {
     format!(
         "# The embedded node of a `clawrl run`. `clawrl status --config <this file>` asks its Control.\n\
          [node]\nname = \"local\"\nlisten = \"{listen}\"\nseeds = []\n\
-         roles = [\"control\", \"trainer\", \"rollout\", \"judge\", \"env\"]\ndata_dir = {:?}\n",
-        data_dir.display().to_string()
+         roles = [\"control\", \"trainer\", \"rollout\", \"judge\", \"env\"]\ndata_dir = {:?}\n\n\
+         [judge]\nallowed_endpoints = {}\nallowed_key_envs = {}\n",
+        data_dir.display().to_string(),
+        toml_strings(&judge.allowed_endpoints),
+        toml_strings(&judge.allowed_key_envs),
     )
 }
 
@@ -238,14 +305,15 @@ fn run_personal(
     job: &Path,
     out: Option<PathBuf>,
     json: bool,
-    listen: &str,
+    embedded: &EmbeddedNode,
 ) -> anyhow::Result<()> {
     let file = job.display().to_string();
+    embedded.check_judge(&spec, &file)?;
     let name = spec.display_name(&file);
     let out = run_dir(out, &name)?;
     let spec_text = std::fs::read_to_string(job).with_context(|| format!("reading {file}"))?;
     let node_file = out.join("node.toml");
-    let cfg = NodeConfig::parse(&node_config_text(listen, &out.join("node")), &node_file)?;
+    let cfg = embedded.config(&node_file, &out.join("node"))?;
     runtime()?.block_on(async move {
         let node = Node::start(
             &cfg,
@@ -260,7 +328,7 @@ fn run_personal(
         .await?;
         std::fs::write(
             &node_file,
-            node_config_text(&node.addr().to_string(), &out.join("node")),
+            node_config_text(&node.addr().to_string(), &out.join("node"), &cfg.judge),
         )
         .with_context(|| format!("writing {}", node_file.display()))?;
         let id = match control_call(&ControlRequest::Submit {
@@ -420,9 +488,10 @@ fn run_rl(
     job: &Path,
     out: Option<PathBuf>,
     json: bool,
-    listen: &str,
+    embedded: &EmbeddedNode,
 ) -> anyhow::Result<()> {
     let file = job.display().to_string();
+    embedded.check_judge(&spec, &file)?;
     let name = spec.display_name(&file);
     let out = match out {
         Some(o) => o,
@@ -438,8 +507,7 @@ fn run_rl(
     let out = std::path::absolute(&out).with_context(|| format!("resolving {}", out.display()))?;
     let spec_text = std::fs::read_to_string(job).with_context(|| format!("reading {file}"))?;
     let node_file = out.join("node.toml");
-    let node_text = node_config_text(listen, &out.join("node"));
-    let cfg = NodeConfig::parse(&node_text, &node_file)?;
+    let cfg = embedded.config(&node_file, &out.join("node"))?;
     runtime()?.block_on(async move {
         let node = Node::start(
             &cfg,
@@ -456,7 +524,7 @@ fn run_rl(
         // The real port, so that `clawrl status --config <out>/node.toml` reaches this node.
         std::fs::write(
             &node_file,
-            node_config_text(&node.addr().to_string(), &out.join("node")),
+            node_config_text(&node.addr().to_string(), &out.join("node"), &cfg.judge),
         )
         .with_context(|| format!("writing {}", node_file.display()))?;
         let id = match control_call(&ControlRequest::Submit {

@@ -141,12 +141,9 @@ fn exec(a: ExecArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A fresh private scratch work dir (never one that existed before: it is chowned and mounted).
 fn make_scratch() -> anyhow::Result<PathBuf> {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let dir = std::env::temp_dir().join(format!("clawrl-sandbox-{}-{nanos}", std::process::id()));
-    std::fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    Ok(dir)
+    let tmp = std::env::temp_dir();
+    sandbox::host_fs::private_dir(&tmp, "clawrl-sandbox-")
+        .with_context(|| format!("creating a scratch work dir in {}", tmp.display()))
 }

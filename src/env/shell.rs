@@ -18,19 +18,35 @@ use super::workdir::WorkDir;
 pub const SUBMIT_TOOL: &str = "submit";
 
 /// Restores files inside the sandbox (so that links a policy planted resolve inside it, never on
-/// the host): reads `{path: content}` JSON on stdin and replaces each path with a regular file.
+/// the host): reads `{path: content}` JSON on stdin and makes each path a regular file with that
+/// content, replacing whatever is there and any link or file standing where one of its parent
+/// directories belongs. It runs as `python3 -I -S` ([`RESTORE_ARGV`]) because `/work` is the
+/// policy's: isolated mode puts neither the cwd nor a script dir on `sys.path`, reads no user
+/// site under `HOME=/work` and no `PYTHON*` variable, and `-S` skips `site` altogether, so only
+/// the read-only standard library is imported and a planted `/work/json.py` is never run.
 const RESTORE_PY: &str = r#"
 import json, os, shutil, sys
 for rel, content in json.load(sys.stdin).items():
-    p = os.path.join("/work", rel)
-    if os.path.islink(p) or os.path.isfile(p):
-        os.remove(p)
-    elif os.path.isdir(p):
+    parts = [x for x in rel.split("/") if x not in ("", ".")]
+    d = "/work"
+    for part in parts[:-1]:
+        d = os.path.join(d, part)
+        if os.path.islink(d) or (os.path.lexists(d) and not os.path.isdir(d)):
+            os.remove(d)
+        if not os.path.lexists(d):
+            os.mkdir(d)
+    p = os.path.join(d, parts[-1])
+    if os.path.isdir(p) and not os.path.islink(p):
         shutil.rmtree(p)
-    os.makedirs(os.path.dirname(p), exist_ok=True)
-    with open(p, "w", encoding="utf-8") as f:
+    elif os.path.lexists(p):
+        os.remove(p)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(content)
 "#;
+
+/// The restore's argv before the script: see [`RESTORE_PY`] for why isolated mode.
+const RESTORE_ARGV: [&str; 4] = ["python3", "-I", "-S", "-c"];
 
 /// What decides a shell episode's outcome.
 #[derive(Clone, Debug)]
@@ -127,7 +143,11 @@ impl ShellEpisode {
                     let out = runner
                         .run(
                             wd,
-                            vec!["python3".into(), "-c".into(), RESTORE_PY.into()],
+                            RESTORE_ARGV
+                                .iter()
+                                .map(|a| a.to_string())
+                                .chain([RESTORE_PY.to_string()])
+                                .collect(),
                             Some(Value::Object(files).to_string().into_bytes()),
                             None,
                         )

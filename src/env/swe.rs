@@ -209,16 +209,16 @@ pub fn load_tasks(root: &Path) -> Result<Vec<SweTask>, TaskError> {
     Ok(tasks)
 }
 
+/// Copies the repository into the (empty) work dir, following no link
+/// ([`crate::sandbox::host_fs`]): files are 0755 when executable, else 0644.
 fn write_repo(task: &SweTask, wd: &Path) -> std::io::Result<()> {
+    use crate::sandbox::host_fs;
     for d in &task.dirs {
-        std::fs::create_dir_all(wd.join(d))?;
+        host_fs::create_dirs(wd, d)?;
     }
     for f in &task.files {
-        let p = wd.join(&f.path);
-        std::fs::write(&p, &f.bytes)?;
-        if f.executable {
-            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))?;
-        }
+        let mode = if f.executable { 0o755 } else { 0o644 };
+        host_fs::write_file(wd, &f.path, &f.bytes, mode)?;
     }
     Ok(())
 }

@@ -169,13 +169,9 @@ impl TerminalEnv {
             .pool
             .take()
             .map_err(|e| setup_err(format!("creating the work dir: {e}")))?;
+        // Into the fresh work dir, following no link (crate::sandbox::host_fs).
         for (rel, content) in &task.files {
-            let p = wd.path().join(rel);
-            if let Some(parent) = p.parent() {
-                std::fs::create_dir_all(parent)
-                    .map_err(|e| setup_err(format!("creating {}: {e}", parent.display())))?;
-            }
-            std::fs::write(&p, content)
+            crate::sandbox::host_fs::write_file(wd.path(), rel, content.as_bytes(), 0o644)
                 .map_err(|e| setup_err(format!("writing {}: {e}", rel.display())))?;
         }
         if let Some(script) = &task.setup_script {

@@ -1,6 +1,11 @@
 //! Host work dirs for episodes: a pool of empty directories created ahead of time under one
 //! root, handed out one per episode and removed (then replaced in the pool) when it closes.
 //!
+//! The root is created fresh by the pool ([`crate::sandbox::host_fs::private_dir`]: a new random
+//! name, mode 0700, owned by this process), never a directory that existed before, because
+//! what is under it is chowned and bind-mounted by root; and only root can add, rename or
+//! replace entries in it, so a work dir's path stays the directory the pool made.
+//!
 //! Removal never follows symbolic links a policy may have planted (`std::fs::remove_dir_all`
 //! removes the link, not its target). A [`WorkDir`] dropped without [`WorkDir::remove`] is
 //! removed synchronously in `Drop`, so a panicking episode leaks nothing.
@@ -20,11 +25,13 @@ pub struct WorkDirPool {
 }
 
 impl WorkDirPool {
-    /// Creates `root` (and parents) and `warm` empty dirs in it.
-    pub fn new(root: &Path, warm: usize) -> io::Result<Arc<Self>> {
-        std::fs::create_dir_all(root)?;
+    /// Creates a fresh root `<parent>/<prefix><random>` (mode 0700; `parent` is created when
+    /// missing and must be safe, see [`crate::sandbox::host_fs::private_dir`]) and `warm` empty
+    /// dirs in it.
+    pub fn new(parent: &Path, prefix: &str, warm: usize) -> io::Result<Arc<Self>> {
+        let root = crate::sandbox::host_fs::private_dir(parent, prefix)?;
         let pool = Arc::new(Self {
-            root: root.to_path_buf(),
+            root,
             warm,
             ready: Mutex::new(Vec::with_capacity(warm)),
             counter: AtomicU64::new(0),
@@ -139,8 +146,10 @@ mod tests {
 
     #[tokio::test]
     async fn pool_hands_out_fresh_dirs_and_refills_on_remove() {
-        let root = std::env::temp_dir().join(format!("clawrl-workdir-test-{}", std::process::id()));
-        let pool = WorkDirPool::new(&root, 2).unwrap();
+        let parent = tempfile::tempdir().unwrap();
+        let pool = WorkDirPool::new(parent.path(), "pool-", 2).unwrap();
+        let root = pool.root().to_path_buf();
+        assert_eq!(root.parent(), Some(parent.path()));
         assert_eq!(pool.ready(), 2);
         let a = pool.take().unwrap();
         let b = pool.take().unwrap();
@@ -151,7 +160,7 @@ mod tests {
         std::fs::write(a.path().join("f"), "x").unwrap();
         std::fs::create_dir(a.path().join("d")).unwrap();
         // A link out of the dir is removed, its target is not.
-        let outside = root.join("outside-target");
+        let outside = parent.path().join("outside-target");
         std::fs::write(&outside, "keep").unwrap();
         std::os::unix::fs::symlink(&outside, a.path().join("link")).unwrap();
         let pa = a.path().to_path_buf();
@@ -166,5 +175,24 @@ mod tests {
         std::fs::remove_file(&outside).unwrap();
         drop(pool);
         assert!(!root.exists());
+    }
+
+    #[test]
+    fn the_root_is_new_private_and_never_a_planted_one() {
+        use std::os::unix::fs::PermissionsExt;
+        let parent = tempfile::tempdir().unwrap();
+        // Whatever someone planted beside it is neither used nor touched.
+        let victim = parent.path().join("victim");
+        std::fs::create_dir(&victim).unwrap();
+        std::os::unix::fs::symlink(&victim, parent.path().join("pool-planted")).unwrap();
+        let a = WorkDirPool::new(parent.path(), "pool-", 1).unwrap();
+        let b = WorkDirPool::new(parent.path(), "pool-", 1).unwrap();
+        assert_ne!(a.root(), b.root());
+        for p in [&a, &b] {
+            let m = std::fs::symlink_metadata(p.root()).unwrap();
+            assert!(m.is_dir());
+            assert_eq!(m.permissions().mode() & 0o7777, 0o700);
+        }
+        assert_eq!(std::fs::read_dir(&victim).unwrap().count(), 0);
     }
 }

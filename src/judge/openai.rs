@@ -158,11 +158,7 @@ impl OpenAiBackend {
             url: config.url.clone(),
             reason,
         };
-        let mut url = config.url.trim_end_matches('/').to_string();
-        if !url.ends_with("/chat/completions") {
-            url.push_str("/chat/completions");
-        }
-        let endpoint = reqwest::Url::parse(&url).map_err(|e| bad(e.to_string()))?;
+        let endpoint = chat_completions_url(&config.url).map_err(bad)?;
         if !matches!(endpoint.scheme(), "http" | "https") {
             return Err(bad(format!("scheme `{}`", endpoint.scheme())));
         }
@@ -305,6 +301,17 @@ impl OpenAiBackend {
     }
 }
 
+/// The URL an `openai` judge configured with `url` sends its requests to: `url` with
+/// `/chat/completions` appended unless it already ends with it (a trailing `/` dropped first).
+/// The node's judge access rule ([`super::access`]) checks this URL, the one requests go to.
+pub fn chat_completions_url(url: &str) -> Result<reqwest::Url, String> {
+    let mut full = url.trim_end_matches('/').to_string();
+    if !full.ends_with("/chat/completions") {
+        full.push_str("/chat/completions");
+    }
+    reqwest::Url::parse(&full).map_err(|e| e.to_string())
+}
+
 fn build_client(config: &OpenAiConfig) -> Result<reqwest::Client, OpenAiConfigError> {
     let client_err = |e: &dyn std::fmt::Display| OpenAiConfigError::Client(e.to_string());
     let mut roots = rustls::RootCertStore::empty();
@@ -320,6 +327,9 @@ fn build_client(config: &OpenAiConfig) -> Result<reqwest::Client, OpenAiConfigEr
         .use_preconfigured_tls(tls)
         .connect_timeout(Duration::from_millis(config.connect_timeout_ms))
         .timeout(Duration::from_millis(config.request_timeout_ms))
+        // Requests go to the configured endpoint only (which a node may have checked against
+        // its allowed endpoints); a redirect is an error, not a request somewhere else.
+        .redirect(reqwest::redirect::Policy::none())
         .build()
         .map_err(|e| client_err(&e))
 }

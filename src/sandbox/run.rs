@@ -24,27 +24,11 @@ fn host_err(step: impl Into<String>, e: impl std::fmt::Display) -> SandboxError 
     }
 }
 
-/// Hands every entry of the work dir (not following symlinks) to the sandbox user.
+/// Hands the work dir and everything in it to the sandbox user, never following a link
+/// ([`super::host_fs::hand_over`]).
 fn hand_over(dir: &Path) -> Result<(), SandboxError> {
-    use std::os::unix::fs::MetadataExt;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(p) = stack.pop() {
-        let meta = std::fs::symlink_metadata(&p)
-            .map_err(|e| host_err(format!("stat {}", p.display()), e))?;
-        if meta.uid() != HOST_UID || meta.gid() != HOST_UID {
-            std::os::unix::fs::lchown(&p, Some(HOST_UID), Some(HOST_UID))
-                .map_err(|e| host_err(format!("chown {}", p.display()), e))?;
-        }
-        if meta.is_dir() {
-            let rd = std::fs::read_dir(&p)
-                .map_err(|e| host_err(format!("read dir {}", p.display()), e))?;
-            for entry in rd {
-                let entry = entry.map_err(|e| host_err(format!("read dir {}", p.display()), e))?;
-                stack.push(entry.path());
-            }
-        }
-    }
-    Ok(())
+    super::host_fs::hand_over(dir, HOST_UID, HOST_UID)
+        .map_err(|e| host_err("handing the work dir to the sandbox user", e))
 }
 
 /// Raises this process's soft fd limit to the hard one, once: a sandbox holds six host fds
@@ -476,15 +460,10 @@ fn finish(
 /// Runs `true` in a sandbox over a scratch work dir, on its own thread and runtime.
 pub(super) fn probe_once() -> Result<(), SandboxError> {
     std::thread::spawn(|| {
-        let dir = std::env::temp_dir().join(format!(
-            "clawrl-sandbox-probe-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or(0)
-        ));
-        std::fs::create_dir_all(&dir).map_err(|e| host_err("creating the probe work dir", e))?;
+        // A fresh private dir: one someone made beforehand is never used (it is chowned and
+        // bind-mounted by root).
+        let dir = super::host_fs::private_dir(&std::env::temp_dir(), "clawrl-sandbox-probe-")
+            .map_err(|e| host_err("creating the probe work dir", e))?;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()

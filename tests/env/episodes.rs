@@ -12,6 +12,22 @@ use clawrl::env::{build_environment, EnvOptions};
 use clawrl_actors::loops::{Action, EnvError, Environment, StepOutcome, ToolCallAction};
 use serde_json::{json, Value};
 
+/// The work-dir roots environments of `kind` made under `work_root` (each a fresh
+/// `clawrl-env-<kind>-<random>`).
+fn pool_roots(work_root: &Path, kind: &str) -> Vec<PathBuf> {
+    let prefix = format!("clawrl-env-{kind}-");
+    std::fs::read_dir(work_root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with(&prefix)
+        })
+        .collect()
+}
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/env")
@@ -117,7 +133,9 @@ async fn terminal_fixture_tasks_pass_when_solved_and_fail_when_not() {
         );
     }
     // Every work dir is gone after close (only the pool's empty warm dirs remain).
-    for e in std::fs::read_dir(root.path().join("terminal")).unwrap() {
+    let pools = pool_roots(root.path(), "terminal");
+    assert_eq!(pools.len(), 1, "{pools:?}");
+    for e in std::fs::read_dir(&pools[0]).unwrap() {
         let p = e.unwrap().path();
         assert_eq!(std::fs::read_dir(&p).unwrap().count(), 0, "{p:?} not empty");
     }

@@ -14,6 +14,22 @@ use clawrl::env::{build_environment, EnvBuildError, EnvOptions};
 use clawrl_actors::loops::{Action, EnvError, Environment, Episode, StepOutcome, ToolCallAction};
 use serde_json::{json, Value};
 
+/// The work-dir roots environments of `kind` made under `work_root` (each a fresh
+/// `clawrl-env-<kind>-<random>`).
+fn pool_roots(work_root: &Path, kind: &str) -> Vec<PathBuf> {
+    let prefix = format!("clawrl-env-{kind}-");
+    std::fs::read_dir(work_root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with(&prefix)
+        })
+        .collect()
+}
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/env/gui")
@@ -342,8 +358,8 @@ async fn ready_browsers_serve_episodes_and_a_dead_one_is_replaced() {
     // pool's root goes when it is empty).
     drop(env);
     assert_eq!(settle_no_processes(root.path()).await, Vec::<i32>::new());
-    if let Ok(dirs) = std::fs::read_dir(root.path().join("gui")) {
-        for e in dirs {
+    for pool in pool_roots(root.path(), "gui") {
+        for e in std::fs::read_dir(&pool).unwrap() {
             let p = e.unwrap().path();
             assert_eq!(std::fs::read_dir(&p).unwrap().count(), 0, "{p:?} not empty");
         }
@@ -592,7 +608,9 @@ async fn no_browser_process_is_left_after_close_or_drop() {
     drop(c);
     assert_eq!(processes_under(root.path()), Vec::<i32>::new());
     // And every work dir is gone (only the pool's empty warm dirs remain).
-    for e in std::fs::read_dir(root.path().join("gui")).unwrap() {
+    let pools = pool_roots(root.path(), "gui");
+    assert_eq!(pools.len(), 1, "{pools:?}");
+    for e in std::fs::read_dir(&pools[0]).unwrap() {
         let p = e.unwrap().path();
         assert_eq!(std::fs::read_dir(&p).unwrap().count(), 0, "{p:?} not empty");
     }

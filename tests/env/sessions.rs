@@ -1,6 +1,7 @@
 //! 256 concurrent terminal episodes on one node, each an `EnvSession` actor driven by a
 //! scripted policy (no model): every one finishes with outcome +1, every work dir is removed.
 
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -13,6 +14,22 @@ use ractor::Actor;
 use serde_json::json;
 
 const SESSIONS: usize = 256;
+
+/// The work-dir roots environments of `kind` made under `work_root` (each a fresh
+/// `clawrl-env-<kind>-<random>`).
+fn pool_roots(work_root: &Path, kind: &str) -> Vec<PathBuf> {
+    let prefix = format!("clawrl-env-{kind}-");
+    std::fs::read_dir(work_root)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with(&prefix)
+        })
+        .collect()
+}
 
 /// Writes the file on the first turn, submits on the second.
 struct Scripted;
@@ -124,7 +141,9 @@ async fn many_concurrent_terminal_sessions_all_finish_with_success() {
         assert_eq!(*turns, 2, "session {id}");
     }
     // Every episode's work dir was removed on close; only empty pool dirs are left.
-    for e in std::fs::read_dir(root.path().join("terminal")).unwrap() {
+    let pools = pool_roots(root.path(), "terminal");
+    assert_eq!(pools.len(), 1, "{pools:?}");
+    for e in std::fs::read_dir(&pools[0]).unwrap() {
         let p = e.unwrap().path();
         assert_eq!(std::fs::read_dir(&p).unwrap().count(), 0, "{p:?} not empty");
     }

@@ -1,6 +1,7 @@
 //! The SWE environment over the fixture repositories (Python and Rust), in the real sandbox:
 //! applying each task's known fix through the `bash` tool gives outcome +1, the unfixed
-//! repository gives -1, and editing the protected tests instead of the code does not help.
+//! repository gives -1, and editing the protected tests instead of the code does not help, not
+//! even with modules planted in `/work` for the restore of the tests to import.
 
 use std::path::{Path, PathBuf};
 
@@ -162,4 +163,153 @@ async fn editing_the_protected_tests_does_not_pass() {
     )
     .await;
     assert_eq!(outs[1].outcome, Some(-1.0), "{}", outs[1].info);
+}
+
+/// A module planted in `/work` under a name the restore imports: run as the restore (`python3
+/// -c ...`), it ends the process with exit 0 before anything is restored; imported by anything
+/// else (the test command), it hands over the real module if there is one, so that the tests
+/// still run.
+const PLANTED_MODULE: &str = r#"import os, sys
+if sys.argv[0] == "-c":
+    os._exit(0)
+import importlib
+_name = __name__
+_here = os.path.dirname(os.path.abspath(__file__))
+del sys.modules[_name]
+_saved = sys.path[:]
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+try:
+    _real = importlib.import_module(_name)
+finally:
+    sys.path[:] = _saved
+sys.modules[_name] = _real
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn modules_planted_for_the_restore_do_not_stop_it() {
+    let root = tempfile::tempdir().unwrap();
+    let env = SweEnv::load(
+        &fixtures(),
+        EnvOptions {
+            work_root: Some(root.path().to_path_buf()),
+            warm_workdirs: 1,
+            ..EnvOptions::default()
+        },
+    )
+    .unwrap();
+    let i = env
+        .tasks()
+        .iter()
+        .position(|t| t.id == "py-slugify")
+        .unwrap();
+    // Every module the restore imports that is not built in or loaded at startup, plus the
+    // hooks `site` would run (from /work or from the user site under HOME=/work).
+    let plant = format!(
+        "for m in json shutil sitecustomize usercustomize; do cat > $m.py <<'PY'\n{PLANTED_MODULE}PY\n\
+         done\n\
+         u=$(python3 -I -c 'import site; print(site.getusersitepackages())') && mkdir -p \"$u\" \
+         && cp usercustomize.py \"$u/\"\n\
+         printf 'import unittest\\nclass T(unittest.TestCase):\\n    def test(self): pass\\n' \
+         > test_slug.py"
+    );
+    let outs = run(
+        &env,
+        i,
+        &[bash(&plant), bash("python3 -m unittest"), submit()],
+    )
+    .await;
+    let planted = outs[0].next_state[0]["content"].as_str().unwrap();
+    assert!(planted.starts_with("exit code: 0"), "{planted}");
+    // The edited tests pass inside the episode, planted modules and all...
+    let ran = outs[1].next_state[0]["content"].as_str().unwrap();
+    assert!(ran.starts_with("exit code: 0"), "{ran}");
+    // ...but the restore still runs: the original tests fail on the unfixed code.
+    let verdict = &outs[2];
+    assert_eq!(verdict.outcome, Some(-1.0), "{}", verdict.info);
+    let stderr = verdict.info["check"]["stderr"].as_str().unwrap_or_default();
+    assert!(
+        stderr.contains("FAILED ("),
+        "the original tests did not run: {stderr}"
+    );
+
+    // With the fix applied, the same plants leave a restore that works and tests that pass.
+    let outs = run(
+        &env,
+        i,
+        &[bash(&plant), bash(&fix_script("py-slugify")), submit()],
+    )
+    .await;
+    assert_eq!(outs[2].outcome, Some(1.0), "{}", outs[2].info);
+}
+
+/// Uid and gid of a path itself (a link is not followed).
+fn owner(p: &Path) -> (u32, u32) {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(p).unwrap();
+    (m.uid(), m.gid())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_dirs_are_fresh_and_links_in_them_are_never_followed() {
+    // A directory planted where work dirs used to go (`<temp dir>/clawrl-env-<pid>`, a
+    // predictable name) is a link to a victim dir: nothing may be created through it.
+    let victim = tempfile::tempdir().unwrap();
+    let planted = std::env::temp_dir().join(format!("clawrl-env-{}", std::process::id()));
+    let _ = std::fs::remove_file(&planted);
+    std::os::unix::fs::symlink(victim.path(), &planted).unwrap();
+    let env = SweEnv::load(
+        &fixtures(),
+        EnvOptions {
+            warm_workdirs: 1,
+            ..EnvOptions::default()
+        },
+    )
+    .unwrap();
+    let i = env
+        .tasks()
+        .iter()
+        .position(|t| t.id == "py-slugify")
+        .unwrap();
+
+    // A host file the policy learns the path of, linked from inside its work dir; the next
+    // command hands the work dir to the sandbox user (chown), which must change the link and
+    // leave its target, and the tests still run (the link is in the policy's own tree).
+    let host = tempfile::tempdir().unwrap();
+    let secret = host.path().join("host-secret");
+    std::fs::write(&secret, "root's").unwrap();
+    let before = owner(&secret);
+    let outs = run(
+        &env,
+        i,
+        &[
+            bash(&format!(
+                "ln -s {} link && ln -s {} dirlink && mkdir -p d && ln -s {} d/deeper",
+                secret.display(),
+                host.path().display(),
+                host.path().display()
+            )),
+            bash("ls -l link dirlink d/deeper && readlink link"),
+            submit(),
+        ],
+    )
+    .await;
+    let listed = outs[1].next_state[0]["content"].as_str().unwrap();
+    assert!(listed.starts_with("exit code: 0"), "{listed}");
+    assert!(listed.contains(&secret.display().to_string()), "{listed}");
+    assert_eq!(outs[2].outcome, Some(-1.0), "{}", outs[2].info);
+    assert_eq!(owner(&secret), before, "the link's target was handed over");
+    assert_eq!(
+        owner(host.path()),
+        before,
+        "the dir link's target was handed over"
+    );
+    assert_eq!(std::fs::read_to_string(&secret).unwrap(), "root's");
+
+    drop(env);
+    assert_eq!(
+        std::fs::read_dir(victim.path()).unwrap().count(),
+        0,
+        "work dirs were created through the planted link"
+    );
+    std::fs::remove_file(&planted).unwrap();
 }

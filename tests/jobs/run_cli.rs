@@ -1,6 +1,7 @@
 //! `clawrl run` through the binary: the shipped demo runs to its stop condition and prints a
 //! JSON summary whose counts balance, the embedded node's Control keeps the job's final counts,
-//! and bad job specs are refused with errors naming the key and the file.
+//! bad job specs are refused with errors naming the key and the file, and so is a judge endpoint
+//! or key variable that the embedded node does not allow.
 
 use std::path::Path;
 use std::process::Command;
@@ -117,5 +118,96 @@ fn bad_specs_are_refused_naming_the_key_and_file() {
     bad_spec(
         |d| d.replace("tasks = \"demo/tasks.jsonl\"", "tasks = \"missing.jsonl\""),
         "missing.jsonl",
+    );
+}
+
+/// The demo spec with an `openai` judge at `endpoint` reading its key from `key_env`.
+fn with_openai_judge(demo: &str, endpoint: &str, key_env: &str) -> String {
+    let start = demo.find("[judge]").unwrap();
+    let end = demo.find("[method]").unwrap();
+    format!(
+        "{}[judge]\nbackend = \"openai\"\nvotes = 1\nendpoint = \"{endpoint}\"\nmodel = \"m\"\n\
+         api_key_env = \"{key_env}\"\n\n{}",
+        &demo[..start],
+        &demo[end..]
+    )
+}
+
+/// Runs `clawrl run` on `spec` with `args`; returns (success, stderr).
+fn run_spec(spec: &str, args: &[&str]) -> (bool, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("judge.toml");
+    std::fs::write(&file, spec).unwrap();
+    let o = clawrl()
+        .arg("run")
+        .arg(&file)
+        .arg("--out")
+        .arg(dir.path().join("run"))
+        .args(args)
+        .env("AWS_SECRET_ACCESS_KEY", "not-a-real-secret")
+        .output()
+        .unwrap();
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn judge_endpoints_and_key_variables_are_the_nodes_to_allow() {
+    let demo = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/demo.toml"))
+        .unwrap();
+    // A listener the judge would reach if it were built: nothing may connect to it.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let local = format!("http://{}/v1", listener.local_addr().unwrap());
+
+    // Not a loopback endpoint: refused by default, naming the key and the value.
+    let (ok, stderr) = run_spec(
+        &with_openai_judge(
+            &demo,
+            "https://anywhere.example/v1",
+            "AWS_SECRET_ACCESS_KEY",
+        ),
+        &[],
+    );
+    assert!(!ok, "ran: {stderr}");
+    assert!(
+        stderr.contains("judge.endpoint `https://anywhere.example/v1`")
+            && stderr.contains("judge.toml"),
+        "{stderr}"
+    );
+    // A loopback endpoint is allowed by default, a key variable is not.
+    let spec = with_openai_judge(&demo, &local, "AWS_SECRET_ACCESS_KEY");
+    let (ok, stderr) = run_spec(&spec, &[]);
+    assert!(!ok, "ran: {stderr}");
+    assert!(
+        stderr.contains("judge.api_key_env `AWS_SECRET_ACCESS_KEY`"),
+        "{stderr}"
+    );
+    // Allowing another variable, or only another endpoint, does not allow these.
+    let (ok, stderr) = run_spec(&spec, &["--allow-judge-key-env", "JUDGE_KEY"]);
+    assert!(!ok && stderr.contains("judge.api_key_env"), "{stderr}");
+    let (ok, stderr) = run_spec(
+        &spec,
+        &[
+            "--allow-judge-endpoint",
+            "https://api.example.com/v1",
+            "--allow-judge-key-env",
+            "AWS_SECRET_ACCESS_KEY",
+        ],
+    );
+    assert!(!ok && stderr.contains("judge.endpoint"), "{stderr}");
+    // Nothing was sent: the judge was never built.
+    assert_eq!(
+        listener.accept().err().map(|e| e.kind()),
+        Some(std::io::ErrorKind::WouldBlock),
+        "the refused judge connected"
+    );
+    // An allowed endpoint entry must have a usable shape.
+    let (ok, stderr) = run_spec(&spec, &["--allow-judge-endpoint", "ftp://x"]);
+    assert!(
+        !ok && stderr.contains("judge.allowed_endpoints[0]"),
+        "{stderr}"
     );
 }
