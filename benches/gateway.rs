@@ -1,4 +1,4 @@
-//! Gateway under load while weights update (issue 7, "Load"): N concurrent sessions (default
+//! Gateway under load while weights update: N concurrent sessions (default
 //! 100) chat with the gateway over HTTP for S seconds (default 60) against the qwen3-tiny
 //! fixture, half of the requests streamed, while a real learner trains on a thread beside it and
 //! each new version is installed through `GatewayPolicy::install`. Prints the 5xx count (the

@@ -1,4 +1,4 @@
-//! Judge throughput (issue 5's benchmark; not a test).
+//! Judge throughput (a benchmark, not a test).
 //!
 //! `cargo bench --bench judge` measures judged turns per second with `m = 3` evaluation votes and
 //! `hint_m = 3` hint votes per turn, for two backends: `scripted`, and `openai` pointed at a local

@@ -1,4 +1,4 @@
-//! Pipeline throughput (issue 6): turns per second of a whole job — scripted environment,
+//! Pipeline throughput: turns per second of a whole job — scripted environment,
 //! scripted judge (3 votes), the fixture policy on rollout workers, a real trainer stepping
 //! meanwhile — with 1 replica and with 4, and the scaling ratio; each with admission control off
 //! (sessions run freely) and at its default bound (two batches, `env.max_backlog`), with the

@@ -1,4 +1,4 @@
-//! Sandbox benchmark (issue 8): start latency p50/p99 (`true`, sequentially), the overhead of
+//! Sandbox benchmark: start latency p50/p99 (`true`, sequentially), the overhead of
 //! the sandbox as a ratio against the same commands in an unsandboxed subprocess measured in
 //! the same run, and execs/s with 1, 64 and 256 sandboxes in flight.
 //!

@@ -1,4 +1,4 @@
-//! The tool-call agent experiment (issue 8 item 8): warm-start a small policy to call the
+//! The tool-call agent experiment: warm-start a small policy to call the
 //! `code_interpreter` tool, continue with RL in the sandboxed tool-call environment with
 //! integrated (outcome + step-wise process) rewards and with outcome-only rewards, and print
 //! the held-out success rate of each after the configured numbers of updates.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Gateway load benchmark (issue 7): 100 concurrent sessions chat with the gateway for 60 s over
+# Gateway load benchmark: 100 concurrent sessions chat with the gateway for 60 s over
 # HTTP (half streamed) against the qwen3-tiny fixture while a learner trains beside it and each
 # new weight version is installed through GatewayPolicy::install. Prints the 5xx count (target:
 # zero), latency p50/p99, answers per version, then the same load without updates as the

@@ -1,4 +1,4 @@
-//! The general-agent environments of DESIGN §4 (terminal, SWE, tool-call) as implementations of
+//! The general-agent environments of docs/design.md §4 (terminal, SWE, tool-call) as implementations of
 //! the loops' [`Environment`] / [`Episode`] contract, plus the pure pieces they need: final-answer
 //! normalisation ([`answer`]) and the combination of step votes with episode outcomes into
 //! (group, step index)-normalised advantages ([`reward`]).

@@ -1,4 +1,4 @@
-//! The personal-agent gateway (DESIGN §4): an OpenAI-compatible HTTP endpoint that
+//! The personal-agent gateway (docs/design.md §4): an OpenAI-compatible HTTP endpoint that
 //! serves the policy and records every main-line turn, with its exact token ids, log-probs and
 //! next state, for training.
 //!

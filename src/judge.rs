@@ -1,4 +1,4 @@
-//! The judge: turns next states into rewards and hindsight hints (DESIGN §1, issue 5).
+//! The judge: turns next states into rewards and hindsight hints (docs/design.md §1).
 //!
 //! It owns the prompts ([`prompt`]), the exact parsing of judge text into votes and hints
 //! ([`parse`]), the backends that produce judge text ([`backend`]: scripted rules, any

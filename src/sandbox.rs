@@ -1,4 +1,4 @@
-//! The Linux sandbox that runs the policy's commands (DESIGN §4: terminal, SWE and tool-call
+//! The Linux sandbox that runs the policy's commands (docs/design.md §4: terminal, SWE and tool-call
 //! environments): no network; private user, mount, pid, ipc, uts and network namespaces; a
 //! private writable work dir mounted at `/work` (the cwd) over a read-only view of the system;
 //! rlimits on CPU time, memory, processes and file size; a wall-clock timeout that kills the

@@ -1,4 +1,4 @@
-//! The tool-call agent experiment of issue 8 item 8: a small Qwen3 policy with its own
+//! The tool-call agent experiment: a small Qwen3 policy with its own
 //! tokenizer ([`tokenizer`]) warm-started on generated transcripts ([`corpus`], [`sft`]) to
 //! call the `code_interpreter` tool on generated math tasks ([`tasks`]), then trained with RL
 //! in the real tool-call environment with integrated (outcome + step-wise process) rewards or

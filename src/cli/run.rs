@@ -89,7 +89,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 /// Runs one subcommand of this area.
 pub fn run(cmd: Commands) -> anyhow::Result<()> {
     match cmd {
-        // The personal-agent experiment (issue 7) is a file of its own kind.
+        // The personal-agent experiment is a file of its own kind.
         Commands::Run { job, out, json, .. }
             if clawrl::personal::experiment::is_experiment_file(&job) =>
         {

@@ -1,4 +1,4 @@
-//! The SWE environment (DESIGN §4): a task is a repository, an issue text and a test command;
+//! The SWE environment (docs/design.md §4): a task is a repository, an issue text and a test command;
 //! the repository is copied into the episode's work dir, the policy works on it with a `bash`
 //! tool (20 steps by default) and finishes with `submit` or a plain answer; then the protected
 //! files (the tests) are restored to their original content inside the sandbox and the test

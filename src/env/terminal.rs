@@ -1,4 +1,4 @@
-//! The terminal environment (DESIGN §4): tasks from JSONL, a `shell_exec` tool running bash in
+//! The terminal environment (docs/design.md §4): tasks from JSONL, a `shell_exec` tool running bash in
 //! the sandbox over the task's work dir, `submit` (or a plain answer) to finish, 10 steps by
 //! default, and a check script that decides the outcome.
 //!

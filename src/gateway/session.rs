@@ -1,8 +1,8 @@
 //! The session table: which turns become training records, and with which next state. Pure and
-//! clock-free (`now` is an argument, DESIGN §6); the server calls it under a lock and sends what
+//! clock-free (`now` is an argument, docs/design.md §6); the server calls it under a lock and sends what
 //! it returns to the record sink.
 //!
-//! Rules (DESIGN §4):
+//! Rules (docs/design.md §4):
 //! - a request names its session (`X-Session-Id` / `session_id`); one without gets a fresh id;
 //! - sessions belong to the API key that opened them ([`Scope`]): the table is keyed by
 //!   (scope, id), so the same id sent with another key is another session, and one key's

@@ -159,7 +159,7 @@ pub struct StepJudgement {
     pub unjudged: Option<String>,
 }
 
-/// The JSONL record of one judged turn (issue 5 item 7).
+/// The JSONL record of one judged turn.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JudgedTurnRecord {
     /// The session.

@@ -1,4 +1,4 @@
-//! The personal-agent experiment (issue 7 item 6): warm-start a small policy ([`super::sft`]),
+//! The personal-agent experiment: warm-start a small policy ([`super::sft`]),
 //! then for each method — binary RL, OPD, combined — train it online against the simulated
 //! student and teacher of [`crate::env::personal`] with a scripted judge, and measure the
 //! personalization score of first responses on held-out prompts after the configured numbers

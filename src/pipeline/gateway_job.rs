@@ -1,5 +1,5 @@
 //! The `personal` job kind: the OpenAI-compatible gateway ([`crate::gateway`]) serves the policy,
-//! and the conversations it records train it, live (docs/design.md §4, issue 7).
+//! and the conversations it records train it, live (docs/design.md §4).
 //!
 //! [`run_gateway_job`] builds, from the spec: the learner inside the `Trainer` actor (as
 //! [`super::run_job`]: checkpoints and resume under `<out>/checkpoints`), the gateway over the

@@ -3,7 +3,7 @@
 //!
 //! Per-turn methods (`binary`, `opd`, `combined`) judge `(a_t, s_{t+1})` with the personal
 //! evaluation prompt (`m` votes) and, when the method has an OPD term, the hint prompt
-//! (`hint_m` votes), all concurrently; the record is issue 5's judged-turn record. `stepwise`
+//! (`hint_m` votes), all concurrently; the record is the judged-turn record of `judge::votes`. `stepwise`
 //! judges each step with the step prompt of the environment's kind; its reward is the aggregated
 //! process score. A turn without a next state is not sent to the judge: it is recorded as
 //! unjudged ("no next state"), as docs/design.md §1 excludes it from the loss.

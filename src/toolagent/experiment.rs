@@ -1,4 +1,4 @@
-//! The tool-call agent experiment (issue 8 item 8): warm-start a small policy to call the
+//! The tool-call agent experiment: warm-start a small policy to call the
 //! `code_interpreter` tool ([`super::sft`]), then continue with RL on generated math tasks in
 //! the real tool-call environment ([`crate::env::tool_call::ToolCallEnv`]: every call runs
 //! `python3` in the sandbox), once per reward arm — **integrated** (episode outcome plus each

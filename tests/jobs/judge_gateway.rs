@@ -1,7 +1,7 @@
 //! The `openai` judge backend against clawrl's own gateway (`clawrl serve`) serving the fixture
 //! model, whose untrained output is noise: every vote reaches the server, comes back as text with
 //! no valid `\boxed{}`, and counts as a failed vote, so the turn is recorded as unjudged with the
-//! reason and reward 0 (issue 5, item 6; the failed-vote path over real HTTP).
+//! reason and reward 0 (the failed-vote path over real HTTP).
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

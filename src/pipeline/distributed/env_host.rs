@@ -2,6 +2,7 @@
 //! from its spec and holds the episodes the job home drives over the wire.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -13,7 +14,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use super::wire::{EnvReply, EnvRequest};
 use super::{envhost_group, json, lock, unjson, EPISODE_IDLE};
 use crate::job::JobSpec;
-use crate::pipeline::build_env;
+use crate::pipeline::build_env_in;
 
 struct OpenEpisode {
     episode: tokio::sync::Mutex<Option<Box<dyn Episode>>>,
@@ -29,11 +30,14 @@ pub struct EnvHost;
 pub struct EnvHostArgs {
     /// The environment kind it hosts (`--env KIND:N`).
     pub kind: String,
+    /// Where its environments create their work dirs (`<data_dir>/env`).
+    pub work_root: PathBuf,
 }
 
 /// An [`EnvHost`]'s state.
 pub struct EnvHostState {
     kind: String,
+    work_root: PathBuf,
     /// Built environments by job id, with the spec text they were built from.
     envs: HashMap<String, (String, Arc<dyn Environment>)>,
     episodes: Episodes,
@@ -60,7 +64,7 @@ impl EnvHostState {
                 spec.env.kind, self.kind
             ));
         }
-        let env = build_env(&spec).map_err(|e| e.to_string())?;
+        let env = build_env_in(&spec, Some(&self.work_root)).map_err(|e| e.to_string())?;
         tracing::info!(
             job = %job,
             "built the job's `{}` environment: {} tasks",
@@ -110,6 +114,7 @@ impl Actor for EnvHost {
         });
         Ok(EnvHostState {
             kind: args.kind,
+            work_root: args.work_root,
             envs: HashMap::new(),
             episodes,
             next: 1,

@@ -24,6 +24,7 @@ use super::remote_policy::{RemoteChatPolicy, RolloutPool};
 use super::rollout_host::{RolloutHost, RolloutHostArgs};
 use super::{control_call, lock, RUNNER_POLL};
 use crate::job::{JobKind, JobSpec};
+use crate::judge::JudgeAccess;
 use crate::model::{load_checkpoint, EngineOptions};
 use crate::pipeline::{
     actor_err, build_judging, job_settings, learner, samples, sampling_params, spawn_teacher,
@@ -42,6 +43,7 @@ pub async fn run_placed_job(
     progress: ProgressReport,
     stop: Arc<AtomicBool>,
     supervisor: Arc<Mutex<Option<ActorRef<JobMsg<TrainSample>>>>>,
+    judge_access: &JudgeAccess,
 ) -> Result<JobCounts, RunError> {
     let job_id = record.id.clone();
     let file = record.file.clone();
@@ -50,6 +52,9 @@ pub async fn run_placed_job(
     if let Some(m) = record.max_steps {
         spec.stop.max_steps = Some(m);
     }
+    // This node's `[judge]` grants the spec's judge endpoint and key variable, or the job is
+    // refused here, before any actor starts and before its judge sends anything.
+    crate::judge::access::check(&spec.judge, judge_access)?;
     if spec.kind != JobKind::Rl {
         return Err(RunError::Actor {
             what: "job runner",
@@ -295,7 +300,11 @@ pub struct JobRunner;
 
 impl JobRunner {
     /// Starts the runner's loop on `node`; run directories go under `data_dir/jobs`.
-    pub fn start(node: Node, data_dir: PathBuf) -> tokio::task::JoinHandle<()> {
+    pub fn start(
+        node: Node,
+        data_dir: PathBuf,
+        judge_access: JudgeAccess,
+    ) -> tokio::task::JoinHandle<()> {
         tokio::spawn(async move {
             let mut running: HashMap<String, Running> = HashMap::new();
             loop {
@@ -318,18 +327,27 @@ impl JobRunner {
                     if !mine || !j.is_active() || j.state == PlacedState::Waiting {
                         continue;
                     }
-                    running.insert(j.id.clone(), Self::launch(&node, &data_dir, j));
+                    running.insert(
+                        j.id.clone(),
+                        Self::launch(&node, &data_dir, &judge_access, j),
+                    );
                 }
             }
         })
     }
 
-    fn launch(node: &Node, data_dir: &std::path::Path, record: JobRecord) -> Running {
+    fn launch(
+        node: &Node,
+        data_dir: &std::path::Path,
+        judge_access: &JudgeAccess,
+        record: JobRecord,
+    ) -> Running {
         let max_steps = record.max_steps;
         let stop = Arc::new(AtomicBool::new(false));
         let supervisor = Arc::new(Mutex::new(None));
         let out = data_dir.join("jobs").join(&record.id);
         let (node, s, sup) = (node.clone(), stop.clone(), supervisor.clone());
+        let judge_access = judge_access.clone();
         tracing::info!(job = %record.id, "running job {} here ({})", record.id, out.display());
         let task = tokio::spawn(async move {
             let id = record.id.clone();
@@ -350,7 +368,7 @@ impl JobRunner {
                     let _ = tx.send(c.clone());
                 }
             });
-            let result = run_placed_job(&node, &record, out, progress, s, sup).await;
+            let result = run_placed_job(&node, &record, out, progress, s, sup, &judge_access).await;
             reporter.abort();
             let counts = match result {
                 Ok(c) => {
@@ -430,13 +448,14 @@ pub async fn start_node_services(
             EnvHost,
             EnvHostArgs {
                 kind: kind.to_string(),
+                work_root: config.data_dir.join("env"),
             },
         )
         .await
         .map_err(err(what))?;
     }
     if config.has_role(Role::Trainer) {
-        JobRunner::start(node.clone(), config.data_dir.clone());
+        JobRunner::start(node.clone(), config.data_dir.clone(), config.judge.clone());
     }
     Ok(())
 }
