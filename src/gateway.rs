@@ -8,6 +8,7 @@
 //! splitting; pure), [`session`] (the clock-free session table), [`sink`] (the JSONL turn
 //! writer), [`metrics`] (Prometheus text) and [`GatewayConfig`] here.
 
+pub mod infer;
 pub mod metrics;
 pub mod policy;
 pub mod server;
