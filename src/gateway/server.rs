@@ -10,8 +10,9 @@
 //! malformed JSON 400, messages with keys the gateway does not understand 400, an unknown model
 //! 404, a main request that would open more sessions than its key may have 429 with
 //! `Retry-After`; every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
-//! Each answer carries `session_id` (body field and `X-Session-Id` header); see
-//! [`super::session`] for what is recorded.
+//! Each answer carries `session_id` (body field and `X-Session-Id` header): the one the request
+//! named, else the one inferred from the conversation it resends ([`super::infer`]), else a
+//! fresh one; see [`super::session`] for what is recorded.
 
 use std::convert::Infallible;
 use std::future::Future;

@@ -365,7 +365,7 @@ impl<T> SessionTable<T> {
             .filter_map(|(id, e)| e.open.as_ref().map(|s| (id, s)))
             .flat_map(|(id, s)| {
                 s.turns.iter().filter_map(move |(serial, tr)| {
-                    extends(tr, &msgs).map(|x| (x.rank(), x.at, *serial, id))
+                    extends(tr, msgs).map(|x| (x.rank(), x.at, *serial, id))
                 })
             })
             .max_by_key(|(rank, _, serial, _)| (*rank, *serial))?;
