@@ -4,10 +4,12 @@
 //!
 //! Layout: [`server`] (axum routes, auth, limits, OpenAI wire format, SSE streaming),
 //! [`policy`] (the served weight versions over the generation engine, token-by-token streaming,
-//! hot swap without pausing), [`text`] (ids → served text, tool-call
-//! splitting; pure), [`session`] (the clock-free session table), [`sink`] (the JSONL turn
-//! writer), [`metrics`] (Prometheus text) and [`GatewayConfig`] here.
+//! hot swap without pausing), [`text`] (ids → served text, tool-call splitting; pure),
+//! [`session`] (the clock-free session table), [`infer`] (which served turn a request without a
+//! session id extends; pure), [`sink`] (the JSONL turn writer), [`metrics`] (Prometheus text)
+//! and [`GatewayConfig`] here.
 
+pub mod infer;
 pub mod metrics;
 pub mod policy;
 pub mod server;

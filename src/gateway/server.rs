@@ -10,8 +10,9 @@
 //! malformed JSON 400, messages with keys the gateway does not understand 400, an unknown model
 //! 404, a main request that would open more sessions than its key may have 429 with
 //! `Retry-After`; every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
-//! Each answer carries `session_id` (body field and `X-Session-Id` header); see
-//! [`super::session`] for what is recorded.
+//! Each answer carries `session_id` (body field and `X-Session-Id` header): the one the request
+//! named, else the one inferred from the conversation it resends ([`super::infer`]), else a
+//! fresh one; see [`super::session`] for what is recorded.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -34,9 +35,10 @@ use serde::Deserialize;
 use serde_json::{json, Value as Json_};
 use tokio::sync::mpsc;
 
+use super::infer::Transcript;
 use super::metrics::Metrics;
 use super::policy::{GatewayPolicy, ServingVersion};
-use super::session::{Admission, Finished, Scope, SessionTable, SessionsFull, TurnType};
+use super::session::{Admission, Finished, Inferred, Scope, SessionTable, SessionsFull, TurnType};
 use super::sink::{SinkError, TurnRecord, TurnSink};
 use super::text::{split_all, Piece, TextStream, ToolCallSplitter};
 use super::GatewayConfig;
@@ -256,6 +258,7 @@ async fn record_all(s: &AppState, out: Vec<Finished<TurnRecord>>) {
     for f in out {
         let mut rec = f.turn;
         rec.next_state = f.next_state;
+        rec.next_messages = f.next_messages;
         rec.end = Some(f.end);
         if let Some(tap) = s.tap.get() {
             if tap.send(rec.clone()).await.is_err() {
@@ -494,6 +497,18 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
             "counter",
             "Main requests refused (429): their key had max_sessions_per_key sessions.",
             st.refused_full as f64,
+        ),
+        (
+            "clawrl_gateway_sessions_inferred_total",
+            "counter",
+            "Main requests without a session id that continued a session they extend.",
+            st.inferred as f64,
+        ),
+        (
+            "clawrl_gateway_turns_superseded_total",
+            "counter",
+            "Pending turns closed because a request extended an older turn (edit, regeneration).",
+            st.superseded as f64,
         ),
         (
             "clawrl_gateway_sessions_ended_done_total",
@@ -928,6 +943,10 @@ fn rebuild(map: &minijinja::Value, key: &str, value: minijinja::Value) -> miniji
 struct Prepared {
     scope: Scope,
     session_id: String,
+    /// The session a main request without a session id continues, by inference.
+    inferred: Option<Inferred>,
+    /// A main request's messages as sent (what its turn's transcript is built from).
+    sent: Vec<Json_>,
     /// A main request's hold on its session, once admitted.
     hold: Option<Hold>,
     turn_type: TurnType,
@@ -1023,9 +1042,23 @@ fn prepare(
         .lock()
         .unwrap()
         .resolve_turn_type(explicit, named.is_some());
-    let session_id = named.unwrap_or_else(|| format!("sess-{}", random_hex(24)));
     let params = sampling_params(s, &r)?;
     let messages = normalize_messages(&r.messages)?;
+    let sent: Vec<Json_> = match turn_type {
+        TurnType::Main => match serde_json::to_value(&r.messages) {
+            Ok(Json_::Array(v)) => v,
+            _ => Vec::new(),
+        },
+        TurnType::Side => Vec::new(),
+    };
+    // A main request that names no session continues the one whose turn it extends.
+    let inferred = match (&named, turn_type) {
+        (None, TurnType::Main) => s.sessions.lock().unwrap().infer(scope, &sent),
+        _ => None,
+    };
+    let session_id = named
+        .or_else(|| inferred.as_ref().map(|i| i.session_id.clone()))
+        .unwrap_or_else(|| format!("sess-{}", random_hex(24)));
     let use_tools = !matches!(&r.tool_choice, Some(Json_::String(c)) if c == "none");
     let tools = match r.tools {
         Some(t) if !t.is_none() && !t.is_undefined() => {
@@ -1049,6 +1082,8 @@ fn prepare(
     Ok(Prepared {
         scope,
         session_id,
+        inferred,
+        sent,
         hold: None,
         turn_type,
         done,
@@ -1148,19 +1183,29 @@ async fn chat_completions(
             Err(full) => return sessions_full(full),
         }
     }
-    // The request's last message completes the session's pending main turn.
-    let last = prepared
-        .messages
-        .get_item_by_index(prepared.messages.len().unwrap_or(1) - 1)
-        .ok()
-        .and_then(|m| serde_json::to_value(&m).ok());
-    let out = s.sessions.lock().unwrap().on_request(
-        scope,
-        &prepared.session_id,
-        prepared.turn_type,
-        last.as_ref(),
-        Instant::now(),
-    );
+    // A request that names its session completes the session's pending main turn with its last
+    // message; an inferred one with every message after the turn it extends.
+    let out = match &prepared.inferred {
+        Some(i) => s
+            .sessions
+            .lock()
+            .unwrap()
+            .on_inferred(scope, i, Instant::now()),
+        None => {
+            let last = prepared
+                .messages
+                .get_item_by_index(prepared.messages.len().unwrap_or(1) - 1)
+                .ok()
+                .and_then(|m| serde_json::to_value(&m).ok());
+            s.sessions.lock().unwrap().on_request(
+                scope,
+                &prepared.session_id,
+                prepared.turn_type,
+                last.as_ref(),
+                Instant::now(),
+            )
+        }
+    };
     record_all(&s, out).await;
 
     s.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
@@ -1267,6 +1312,10 @@ async fn finish_turn(
     s.metrics
         .completion_tokens
         .fetch_add(c.ids.len() as u64, Ordering::Relaxed);
+    let admission = p.hold.as_mut().and_then(|h| h.admission.take());
+    let transcript = admission
+        .as_ref()
+        .map(|_| Transcript::new(&p.sent, &message));
     let record = TurnRecord {
         session_id: p.session_id.clone(),
         version,
@@ -1281,13 +1330,13 @@ async fn finish_turn(
         finish_reason: finish.to_string(),
         created: unix_now(),
         next_state: None,
+        next_messages: Vec::new(),
         end: None,
     };
-    let admission = p.hold.as_mut().and_then(|h| h.admission.take());
     let out = {
         let mut t = s.sessions.lock().unwrap();
         match admission {
-            Some(a) => t.on_served(a, record, p.done, Instant::now()),
+            Some(a) => t.on_served(a, record, transcript, p.done, Instant::now()),
             None => t.on_side_served(p.scope, &p.session_id, p.done, Instant::now()),
         }
     };

@@ -3,7 +3,10 @@
 //! it returns to the record sink.
 //!
 //! Rules (docs/design.md §4):
-//! - a request names its session (`X-Session-Id` / `session_id`); one without gets a fresh id;
+//! - a request names its session (`X-Session-Id` / `session_id`); a main request without one
+//!   continues the open session of its key whose served turn it extends (it resends that
+//!   conversation: [`super::infer`] has the rule, [`SessionTable::infer`] the choice), and gets a
+//!   fresh id when it extends none;
 //! - sessions belong to the API key that opened them ([`Scope`]): the table is keyed by
 //!   (scope, id), so the same id sent with another key is another session, and one key's
 //!   requests never complete, end or see another key's turns;
@@ -15,19 +18,31 @@
 //!   while its key has fewer than `max_sessions_per_key` sessions open or being opened; the
 //!   session is opened when its turn has been served, so a refused or failed request leaves
 //!   none behind ([`SessionTable::release`]);
-//! - a main turn waits as the session's *pending* turn; on the next main request its last
-//!   message becomes the pending turn's next state (if it is a `user` or `tool` message;
-//!   otherwise the pending turn is closed as if the session ended);
+//! - a main turn waits as the session's *pending* turn; on the next main request naming the
+//!   session its last message becomes the pending turn's next state (if it is a `user` or
+//!   `tool` message; otherwise the pending turn is closed as if the session ended); a request
+//!   that extends the pending turn by inference gives every message after the turn's response
+//!   as its next state ([`SessionTable::on_inferred`]);
+//! - a request that extends an *older* turn of a session (an edit or a regeneration) closes the
+//!   session's pending turn without a next state ([`TurnEnd::Superseded`], counted) and
+//!   continues the session from there;
 //! - a session ends on `X-Session-Done` or after the idle timeout; its pending turn is then
 //!   recorded without a next state or dropped ([`EndPolicy`]), and counted either way.
 //!
-//! The table is bounded: at most `max_sessions_per_key` entries per scope, and scopes are the
-//! configured keys (one when none is configured).
+//! The table is bounded: at most `max_sessions_per_key` entries per scope, scopes are the
+//! configured keys (one when none is configured), and a session remembers the transcripts of at
+//! most [`TURNS_KEPT`] of its latest turns for inference.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
+
+use super::infer::{extends, Msg, Transcript};
+
+/// The latest turns of a session whose transcripts are kept: a request can extend (edit or
+/// regenerate from) one of these, not an older one.
+pub const TURNS_KEPT: usize = 32;
 
 /// Main-line (trained on) or side (served only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -74,6 +89,8 @@ pub enum TurnEnd {
     SessionDone,
     /// The session was idle past the timeout.
     IdleTimeout,
+    /// A request extended an older turn of the session (an edit or a regeneration).
+    Superseded,
 }
 
 /// Whose sessions: the API key a request authenticated with, as its index among the gateway's
@@ -116,6 +133,10 @@ pub struct SessionStats {
     pub dropped: u64,
     /// Main requests refused because their key had `max_sessions_per_key` sessions.
     pub refused_full: u64,
+    /// Main requests without a session id that continued a session by inference.
+    pub inferred: u64,
+    /// Pending turns closed because a request extended an older turn of their session.
+    pub superseded: u64,
 }
 
 /// A main request was refused: its key already has as many sessions as it may.
@@ -162,15 +183,33 @@ pub struct Finished<T> {
     pub session_id: String,
     /// The turn.
     pub turn: T,
-    /// The next state (the next main request's last message), if any.
+    /// The last message of the next state, if any.
     pub next_state: Option<serde_json::Value>,
+    /// Every message of the next state, in order: the next main request's last message when it
+    /// named the session, every message after this turn's response when it was inferred.
+    pub next_messages: Vec<serde_json::Value>,
     /// Why it left the table.
     pub end: TurnEnd,
+}
+
+/// A request without a session id that extends a served turn ([`SessionTable::infer`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Inferred {
+    /// The session it continues.
+    pub session_id: String,
+    /// The turn it extends.
+    serial: u64,
+    /// The messages after that turn's response, as sent.
+    pub next_state: Vec<serde_json::Value>,
 }
 
 struct Session<T> {
     last_seen: Instant,
     pending: Option<T>,
+    /// The serial of the pending turn (meaningless while none is pending).
+    pending_serial: u64,
+    /// The latest served turns (serial, transcript), oldest first.
+    turns: VecDeque<(u64, Transcript)>,
 }
 
 /// One session id of a scope: open once a turn of it was served, and held while admitted main
@@ -185,6 +224,8 @@ pub struct SessionTable<T> {
     cfg: SessionConfig,
     scopes: HashMap<Scope, HashMap<String, Entry<T>>>,
     stats: SessionStats,
+    /// Serial of the last served main turn, every scope together (the order of recency).
+    serial: u64,
 }
 
 impl<T> SessionTable<T> {
@@ -194,6 +235,7 @@ impl<T> SessionTable<T> {
             cfg,
             scopes: HashMap::new(),
             stats: SessionStats::default(),
+            serial: 0,
         }
     }
 
@@ -300,6 +342,7 @@ impl<T> SessionTable<T> {
                 session_id: session_id.to_string(),
                 turn,
                 next_state: last_message.cloned(),
+                next_messages: last_message.into_iter().cloned().collect(),
                 end: TurnEnd::NextState,
             });
         } else {
@@ -308,13 +351,78 @@ impl<T> SessionTable<T> {
         out
     }
 
+    /// The open session of `scope` that a main request without a session id continues: the one
+    /// with a kept turn that `request` (its messages, as sent) extends by the [`super::infer`]
+    /// rule. When it extends several turns, the one whose prompt it dropped the fewest messages
+    /// of wins, then the most recently served one. Another scope's sessions are never
+    /// considered.
+    pub fn infer(&self, scope: Scope, request: &[serde_json::Value]) -> Option<Inferred> {
+        let entries = self.scopes.get(&scope)?;
+        let msgs: Vec<Msg> = request.iter().map(Msg::from_json).collect();
+        let msgs = &msgs;
+        let (_, at, serial, id) = entries
+            .iter()
+            .filter_map(|(id, e)| e.open.as_ref().map(|s| (id, s)))
+            .flat_map(|(id, s)| {
+                s.turns.iter().filter_map(move |(serial, tr)| {
+                    extends(tr, msgs).map(|x| (x.rank(), x.at, *serial, id))
+                })
+            })
+            .max_by_key(|(rank, _, serial, _)| (*rank, *serial))?;
+        Some(Inferred {
+            session_id: id.clone(),
+            serial,
+            next_state: request[at + 1..].to_vec(),
+        })
+    }
+
+    /// A main request `inferred` to continue its session arrives (after its admission): when it
+    /// extends the pending turn, its next state completes that turn; when it extends an older
+    /// turn, the pending turn is closed without a next state ([`TurnEnd::Superseded`]). The
+    /// session is touched. Returns turns to record.
+    pub fn on_inferred(
+        &mut self,
+        scope: Scope,
+        inferred: &Inferred,
+        now: Instant,
+    ) -> Vec<Finished<T>> {
+        let mut out = Vec::new();
+        let id = inferred.session_id.as_str();
+        let Some(s) = self.open_mut(scope, id) else {
+            return out;
+        };
+        s.last_seen = s.last_seen.max(now);
+        let extends_pending = s.pending_serial == inferred.serial;
+        let pending = s.pending.take();
+        self.stats.inferred += 1;
+        let Some(turn) = pending else {
+            return out;
+        };
+        if extends_pending {
+            self.stats.with_next_state += 1;
+            out.push(Finished {
+                session_id: id.to_string(),
+                turn,
+                next_state: inferred.next_state.last().cloned(),
+                next_messages: inferred.next_state.clone(),
+                end: TurnEnd::NextState,
+            });
+        } else {
+            self.stats.superseded += 1;
+            self.close(id, turn, TurnEnd::Superseded, &mut out);
+        }
+        out
+    }
+
     /// The main turn of `admission` was served: the session is opened if it is not, and the
     /// turn becomes its pending turn (a still pending older one, from overlapping requests, is
-    /// closed without a next state). With `done`, the session ends now. Returns turns to record.
+    /// closed without a next state); its `transcript`, when given, is kept for inference. With
+    /// `done`, the session ends now. Returns turns to record.
     pub fn on_served(
         &mut self,
         admission: Admission,
         turn: T,
+        transcript: Option<Transcript>,
         done: bool,
         now: Instant,
     ) -> Vec<Finished<T>> {
@@ -335,9 +443,19 @@ impl<T> SessionTable<T> {
         let s = entry.open.get_or_insert(Session {
             last_seen: now,
             pending: None,
+            pending_serial: 0,
+            turns: VecDeque::new(),
         });
         s.last_seen = s.last_seen.max(now);
+        self.serial += 1;
         let older = s.pending.replace(turn);
+        s.pending_serial = self.serial;
+        if let Some(tr) = transcript {
+            if s.turns.len() == TURNS_KEPT {
+                s.turns.pop_front();
+            }
+            s.turns.push_back((self.serial, tr));
+        }
         if opened {
             self.stats.started += 1;
         }
@@ -475,6 +593,7 @@ impl<T> SessionTable<T> {
                     session_id: session_id.to_string(),
                     turn,
                     next_state: None,
+                    next_messages: Vec::new(),
                     end: why,
                 });
             }
@@ -510,7 +629,7 @@ mod tests {
         now: Instant,
     ) -> Vec<Finished<&'static str>> {
         let adm = t.admit(scope, id, now).unwrap();
-        t.on_served(adm, turn, done, now)
+        t.on_served(adm, turn, None, done, now)
     }
 
     #[test]
@@ -662,7 +781,7 @@ mod tests {
         let a4 = t.admit(A, "s4", t0).unwrap();
         t.release(a4);
         // s2 opens when served; its second admission still holds it until released.
-        t.on_served(a2, "2", false, t0 + Duration::from_secs(5));
+        t.on_served(a2, "2", None, false, t0 + Duration::from_secs(5));
         t.release(again);
         assert_eq!((t.held(A), t.open_sessions(), t.held(B)), (3, 3, 0));
         assert_eq!(t.stats().refused_full, 1);
@@ -670,8 +789,207 @@ mod tests {
         let late = t.admit(A, "s0", t0).unwrap();
         assert_eq!(t.expire(t0 + Duration::from_secs(10)).len(), 1);
         assert_eq!(t.held(A), 3, "s0 is still held by its request");
-        t.on_served(late, "0b", false, t0 + Duration::from_secs(10));
+        t.on_served(late, "0b", None, false, t0 + Duration::from_secs(10));
         assert_eq!((t.held(A), t.open_sessions()), (3, 3));
         assert_eq!(t.stats().started, 4);
+    }
+
+    /// Serves an unnamed main request the way the server does: inferred (else `fresh`),
+    /// admitted, linked, served. Returns the session id and the turns to record.
+    fn unnamed(
+        t: &mut SessionTable<&'static str>,
+        scope: Scope,
+        request: &[serde_json::Value],
+        response: serde_json::Value,
+        turn: &'static str,
+        fresh: &str,
+    ) -> (String, Vec<Finished<&'static str>>) {
+        let now = Instant::now();
+        let inferred = t.infer(scope, request);
+        let id = inferred
+            .as_ref()
+            .map_or(fresh.to_string(), |i| i.session_id.clone());
+        let adm = t.admit(scope, &id, now).unwrap();
+        let mut out = match &inferred {
+            Some(i) => t.on_inferred(scope, i, now),
+            None => Vec::new(),
+        };
+        let tr = Transcript::new(request, &response);
+        out.extend(t.on_served(adm, turn, Some(tr), false, now));
+        (id, out)
+    }
+
+    fn sys() -> serde_json::Value {
+        json!({"role": "system", "content": "You are OpenClaw."})
+    }
+
+    fn user(text: &str) -> serde_json::Value {
+        json!({"role": "user", "content": text})
+    }
+
+    fn said(text: &str) -> serde_json::Value {
+        json!({"role": "assistant", "content": text})
+    }
+
+    fn internal(n: u32) -> serde_json::Value {
+        user(&format!(
+            "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>\nturn {n}\n<<<END_OPENCLAW_INTERNAL_CONTEXT>>>"
+        ))
+    }
+
+    #[test]
+    fn openclaw_drops_its_internal_context_and_stays_in_one_session() {
+        let mut t = table(EndPolicy::Keep);
+        let r1 = vec![sys(), user("list files"), internal(1)];
+        let (s1, out) = unnamed(&mut t, A, &r1, said("a.txt b.txt"), "t1", "fresh1");
+        assert!(out.is_empty());
+        // The next request drops the first internal-context message and adds its own.
+        let r2 = vec![
+            sys(),
+            user("list files"),
+            said("a.txt b.txt"),
+            user("now the hidden ones"),
+            internal(2),
+        ];
+        let (s2, out) = unnamed(&mut t, A, &r2, said(".env"), "t2", "fresh2");
+        assert_eq!(s2, s1);
+        assert_eq!(out.len(), 1);
+        assert_eq!((out[0].turn, out[0].end), ("t1", TurnEnd::NextState));
+        assert_eq!(out[0].next_messages, r2[3..].to_vec());
+        assert_eq!(out[0].next_state, Some(internal(2)));
+        let r3 = vec![
+            sys(),
+            user("list files"),
+            said("a.txt b.txt"),
+            user("now the hidden ones"),
+            said(".env"),
+            user("thanks"),
+            internal(3),
+        ];
+        let (s3, out) = unnamed(&mut t, A, &r3, said("you're welcome"), "t3", "fresh3");
+        assert_eq!(s3, s1);
+        assert_eq!((out[0].turn, out[0].next_messages.len()), ("t2", 2));
+        let st = t.stats();
+        assert_eq!((st.started, st.inferred, st.with_next_state), (1, 2, 2));
+        assert_eq!(t.open_sessions(), 1);
+    }
+
+    #[test]
+    fn tool_results_are_the_next_state_of_a_tool_call_turn() {
+        let mut t = table(EndPolicy::Keep);
+        let r1 = vec![sys(), user("what is in /tmp and /var?")];
+        let served = json!({"role": "assistant", "content": null, "tool_calls": [
+            {"id": "call_a", "type": "function",
+             "function": {"name": "exec", "arguments": "{\"cmd\":\"ls /tmp\"}"}},
+            {"id": "call_b", "type": "function",
+             "function": {"name": "exec", "arguments": "{\"cmd\":\"ls /var\"}"}}]});
+        let (s1, _) = unnamed(&mut t, A, &r1, served, "calls", "f1");
+        // The client resends the calls with re-serialised arguments and content parts.
+        let resent = json!({"role": "assistant", "content": [], "tool_calls": [
+            {"id": "call_a", "type": "function",
+             "function": {"name": "exec", "arguments": "{\"cmd\": \"ls /tmp\"}"}},
+            {"id": "call_b", "type": "function",
+             "function": {"name": "exec", "arguments": {"cmd": "ls /var"}}}]});
+        let tool_a = json!({"role": "tool", "tool_call_id": "call_a",
+            "content": [{"type": "text", "text": "x.log"}]});
+        let tool_b = json!({"role": "tool", "tool_call_id": "call_b", "content": "cache"});
+        let r2 = vec![
+            sys(),
+            user("what is in /tmp and /var?"),
+            resent,
+            tool_a,
+            tool_b,
+        ];
+        let (s2, out) = unnamed(&mut t, A, &r2, said("x.log; cache"), "answer", "f2");
+        assert_eq!(s2, s1);
+        assert_eq!(out[0].turn, "calls");
+        assert_eq!(out[0].next_messages, r2[3..].to_vec());
+    }
+
+    #[test]
+    fn the_sdk_appending_to_a_list_links_every_turn() {
+        let mut t = table(EndPolicy::Keep);
+        let mut convo = vec![user("1+1?")];
+        let (first, _) = unnamed(&mut t, A, &convo, said("2"), "t1", "f1");
+        for (i, (q, a)) in [("2+2?", "4"), ("3+3?", "6")].into_iter().enumerate() {
+            let prev = if i == 0 { "2" } else { "4" };
+            convo.push(said(prev));
+            convo.push(user(q));
+            let (id, out) = unnamed(&mut t, A, &convo, said(a), "t", "fresh");
+            assert_eq!(id, first);
+            assert_eq!(out[0].next_messages, vec![user(q)]);
+        }
+        // A request that extends nothing opens a new session.
+        let (other, out) = unnamed(&mut t, A, &[user("hello")], said("hi"), "x", "new");
+        assert_eq!((other.as_str(), out.len()), ("new", 0));
+        assert_eq!(t.stats().started, 2);
+    }
+
+    #[test]
+    fn ties_go_to_the_fewest_dropped_messages_then_the_most_recent_turn() {
+        let mut t = table(EndPolicy::Keep);
+        let q = vec![sys(), user("hi")];
+        unnamed(&mut t, A, &q, said("hello"), "old", "s-old");
+        unnamed(&mut t, A, &q, said("hello"), "new", "s-new");
+        let next = vec![sys(), user("hi"), said("hello"), user("bye")];
+        let i = t.infer(A, &next).unwrap();
+        assert_eq!(
+            i.session_id, "s-new",
+            "identical histories: the most recent"
+        );
+        // A turn whose prompt the request keeps whole beats one it dropped messages of.
+        unnamed(
+            &mut t,
+            A,
+            &[sys(), user("hi"), internal(1)],
+            said("hello"),
+            "newest",
+            "s-ctx",
+        );
+        assert_eq!(t.infer(A, &next).unwrap().session_id, "s-new");
+    }
+
+    #[test]
+    fn a_regeneration_closes_the_newer_pending_turn() {
+        let mut t = table(EndPolicy::Keep);
+        let r1 = vec![user("write a poem")];
+        let (s, _) = unnamed(&mut t, A, &r1, said("roses"), "t1", "f");
+        let r2 = vec![user("write a poem"), said("roses"), user("shorter")];
+        unnamed(&mut t, A, &r2, said("rose"), "t2", "g");
+        // The user edits their second message: the request extends t1, not t2.
+        let edited = vec![user("write a poem"), said("roses"), user("longer")];
+        let (id, out) = unnamed(&mut t, A, &edited, said("roses, red"), "t2b", "h");
+        assert_eq!(id, s);
+        assert_eq!(out.len(), 1);
+        assert_eq!(
+            (out[0].turn, out[0].end, out[0].next_state.clone()),
+            ("t2", TurnEnd::Superseded, None)
+        );
+        assert_eq!(t.stats().superseded, 1);
+        // The new branch goes on: its pending turn is the edited one.
+        let r3 = vec![
+            user("write a poem"),
+            said("roses"),
+            user("longer"),
+            said("roses, red"),
+            user("good"),
+        ];
+        let (id, out) = unnamed(&mut t, A, &r3, said("thanks"), "t3", "i");
+        assert_eq!((id.as_str(), out[0].turn), (s.as_str(), "t2b"));
+        assert_eq!(out[0].end, TurnEnd::NextState);
+    }
+
+    #[test]
+    fn another_keys_turns_are_never_matched() {
+        let mut t = table(EndPolicy::Keep);
+        let r1 = vec![user("secret plan")];
+        let (sa, _) = unnamed(&mut t, A, &r1, said("ok"), "a1", "sa");
+        let r2 = vec![user("secret plan"), said("ok"), user("go on")];
+        assert!(t.infer(B, &r2).is_none());
+        let (sb, out) = unnamed(&mut t, B, &r2, said("no"), "b1", "sb");
+        assert_ne!(sb, sa);
+        assert!(out.is_empty());
+        // A's own continuation still links.
+        assert_eq!(t.infer(A, &r2).unwrap().session_id, sa);
     }
 }

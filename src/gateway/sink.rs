@@ -41,8 +41,13 @@ pub struct TurnRecord {
     pub finish_reason: String,
     /// Unix time (seconds) the turn was served.
     pub created: u64,
-    /// `s_{t+1}`: the next main request's last message, or `None`.
+    /// `s_{t+1}`: the last message of the next state, or `None`.
     pub next_state: Option<serde_json::Value>,
+    /// Every message of the next state, in order (the last is `next_state`): the next main
+    /// request's last message when it named the session, every message after this turn's
+    /// response when the session was inferred.
+    #[serde(default)]
+    pub next_messages: Vec<serde_json::Value>,
     /// Why the turn left the session table.
     pub end: Option<TurnEnd>,
 }

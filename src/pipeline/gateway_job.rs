@@ -197,7 +197,11 @@ pub fn turn_of(rec: &TurnRecord, index: u32, tokenizer: &tokenizers::Tokenizer) 
             response_text: text,
         },
         outcome: StepOutcome {
-            next_state: rec.next_state.clone().into_iter().collect(),
+            next_state: if rec.next_messages.is_empty() {
+                rec.next_state.clone().into_iter().collect()
+            } else {
+                rec.next_messages.clone()
+            },
             done: ended,
             outcome: None,
             info: serde_json::json!({ "end": rec.end, "finish_reason": rec.finish_reason }),
@@ -690,6 +694,7 @@ mod tests {
             finish_reason: "tool_calls".into(),
             created: 0,
             next_state: None,
+            next_messages: Vec::new(),
             end: None,
         }
     }

@@ -1,7 +1,8 @@
 //! The gateway over real HTTP on 127.0.0.1 with the qwen3-tiny fixture: OpenAI wire format,
-//! token-by-token SSE, sessions and the JSONL records (exact ids), auth, limits and errors, and
-//! least privilege: sessions scoped by API key, the session cap, refused message keys, the key
-//! checked before the body is read, `/metrics` behind the key.
+//! token-by-token SSE, sessions and the JSONL records (exact ids), sessions inferred from resent
+//! conversations, auth, limits and errors, and least privilege: sessions scoped by API key, the
+//! session cap, refused message keys, the key checked before the body is read, `/metrics` behind
+//! the key.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -213,6 +214,116 @@ async fn sessions_record_exact_tokens_and_next_states() {
     }
     assert!(m.contains("clawrl_gateway_request_seconds_bucket"));
     s.shutdown().await;
+}
+
+/// The assistant message of a non-streaming answer, as a client resends it.
+async fn served_message(r: reqwest::Response) -> (String, Value) {
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().contains_key("x-session-id"));
+    let a: Value = r.json().await.unwrap();
+    let sid = a["session_id"].as_str().unwrap().to_string();
+    (sid, a["choices"][0]["message"].clone())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resent_conversations_without_session_headers_land_in_one_session() {
+    let mut s = Server::start(GatewayConfig::default()).await;
+    let sys = json!({"role": "system", "content": "You are a helpful agent."});
+    let u1 = json!({"role": "user", "content": "Hello there"});
+    let ctx = |n: u32| {
+        json!({"role": "user", "content": format!(
+            "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>\nstep {n}\n<<<END_OPENCLAW_INTERNAL_CONTEXT>>>")})
+    };
+    // A request of another conversation, to be told apart.
+    let (other, _) = served_message(
+        post(
+            &s.base,
+            &body(json!({"messages": [{"role": "user", "content": "Unrelated"}]})),
+            &[],
+        )
+        .await,
+    )
+    .await;
+    let (sid, m1) =
+        served_message(post(&s.base, &body(json!({"messages": [sys, u1, ctx(1)]})), &[]).await)
+            .await;
+    assert_ne!(sid, other);
+    // Turn 2 drops the internal-context message of turn 1 (as OpenClaw does) and sends its new
+    // user message as content parts.
+    let u2 = json!({"role": "user", "content": [{"type": "text", "text": "No, "},
+                                                  {"type": "text", "text": "shorter please."}]});
+    let (sid2, m2) = served_message(
+        post(
+            &s.base,
+            &body(json!({"messages": [sys, u1, m1, u2, ctx(2)]})),
+            &[],
+        )
+        .await,
+    )
+    .await;
+    // Turn 3 resends the history (the `openai` SDK appending to its list).
+    let u3 = json!({"role": "user", "content": "Thanks."});
+    let (sid3, _) = served_message(
+        post(
+            &s.base,
+            &body(json!({"messages": [sys, u1, m1, u2, m2, u3]})),
+            &[],
+        )
+        .await,
+    )
+    .await;
+    assert_eq!((sid2.as_str(), sid3.as_str()), (sid.as_str(), sid.as_str()));
+    let m = reqwest::get(format!("{}/metrics", s.base))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "clawrl_gateway_sessions_started_total 2",
+        "clawrl_gateway_sessions_inferred_total 2",
+        "clawrl_gateway_turns_with_next_state_total 2",
+        "clawrl_gateway_turns_superseded_total 0",
+    ] {
+        assert!(m.contains(line), "{line} missing from\n{m}");
+    }
+    // A regeneration of turn 2 (its request again) extends turn 1 again: the same session, and
+    // the pending turn 3 is closed without a next state.
+    let (sid4, _) = served_message(
+        post(
+            &s.base,
+            &body(json!({"messages": [sys, u1, m1, u2, ctx(2)]})),
+            &[],
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(sid4, sid);
+    s.shutdown().await;
+    let recs: Vec<TurnRecord> = s
+        .records()
+        .into_iter()
+        .filter(|r| r.session_id == sid)
+        .collect();
+    assert_eq!(recs.len(), 4, "four turns of one session");
+    assert_eq!(recs[0].next_messages, vec![u2.clone(), ctx(2)]);
+    assert_eq!(recs[0].next_state, Some(ctx(2)));
+    assert_eq!(recs[0].end, Some(TurnEnd::NextState));
+    assert_eq!(recs[1].next_messages, vec![u3.clone()]);
+    assert_eq!(recs[1].next_state, Some(u3));
+    assert_eq!(recs[1].end, Some(TurnEnd::NextState));
+    assert_eq!(
+        (recs[2].next_state.as_ref(), recs[2].end),
+        (None, Some(TurnEnd::Superseded))
+    );
+    assert_eq!(
+        (recs[3].next_state.as_ref(), recs[3].end),
+        (None, Some(TurnEnd::IdleTimeout))
+    );
+    // Each record is the turn served for that request.
+    assert_eq!(recs[0].response, m1);
+    assert_eq!(recs[1].response, m2);
+    assert!(recs[2].prompt_text.contains("Thanks."));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
