@@ -1,5 +1,6 @@
 //! Subcommands of the `clawrl` binary, one module per area.
 
+pub mod check;
 pub mod cluster;
 pub mod model;
 pub mod run;

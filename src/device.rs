@@ -36,6 +36,20 @@ impl fmt::Display for Device {
     }
 }
 
+/// In config files a device is the same string as on the command line.
+impl serde::Serialize for Device {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Device {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 /// Why a device value was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid device `{value}`: {reason}; expected {ACCEPTED_FORMS}")]
@@ -128,6 +142,18 @@ impl Device {
                 probe_cuda(self, index)?;
                 Ok(())
             }
+        }
+    }
+
+    /// The Burn device of a CUDA device, after probing it (the `cuda` feature's backend).
+    #[cfg(feature = "cuda")]
+    pub fn cuda(self) -> Result<burn::backend::cuda::CudaDevice, DeviceError> {
+        match self {
+            Device::Cuda(index) => probe_cuda(self, index),
+            Device::Cpu => Err(DeviceError::CudaUnusable {
+                device: self,
+                reason: "not a CUDA device".into(),
+            }),
         }
     }
 

@@ -52,6 +52,7 @@ use std::path::{Path, PathBuf};
 use clawrl_actors::control::{JobNeeds, JobValidator};
 use serde::{Deserialize, Serialize};
 
+use crate::device::Device;
 use crate::judge::prompt::PromptOverrides;
 use crate::judge::scripted::{HintRule, ScoreRule, ScriptedConfig};
 use crate::judge::Teacher;
@@ -112,6 +113,11 @@ pub struct PolicySpec {
     /// Most positions (prompt + response) of one sequence.
     #[serde(default = "default_max_context")]
     pub max_context: u32,
+    /// Where the learner and the served policy compute: `cpu` (the default) or `cuda:N`
+    /// (a build with the `cuda` feature). `personal` jobs only; the OPD teacher and a local
+    /// judge model stay on the CPU.
+    #[serde(default)]
+    pub device: Device,
 }
 
 /// Where judge votes come from.
@@ -553,6 +559,15 @@ impl JobSpec {
         }
         if p.max_context < 2 {
             return bad("policy.max_context", "must be at least 2".into());
+        }
+        if p.device != Device::Cpu && self.kind != JobKind::Personal {
+            return bad(
+                "policy.device",
+                format!(
+                    "`{}`: only `personal` jobs run off the CPU so far; `rl` jobs compute on `cpu`",
+                    p.device
+                ),
+            );
         }
         let j = &self.judge;
         if !(1..=64).contains(&j.votes) {
@@ -1039,6 +1054,30 @@ staleness = 2
 [stop]
 max_steps = 3
 "#;
+
+    #[test]
+    fn the_policy_device_is_parsed_and_only_personal_jobs_leave_the_cpu() {
+        use crate::device::Device;
+        assert_eq!(
+            JobSpec::parse(PERSONAL, "p.toml").unwrap().policy.device,
+            Device::Cpu
+        );
+        let on =
+            |spec: &str, d: &str| spec.replace("[policy]", &format!("[policy]\ndevice = \"{d}\""));
+        let s = JobSpec::parse(&on(PERSONAL, "cuda:1"), "p.toml").unwrap();
+        assert_eq!(s.policy.device, Device::Cuda(1));
+        let e = err(&on(PERSONAL, "gpu"));
+        assert!(e.contains("policy.device") && e.contains("cuda:N"), "{e}");
+        let e = err(&on(GOOD, "cuda:0"));
+        assert!(e.contains("policy.device") && e.contains("personal"), "{e}");
+        assert_eq!(
+            JobSpec::parse(&on(GOOD, "cpu"), "x.toml")
+                .unwrap()
+                .policy
+                .device,
+            Device::Cpu
+        );
+    }
 
     #[test]
     fn personal_jobs_take_a_gateway_and_no_env() {

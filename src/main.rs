@@ -28,6 +28,8 @@ enum Command {
     Sft(cli::sft::Commands),
     #[command(flatten)]
     Run(cli::run::Commands),
+    #[command(flatten)]
+    Check(cli::check::Commands),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -44,5 +46,6 @@ fn main() -> anyhow::Result<()> {
         Command::Sandbox(c) => cli::sandbox::run(c),
         Command::Sft(c) => cli::sft::run(c),
         Command::Run(c) => cli::run::run(c),
+        Command::Check(c) => cli::check::run(c),
     }
 }

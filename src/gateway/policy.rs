@@ -84,7 +84,7 @@ pub enum InstallError {
 }
 
 /// Counters of a [`GatewayPolicy`].
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct PolicyStats {
     /// The version new requests run on.
     pub version: u64,
@@ -96,6 +96,9 @@ pub struct PolicyStats {
     pub failed_installs: u64,
     /// The last load failure.
     pub last_error: Option<String>,
+    /// Seconds the last successful install took, from the bytes in hand to new requests
+    /// running on the version (loading onto the device included); 0 before the first.
+    pub last_install_s: f64,
 }
 
 type Loader = dyn Fn(&[u8]) -> Result<EngineHandle, LoadError> + Send + Sync;
@@ -110,6 +113,8 @@ struct Inner {
     stale: AtomicU64,
     failed: AtomicU64,
     last_error: Mutex<Option<String>>,
+    /// `f64` bits of [`PolicyStats::last_install_s`].
+    last_install_s: AtomicU64,
 }
 
 /// A cloneable handle to the versions a gateway serves; the training pipeline calls
@@ -150,6 +155,7 @@ impl GatewayPolicy {
                 stale: AtomicU64::new(0),
                 failed: AtomicU64::new(0),
                 last_error: Mutex::new(None),
+                last_install_s: AtomicU64::new(0f64.to_bits()),
             }),
         }
     }
@@ -178,6 +184,7 @@ impl GatewayPolicy {
     ) -> Result<u64, InstallError> {
         let weights: Bytes = weights.into();
         let _one_at_a_time = self.inner.installing.lock().await;
+        let started = std::time::Instant::now();
         let serving = self.version();
         if version <= serving {
             self.inner.stale.fetch_add(1, Ordering::Relaxed);
@@ -207,6 +214,9 @@ impl GatewayPolicy {
         // Dropped outside the lock: the old engine stops once its last request is done.
         drop(old);
         self.inner.switches.fetch_add(1, Ordering::Relaxed);
+        self.inner
+            .last_install_s
+            .store(started.elapsed().as_secs_f64().to_bits(), Ordering::Relaxed);
         tracing::info!(version, "gateway switched to a new weight version");
         Ok(version)
     }
@@ -281,6 +291,7 @@ impl GatewayPolicy {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .clone(),
+            last_install_s: f64::from_bits(self.inner.last_install_s.load(Ordering::Relaxed)),
         }
     }
 }

@@ -463,6 +463,12 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
             ps.version as f64,
         ),
         (
+            "clawrl_gateway_weight_install_seconds",
+            "gauge",
+            "Seconds the last weight install took, bytes in hand to serving (0 before the first).",
+            ps.last_install_s,
+        ),
+        (
             "clawrl_gateway_weight_switches_total",
             "counter",
             "Weight versions switched to while serving.",

@@ -44,8 +44,14 @@ use crate::job::{JobKind, JobSpec};
 use crate::judge::PromptKind;
 use crate::model::{load_checkpoint, EngineOptions};
 use crate::rl::{AdvantageWeights, EpisodeKind};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+
+#[cfg(feature = "cuda")]
+use crate::device::CudaAutodiff;
+use crate::device::{Device, DeviceError};
+use crate::model::Qwen3;
 use crate::train::learner::Learner as BurnLearner;
-use crate::{CpuAutodiff, CpuBackend};
+use crate::CpuAutodiff;
 
 /// The task id the gateway's one-turn episodes carry.
 pub const GATEWAY_TASK: &str = "gateway";
@@ -65,6 +71,9 @@ pub enum GatewayJobError {
     /// The gateway could not start or serve.
     #[error("gateway: {0}")]
     Gateway(#[from] GatewayError),
+    /// `[policy] device` cannot be used.
+    #[error("policy.device: {0}")]
+    Device(#[from] DeviceError),
     /// The listen address cannot be bound.
     #[error("gateway.listen {addr}: {source}")]
     Bind {
@@ -378,7 +387,7 @@ impl Ctx {
     }
 }
 
-/// Runs a `personal` job until its stop condition or `shutdown`.
+/// Runs a `personal` job until its stop condition or `shutdown`, on `[policy] device`.
 pub async fn run_gateway_job(
     spec: &JobSpec,
     file: &str,
@@ -388,6 +397,35 @@ pub async fn run_gateway_job(
     if spec.kind != JobKind::Personal {
         return Err(GatewayJobError::NotPersonal { file: file.into() });
     }
+    match spec.policy.device {
+        Device::Cpu => {
+            run_on::<CpuAutodiff>(spec, file, options, shutdown, Default::default()).await
+        }
+        #[cfg(feature = "cuda")]
+        cuda @ Device::Cuda(_) => {
+            let device = cuda.cuda()?;
+            run_on::<CudaAutodiff>(spec, file, options, shutdown, device).await
+        }
+        #[cfg(not(feature = "cuda"))]
+        cuda @ Device::Cuda(_) => Err(DeviceError::CudaNotBuilt(cuda).into()),
+    }
+}
+
+/// [`run_gateway_job`] with the learner on autodiff backend `AB` and the gateway's copy of the
+/// policy on its inner backend, both on `device`.
+async fn run_on<AB>(
+    spec: &JobSpec,
+    file: &str,
+    options: GatewayJobOptions,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    device: AB::Device,
+) -> Result<GatewayJobReport, GatewayJobError>
+where
+    AB: AutodiffBackend,
+    AB::InnerBackend: Backend<Device = AB::Device>,
+    Qwen3<AB::InnerBackend>: Send + Sync,
+    AB::Device: Send + Sync,
+{
     let started = Instant::now();
     let job_id = options.job_id.clone();
     let out = options.out.clone();
@@ -399,14 +437,14 @@ pub async fn run_gateway_job(
         path: ckpt_dir.clone(),
         message: e.to_string(),
     };
-    let ck = load_checkpoint::<CpuAutodiff>(&ckpt_dir, &Default::default()).map_err(ck_err)?;
+    let ck = load_checkpoint::<AB>(&ckpt_dir, &device).map_err(ck_err)?;
     let tokenizer = Arc::new(ck.tokenizer);
     let template = Arc::new(ck.chat_template);
     let learner = BurnLearner::new(
         ck.config,
         ck.model,
         train_config(spec),
-        Default::default(),
+        device.clone(),
         spec.seed,
     );
     let model_config = learner.model_config().clone();
@@ -415,7 +453,7 @@ pub async fn run_gateway_job(
     let cfg = gateway_config(spec, &out);
     let turns_dir = cfg.data_dir.clone();
     let listen = cfg.listen;
-    let serve_ck = load_checkpoint::<CpuBackend>(&ckpt_dir, &Default::default()).map_err(ck_err)?;
+    let serve_ck = load_checkpoint::<AB::InnerBackend>(&ckpt_dir, &device).map_err(ck_err)?;
     let default_name = ckpt_dir
         .canonicalize()
         .ok()

@@ -169,3 +169,35 @@ fn bad_inputs_fail_with_clear_messages() {
     assert!(!ok);
     assert!(err.contains("config.json"), "{err}");
 }
+
+/// `check parity` on the CPU agrees with the fixture and says so in JSON; the same check on a
+/// copy whose reference logits were moved fails, naming the case.
+#[test]
+fn check_parity_passes_on_the_fixture_and_fails_on_a_moved_reference() {
+    let (ok, out, err) = clawrl(&["check", "parity", fixture_dir().to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["pass"], true, "{v}");
+    assert_eq!(v["device"], "cpu");
+    assert_eq!(v["model"]["cases"].as_array().unwrap().len(), 4);
+    assert!(v["train"]["loss_rel_err"].as_f64().unwrap() < 1e-4, "{v}");
+
+    let tmp = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(fixture_dir()).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, tmp.path().join(f.file_name().unwrap())).unwrap();
+    }
+    let path = tmp.path().join("expected.json");
+    let mut exp: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let l = &mut exp["cases"][1]["last_logits"][7];
+    *l = (l.as_f64().unwrap() + 0.5).into();
+    std::fs::write(&path, exp.to_string()).unwrap();
+    let (ok, out, _) = clawrl(&["check", "parity", tmp.path().to_str().unwrap()]);
+    assert!(!ok);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["pass"], false);
+    assert_eq!(v["model"]["cases"][0]["pass"], true);
+    assert_eq!(v["model"]["cases"][1]["pass"], false, "{v}");
+    assert_eq!(v["train"]["pass"], true);
+}
