@@ -5,6 +5,10 @@ same checkpoint and the same workloads as `clawrl check speed`, printing the sam
   bench_reference.py make-model --config SHAPE.json --tokenizer DIR --out DIR [--seed 0]
       writes a checkpoint with random weights of that shape (bf16 safetensors, HF layout) and the
       tokenizer files of DIR, for both sides to load.
+  bench_reference.py logits FIXTURE --device cpu|cuda
+      the fixture's logits along its greedy continuations in float32 on the CPU (and their error
+      against expected.json), and with --device cuda on the GPU with TF32 matmuls off and on,
+      each against the CPU's: how far a GPU's float32 moves PyTorch itself.
   bench_reference.py speed MODEL --workload generate|prefill|train --device cpu|cuda
       [--dtype float32|bfloat16] [--batch N] [--prompt N] [--new-tokens N] [--rounds N]
 
@@ -47,6 +51,48 @@ def make_model(args):
         shutil.copy(Path(args.tokenizer) / name, out / name)
     params = sum(p.numel() for p in model.parameters())
     print(json.dumps({"out": str(out), "parameters": params}))
+
+
+def logits(args):
+    from transformers import Qwen3ForCausalLM
+
+    expected = json.loads((Path(args.fixture) / "expected.json").read_text())
+
+    def run(device, tf32):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        model = Qwen3ForCausalLM.from_pretrained(args.fixture, dtype=torch.float32).to(device)
+        rows = []
+        with torch.inference_mode():
+            for case in expected["cases"]:
+                ids = case["input_ids"] + case["greedy_16"]
+                out = model.eval()(torch.tensor([ids], device=device)).logits[0].float().cpu()
+                rows.append(out[len(case["input_ids"]) - 1:-1])
+        return rows
+
+    def errors(rows, want_rows):
+        out = []
+        for case, got, want in zip(expected["cases"], rows, want_rows):
+            greedy = torch.tensor(case["greedy_16"])[:, None]
+            lp = torch.log_softmax(got, -1).gather(-1, greedy).squeeze(-1)
+            want_lp = torch.log_softmax(want, -1).gather(-1, greedy).squeeze(-1)
+            out.append({
+                "last_logits_rel_err": ((got[0] - want[0]).abs().max() / want[0].abs().max()).item(),
+                "greedy_logprobs_max_abs_err": (lp - want_lp).abs().max().item(),
+                "greedy_equal": got.argmax(-1).tolist() == case["greedy_16"],
+            })
+        return out
+
+    cpu = run(torch.device("cpu"), False)
+    fixture = [torch.tensor([c["last_logits"]]) for c in expected["cases"]]
+    result = {"cpu_vs_fixture": [
+        {"last_logits_rel_err": ((r[0] - f[0]).abs().max() / f[0].abs().max()).item()}
+        for r, f in zip(cpu, fixture)]}
+    if args.device == "cuda":
+        dev = torch.device("cuda:0")
+        result["cuda_f32_vs_cpu"] = errors(run(dev, False), cpu)
+        result["cuda_tf32_vs_cpu"] = errors(run(dev, True), cpu)
+    print(json.dumps(result))
 
 
 def sync(device):
@@ -144,6 +190,9 @@ def main():
     m.add_argument("--tokenizer", required=True)
     m.add_argument("--out", required=True)
     m.add_argument("--seed", type=int, default=0)
+    lg = sub.add_parser("logits")
+    lg.add_argument("fixture")
+    lg.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     s = sub.add_parser("speed")
     s.add_argument("model")
     s.add_argument("--workload", required=True, choices=["generate", "prefill", "train"])
@@ -156,7 +205,7 @@ def main():
     a = p.parse_args()
     if a.cmd == "speed" and (a.batch < 1 or a.prompt < 1 or a.rounds < 1):
         sys.exit("--batch, --prompt and --rounds must be at least 1")
-    (make_model if a.cmd == "make-model" else speed)(a)
+    {"make-model": make_model, "logits": logits, "speed": speed}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@
 # `run` writes $OUT/gpu_check.json (every step's result) and $OUT/gpu_check.log (OUT defaults to
 # target/gpu-check/out). Each step has its own time limit and the whole run a budget
 # (CHECK_BUDGET_S, default 420 s): a step that would start past the budget is skipped and
-# reported as such. The reference side runs the image's python3 (PyTorch + transformers).
+# reported as such. CHECK_ONLY (a bash regex of step names, e.g. 'gen_bn|train_torch') runs only
+# those steps, for a rerun of what a run left out; `make_model` is needed by every speed and job
+# step. The reference side runs the image's python3 (PyTorch + transformers).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -56,6 +58,9 @@ log() { echo "[$(( $(date +%s) - START ))s] $*" | tee -a "$LOG" >&2; }
 # last line (one JSON object) becomes steps/NAME.json, or an error record.
 step() {
   local name=$1 limit=$2; shift 2
+  if [ -n "${CHECK_ONLY:-}" ] && ! [[ $name =~ $CHECK_ONLY ]]; then
+    return
+  fi
   local left=$(( BUDGET - ($(date +%s) - START) ))
   if [ "$left" -lt 15 ]; then
     log "skip $name: ${left}s of the budget left"
@@ -122,6 +127,9 @@ export RUST_LOG=${RUST_LOG:-warn}
 
 # 1. Parity on the device, float32: the fixture's logits, greedy tokens, log-probs, one step.
 step parity 120 "$BIN" check parity tests/fixtures/qwen3-tiny --device "$DEVICE"
+# How far the device's float32 moves PyTorch itself (TF32 matmuls off and on), for comparison.
+step torch_logits 90 "$PY" scripts/bench_reference.py logits tests/fixtures/qwen3-tiny \
+  --device "$([ "$DEVICE" = cpu ] && echo cpu || echo cuda)"
 
 # 2. Speed against PyTorch, the same checkpoint (random weights of the shape, the real tokenizer).
 if [ "$DEVICE" = cpu ]; then
