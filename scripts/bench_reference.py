@@ -2,7 +2,7 @@
 """The PyTorch side of the device benchmark: Hugging Face `transformers` Qwen3ForCausalLM on the
 same checkpoint and the same workloads as `clawrl check speed`, printing the same JSON.
 
-  bench_reference.py make-model --config SHAPE.json --tokenizer DIR --out DIR [--seed 0]
+  bench_reference.py make-model --config SHAPE.json --out DIR [--tokenizer DIR] [--seed 0]
       writes a checkpoint with random weights of that shape (bf16 safetensors, HF layout) and the
       tokenizer files of DIR, for both sides to load.
   bench_reference.py logits FIXTURE --device cpu|cuda
@@ -11,6 +11,7 @@ same checkpoint and the same workloads as `clawrl check speed`, printing the sam
       each against the CPU's: how far a GPU's float32 moves PyTorch itself.
   bench_reference.py speed MODEL --workload generate|prefill|train --device cpu|cuda
       [--dtype float32|bfloat16] [--batch N] [--prompt N] [--new-tokens N] [--rounds N]
+      [--threads N]
 
 Workloads (the prompt ids are the formula `(i * 7919 + salt * 104729 + 13) % vocab` on both sides):
 - generate: `batch` prompts of `prompt` tokens (salt = row + 1), greedy, exactly `new_tokens`
@@ -26,6 +27,7 @@ reported. On CUDA every timed round ends with a synchronize.
 """
 import argparse
 import json
+import resource
 import shutil
 import statistics
 import sys
@@ -47,8 +49,9 @@ def make_model(args):
     model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
     out = Path(args.out)
     model.save_pretrained(out, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(args.tokenizer) / name, out / name)
+    if args.tokenizer:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(args.tokenizer) / name, out / name)
     params = sum(p.numel() for p in model.parameters())
     print(json.dumps({"out": str(out), "parameters": params}))
 
@@ -104,6 +107,8 @@ def speed(args):
     from transformers import Qwen3ForCausalLM
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     train = args.workload == "train"
     # Training keeps float32 master weights; bfloat16 is then autocast.
@@ -179,6 +184,7 @@ def speed(args):
         "new_tokens": N, "dtype": args.dtype, "tokens_per_s": statistics.median(rates),
         "rounds_tokens_per_s": rates,
         "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }))
 
 
@@ -187,7 +193,8 @@ def main():
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make-model")
     m.add_argument("--config", required=True)
-    m.add_argument("--tokenizer", required=True)
+    m.add_argument("--tokenizer", help="a folder with tokenizer.json and tokenizer_config.json "
+                   "to copy (the speed workloads need none)")
     m.add_argument("--out", required=True)
     m.add_argument("--seed", type=int, default=0)
     lg = sub.add_parser("logits")
@@ -202,6 +209,7 @@ def main():
     s.add_argument("--prompt", type=int, default=128)
     s.add_argument("--new-tokens", type=int, default=128)
     s.add_argument("--rounds", type=int, default=3)
+    s.add_argument("--threads", type=int, default=0, help="CPU threads (0: PyTorch's default)")
     a = p.parse_args()
     if a.cmd == "speed" and (a.batch < 1 or a.prompt < 1 or a.rounds < 1):
         sys.exit("--batch, --prompt and --rounds must be at least 1")

@@ -147,11 +147,25 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
                     "dtype": "float32",
                     "tokens_per_s": median(&rates),
                     "rounds_tokens_per_s": rates,
+                    "peak_rss_mib": peak_rss_mib(),
                 })
             );
             Ok(())
         }
     }
+}
+
+/// This process's peak resident memory (Linux `VmHWM`), in MiB; `null` where unknown.
+fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kb / 1024.0)
 }
 
 /// The median of a non-empty list.

@@ -74,7 +74,7 @@ fn build() -> Result<Programs, String> {
         .try_into()
         .map_err(|e| format!("building the seccomp filter: {e}"))?;
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
-        REFUSED.iter().map(|&nr| (nr as i64, Vec::new())).collect();
+        REFUSED.iter().map(|&nr| (nr, Vec::new())).collect();
     // `unshare(flags)` and `clone(flags, ...)`: the flags are the first argument on the
     // architectures seccompiler builds for (x86_64, aarch64).
     let new_user_ns = || {
@@ -89,12 +89,12 @@ fn build() -> Result<Programs, String> {
             .map(|r| vec![r])
             .map_err(|e| format!("building the seccomp filter: {e}"))
     };
-    rules.insert(libc::SYS_unshare as i64, new_user_ns()?);
-    rules.insert(libc::SYS_clone as i64, new_user_ns()?);
+    rules.insert(libc::SYS_unshare, new_user_ns()?);
+    rules.insert(libc::SYS_clone, new_user_ns()?);
     Ok(Programs {
         eperm: refuse(rules, libc::EPERM, arch)?,
         enosys: refuse(
-            BTreeMap::from([(libc::SYS_clone3 as i64, Vec::new())]),
+            BTreeMap::from([(libc::SYS_clone3, Vec::new())]),
             libc::ENOSYS,
             arch,
         )?,
