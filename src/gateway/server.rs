@@ -565,6 +565,12 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
             ld(&sk.queued),
         ),
         (
+            "clawrl_gateway_served_written_total",
+            "counter",
+            "Answered main turns written to the served journal (served-v<version>.jsonl).",
+            ld(&sk.served_written),
+        ),
+        (
             "clawrl_gateway_records_written_total",
             "counter",
             "Turn records written.",
@@ -1339,6 +1345,14 @@ async fn finish_turn(
         next_messages: Vec::new(),
         end: None,
     };
+    // The client has (or is about to have) this answer: journal it before it waits in the
+    // session table for its next state, so a crash cannot lose it.
+    if admission.is_some() {
+        if let Err(e) = s.sink.send_served(record.clone()).await {
+            tracing::error!(error = %e, "served turn not journaled");
+            s.metrics.count_error("served_record_failed");
+        }
+    }
     let out = {
         let mut t = s.sessions.lock().unwrap();
         match admission {
