@@ -10,6 +10,7 @@ pub mod bulk;
 pub mod cli;
 pub mod config;
 pub mod control;
+pub mod dial;
 pub mod loops;
 pub mod node;
 pub mod pki;

@@ -7,7 +7,8 @@
 //! The dialer then opens a [`StreamTag::ActorSession`] stream that becomes a `ractor_cluster`
 //! node session (the `NodeServer`'s own TCP listener is bound to loopback behind a TLS acceptor
 //! nobody holds a certificate for, so all actor traffic rides QUIC). A maintenance loop dials
-//! seeds and gossiped peers with capped exponential backoff, reopens a node session that
+//! seeds and gossiped peers by the pure policy of [`crate::dial`] (capped backoff, a bounded
+//! table, learnt addresses that never answer dropped), reopens a node session that
 //! `ractor_cluster` dropped, and gossips the peer list so nodes form a full mesh. A connection
 //! silent for [`transport::IDLE_TIMEOUT`] is dead: its node session ends and its members leave
 //! their process groups.
@@ -39,6 +40,7 @@ use crate::cli::{
 };
 use crate::config::{NodeConfig, Role};
 use crate::control::{Control, ControlArgs, JobValidator};
+use crate::dial::{AfterDial, DialTable};
 use crate::pki::{self, Identity, NODE_SERVER_NAME};
 use crate::rpc;
 use crate::transport::{self, QuicBidi, StreamTag};
@@ -46,10 +48,6 @@ use crate::worker::{EnvSpec, Member, MemberInfo, MemberReply, MemberRequest};
 
 /// How long a stream may take to send its tag byte or its first frame.
 const STREAM_HEAD_TIMEOUT: Duration = Duration::from_secs(5);
-/// First redial delay; doubles up to [`MAX_BACKOFF`].
-const MIN_BACKOFF: Duration = Duration::from_millis(200);
-/// Longest redial delay.
-const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// Maintenance loop period.
 const TICK: Duration = Duration::from_millis(250);
 /// A node session missing this long after it was opened is reopened.
@@ -212,20 +210,6 @@ pub fn prefer_new(me: &str, peer: &str, new_dialer: &str, old_dialer: &str) -> b
     }
 }
 
-/// Exponential backoff: the next delay after `prev`.
-pub fn next_backoff(prev: Duration) -> Duration {
-    (prev * 2).clamp(MIN_BACKOFF, MAX_BACKOFF)
-}
-
-#[derive(Debug)]
-struct Target {
-    backoff: Duration,
-    next: Instant,
-    dialing: bool,
-    /// The name found at this address (self, or a peer reached under another address).
-    name: Option<String>,
-}
-
 struct Inner {
     name: String,
     roles: Vec<Role>,
@@ -234,7 +218,8 @@ struct Inner {
     endpoint: quinn::Endpoint,
     node_server: ActorRef<NodeServerMessage>,
     peers: Arc<Mutex<HashMap<String, Peer>>>,
-    targets: Mutex<HashMap<SocketAddr, Target>>,
+    /// Where this node dials (the pure policy of [`crate::dial`]).
+    dial: Mutex<DialTable>,
     bulk: BulkPlane<NodeConnector>,
     /// Revoked names (`[tls] deny`).
     denied: Mutex<BTreeSet<String>>,
@@ -391,7 +376,7 @@ impl Node {
             endpoint,
             node_server,
             peers: peers.clone(),
-            targets: Mutex::new(HashMap::new()),
+            dial: Mutex::new(DialTable::new(config.seeds.iter().copied(), Instant::now())),
             bulk: BulkPlane::new(
                 NodeConnector { peers },
                 BulkConfig::new(config.name.clone()),
@@ -405,12 +390,6 @@ impl Node {
             ),
             config_file: config.file.clone(),
         });
-        {
-            let mut t = lock(&inner.targets);
-            for s in &config.seeds {
-                t.insert(*s, Target::new());
-            }
-        }
 
         // Local actors.
         let mut children = vec![Child::Member(MemberInfo {
@@ -635,12 +614,20 @@ impl Node {
     }
 
     fn learn(&self, addrs: impl IntoIterator<Item = (String, SocketAddr)>) {
-        let mut t = lock(&self.inner.targets);
-        for (name, addr) in addrs {
-            if name == self.inner.name {
-                continue;
-            }
-            t.entry(addr).or_insert_with(Target::new);
+        let me = &self.inner.name;
+        let learnt = lock(&self.inner.dial).learn(
+            addrs
+                .into_iter()
+                .filter(|(name, _)| name != me)
+                .map(|(_, addr)| addr),
+            Instant::now(),
+        );
+        if learnt.refused > 0 {
+            tracing::warn!(
+                added = learnt.added,
+                refused = learnt.refused,
+                "peer addresses left out: past the per-frame or table cap"
+            );
         }
     }
 
@@ -1135,9 +1122,7 @@ impl Node {
     }
 
     fn set_target_name(&self, addr: SocketAddr, name: &str) {
-        if let Some(t) = lock(&self.inner.targets).get_mut(&addr) {
-            t.name = Some(name.to_string());
-        }
+        lock(&self.inner.dial).set_name(addr, name);
     }
 
     async fn maintenance_loop(self) {
@@ -1163,46 +1148,27 @@ impl Node {
     fn dial_targets(&self) {
         let peers = self.peers();
         let live_addrs: Vec<SocketAddr> = peers.values().map(|p| p.addr).collect();
-        let now = Instant::now();
-        let mut due = Vec::new();
-        {
-            let mut targets = lock(&self.inner.targets);
-            for (addr, t) in targets.iter_mut() {
-                let known_live = t
-                    .name
-                    .as_ref()
-                    .is_some_and(|n| *n == self.inner.name || peers.contains_key(n));
-                if t.dialing
-                    || known_live
-                    || live_addrs.contains(addr)
-                    || *addr == self.inner.advertised
-                {
-                    if !t.dialing {
-                        t.backoff = Duration::ZERO;
-                    }
-                    continue;
-                }
-                if now >= t.next {
-                    t.dialing = true;
-                    due.push(*addr);
-                }
-            }
-        }
+        let me = &self.inner.name;
+        let due = lock(&self.inner.dial).due(Instant::now(), |addr, name| {
+            name.is_some_and(|n| n == me || peers.contains_key(n))
+                || live_addrs.contains(addr)
+                || *addr == self.inner.advertised
+        });
         for addr in due {
             let node = self.clone();
             tokio::spawn(async move {
                 let r = node.clone().dial(addr).await;
-                let mut targets = lock(&node.inner.targets);
-                if let Some(t) = targets.get_mut(&addr) {
-                    t.dialing = false;
-                    match r {
-                        Ok(()) => t.backoff = Duration::ZERO,
-                        Err(e) => {
-                            t.backoff = next_backoff(t.backoff);
-                            t.next = Instant::now() + t.backoff;
-                            tracing::debug!("dial {addr}: {e}; retry in {:?}", t.backoff);
-                        }
+                let after = lock(&node.inner.dial).dialed(addr, r.is_ok(), Instant::now());
+                match (r, after) {
+                    (Err(e), AfterDial::Retry(b)) => {
+                        tracing::debug!("dial {addr}: {e}; retry in {b:?}")
                     }
+                    (Err(e), AfterDial::Pruned) => {
+                        tracing::info!(
+                            "dial {addr}: {e}; a learnt address that never answers, dropped"
+                        )
+                    }
+                    _ => {}
                 }
             });
         }
@@ -1262,17 +1228,6 @@ impl Node {
                     }
                 }
             });
-        }
-    }
-}
-
-impl Target {
-    fn new() -> Self {
-        Target {
-            backoff: Duration::ZERO,
-            next: Instant::now(),
-            dialing: false,
-            name: None,
         }
     }
 }
@@ -1544,12 +1499,5 @@ mod tests {
         // Same dialer (a restart): the newer wins.
         assert!(prefer_new("a", "b", "b", "b"));
         assert!(prefer_new("b", "a", "b", "b"));
-    }
-
-    #[test]
-    fn backoff_doubles_and_is_capped() {
-        assert_eq!(next_backoff(Duration::ZERO), MIN_BACKOFF);
-        assert_eq!(next_backoff(MIN_BACKOFF), MIN_BACKOFF * 2);
-        assert_eq!(next_backoff(MAX_BACKOFF), MAX_BACKOFF);
     }
 }
