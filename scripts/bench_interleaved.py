@@ -2,8 +2,9 @@
 """Runs benchmark pairs interleaved and reports medians, so that both sides of a ratio see the
 same machine: for each round, each pair's clawrl command then its reference command (A, B, A, B,
 ...). Each command prints one JSON object as its last line with `tokens_per_s` (and optionally
-`peak_rss_mib`). Prints the load average before and after, warns when either is above
-`--max-load`, and for every pair the median of each side, the median of the per-round ratios and
+`peak_rss_mib`). Waits up to `--wait-idle` seconds for the 1-minute load average to fall to
+`--max-load` first, prints the load average before and after (the benchmark's own threads raise
+the one after), warns when the one before is above `--max-load`, and for every pair the median of each side, the median of the per-round ratios and
 every round's figures; `--json FILE` also writes them.
 
   bench_interleaved.py --rounds 3 --pair NAME 'CLAWRL CMD' 'REFERENCE CMD' [--pair ...]
@@ -32,10 +33,15 @@ def main():
     p.add_argument("--pair", nargs=3, action="append", metavar=("NAME", "CLAWRL", "REFERENCE"),
                    required=True)
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--wait-idle", type=float, default=120.0,
+                   help="seconds to wait for the load to fall to --max-load before starting")
     a = p.parse_args()
     if a.rounds < 3:
         sys.exit("--rounds must be at least 3: a median of fewer says little")
 
+    deadline = time.time() + a.wait_idle
+    while os.getloadavg()[0] > a.max_load and time.time() < deadline:
+        time.sleep(5)
     before = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     rounds = {name: [] for name, _, _ in a.pair}
@@ -50,7 +56,7 @@ def main():
     print(f"date: {started}; rounds: {a.rounds}, interleaved")
     print(f"load average before: {before[0]:.2f} {before[1]:.2f} {before[2]:.2f}; "
           f"after: {after[0]:.2f} {after[1]:.2f} {after[2]:.2f}")
-    if max(before[0], after[0]) > a.max_load:
+    if before[0] > a.max_load:
         print(f"WARNING: the 1-minute load average was above {a.max_load}: the machine was "
               "busy, and these ratios are not a result", file=sys.stderr)
         print(f"WARNING: load above {a.max_load}")
