@@ -225,12 +225,16 @@ fn writer(dir: PathBuf, mut rx: mpsc::Receiver<Item>, stats: Arc<SinkStats>) {
             batch.push(r);
         }
         let (mut turns, mut served) = (0u64, 0u64);
+        let mut ticked = false;
         let mut ok = true;
         for item in batch {
             let (journal, rec) = match item {
                 Item::Turn(r) => (Journal::Turns, r),
                 Item::Served(r) => (Journal::Served, r),
-                Item::Tick => continue,
+                Item::Tick => {
+                    ticked = true;
+                    continue;
+                }
             };
             let path = file_for(&dir, journal, rec.version);
             let open = match files.entry((journal, rec.version)) {
@@ -275,8 +279,9 @@ fn writer(dir: PathBuf, mut rx: mpsc::Receiver<Item>, stats: Arc<SinkStats>) {
                 ok = false;
             }
         }
-        // Every second at most: the ticker's message, or a batch that comes later than that.
-        if last_sync.elapsed() >= std::time::Duration::from_secs(1) {
+        // A write is fsynced by the next tick (they come a second apart), or sooner by a batch
+        // arriving a second after the last fsync.
+        if ticked || last_sync.elapsed() >= std::time::Duration::from_secs(1) {
             for ((_, v), open) in files.iter_mut().filter(|(_, o)| o.unsynced) {
                 if let Err(e) = open.file.get_ref().sync_data() {
                     tracing::error!(version = v, error = %e, "cannot fsync turn file");

@@ -24,6 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use clawrl_actors::loops::{
     Action, EndReason, EpisodeTurns, JobCounts, JobPhase, JobSample, JudgedTurn, Judgement,
     LocalPublisher, Observation, PolicyTurn, ProgressReport, Recorder, RecorderConfig,
@@ -39,17 +40,15 @@ use super::{
     actor_err, build_judge, samples, train_config, trainer_config, wait_serving, RunError,
     KEEP_CHECKPOINTS,
 };
-use crate::gateway::{Gateway, GatewayConfig, GatewayError, PolicyStats, TurnEnd, TurnRecord};
-use crate::job::{JobKind, JobSpec};
-use crate::judge::PromptKind;
-use crate::model::{load_checkpoint, EngineOptions};
-use crate::rl::{AdvantageWeights, EpisodeKind};
-use burn::tensor::backend::{AutodiffBackend, Backend};
-
 #[cfg(feature = "cuda")]
 use crate::device::CudaAutodiff;
 use crate::device::{Device, DeviceError};
+use crate::gateway::{Gateway, GatewayConfig, GatewayError, PolicyStats, TurnEnd, TurnRecord};
+use crate::job::{JobKind, JobSpec};
+use crate::judge::PromptKind;
 use crate::model::Qwen3;
+use crate::model::{load_checkpoint, EngineOptions};
+use crate::rl::{AdvantageWeights, EpisodeKind};
 use crate::train::learner::Learner as BurnLearner;
 use crate::CpuAutodiff;
 
