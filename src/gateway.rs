@@ -47,6 +47,7 @@ pub use sink::{TurnRecord, TurnSink};
 /// record_queue = 1024              # records waiting for the writer
 /// max_batch = 16                   # sequences decoded together
 /// max_context = 4096               # prompt + response positions per sequence
+///                                  # (default: the model's max_position_embeddings)
 /// default_max_tokens = 256         # when a request gives none
 /// max_tokens_limit = 4096          # the most a request may ask for
 /// version = 0                      # weight version the loaded checkpoint is served as
@@ -83,8 +84,9 @@ pub struct GatewayConfig {
     pub record_queue: usize,
     /// Most sequences decoded together.
     pub max_batch: usize,
-    /// Most positions (prompt + response) per sequence.
-    pub max_context: usize,
+    /// Most positions (prompt + response) per sequence; absent: the model's
+    /// `max_position_embeddings`. More than that is refused when the gateway starts.
+    pub max_context: Option<usize>,
     /// `max_tokens` when a request gives none.
     pub default_max_tokens: usize,
     /// The largest `max_tokens` a request may ask for.
@@ -110,7 +112,7 @@ impl Default for GatewayConfig {
             data_dir: PathBuf::from("data/gateway"),
             record_queue: 1024,
             max_batch: 16,
-            max_context: 4096,
+            max_context: None,
             default_max_tokens: 256,
             max_tokens_limit: 4096,
             version: 0,
@@ -185,7 +187,7 @@ impl GatewayConfig {
         if self.max_batch == 0 {
             return bad("max_batch", "must be at least 1");
         }
-        if self.max_context < 2 {
+        if self.max_context.is_some_and(|c| c < 2) {
             return bad("max_context", "must be at least 2");
         }
         if self.default_max_tokens == 0 || self.default_max_tokens > self.max_tokens_limit {

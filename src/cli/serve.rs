@@ -33,6 +33,10 @@ pub struct ServeArgs {
     /// Directory of recorded turns (overrides the config's `data_dir`).
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// An API key clients must send as `Authorization: Bearer KEY` (repeatable); added to the
+    /// config's `api_keys` and the `CLAWRL_API_KEYS` variable.
+    #[arg(long = "api-key", value_name = "KEY")]
+    api_key: Vec<String>,
 }
 
 /// Runs one subcommand of this area.
@@ -53,6 +57,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if let Some(d) = a.data_dir {
         cfg.data_dir = d;
     }
+    cfg.api_keys.extend(a.api_key);
     cfg.validate()?;
     let ck = load_checkpoint::<CpuBackend>(&a.model, &Default::default())
         .with_context(|| format!("loading checkpoint {}", a.model.display()))?;

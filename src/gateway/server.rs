@@ -115,6 +115,20 @@ impl Gateway {
             ..
         } = ck;
         let tokenizer = Arc::new(tokenizer);
+        let positions = config.max_position_embeddings;
+        let max_context = match cfg.max_context {
+            None => positions,
+            Some(c) if c > positions => {
+                return Err(super::ConfigError::Invalid {
+                    key: "max_context",
+                    reason: format!(
+                        "{c} is more than the model's max_position_embeddings ({positions})"
+                    ),
+                }
+                .into())
+            }
+            Some(c) => c,
+        };
         let policy = GatewayPolicy::new(
             model,
             cfg.version,
@@ -122,7 +136,7 @@ impl Gateway {
             Some(tokenizer.clone()),
             EngineOptions {
                 max_batch: cfg.max_batch,
-                max_context: cfg.max_context,
+                max_context,
             },
         );
         let (sink, writer) = TurnSink::start(&cfg.data_dir, cfg.record_queue)?;
@@ -862,7 +876,20 @@ fn normalize_messages(messages: &minijinja::Value) -> Result<minijinja::Value, A
                         "\"reasoning_content\" must be a string",
                     ))
                 }
-                "role" => v,
+                "role" => match v.as_str() {
+                    Some("system" | "user" | "assistant" | "tool") => v,
+                    // OpenAI's `developer` role is the system prompt of models that have no
+                    // role of that name; the chat template knows only `system`.
+                    Some("developer") => minijinja::Value::from("system"),
+                    _ => {
+                        return Err(invalid_message(
+                            &at,
+                            format!(
+                                "role {v:?} is not one of \"system\", \"developer\", \"user\", \"assistant\", \"tool\""
+                            ),
+                        ))
+                    }
+                },
                 _ if v.is_none() => continue,
                 other => return Err(unsupported_key(&at, other, &MESSAGE_KEYS)),
             };

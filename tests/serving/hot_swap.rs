@@ -148,7 +148,7 @@ async fn gateway_switches_five_weight_versions_without_pausing() {
     let gcfg = GatewayConfig {
         data_dir: dir.path().join("data"),
         max_batch: 8,
-        max_context: 512,
+        max_context: Some(512),
         ..GatewayConfig::default()
     };
     let gw = Gateway::new(ck, gcfg, "qwen3-tiny").unwrap();

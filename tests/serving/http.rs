@@ -1039,3 +1039,58 @@ async fn metrics_need_the_key_unless_public() {
     error_of(r, 401).await;
     s.shutdown().await;
 }
+
+/// Roles the chat template does not know are refused naming the message; OpenAI's `developer`
+/// role is rendered as the system prompt. The context defaults to the model's
+/// `max_position_embeddings` (512 for the fixture): a longer conversation gets a 400, and a
+/// config asking for more than the model has is refused at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn roles_are_checked_and_the_context_is_the_models() {
+    let mut s = Server::start(GatewayConfig::default()).await;
+    let wizard = body(json!({"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "wizard", "content": "abracadabra"},
+    ]}));
+    let e = error_of(post(&s.base, &wizard, &[]).await, 400).await;
+    assert!(e.contains("message 1") && e.contains("wizard"), "{e}");
+
+    let dev = body(json!({"messages": [
+        {"role": "developer", "content": "Answer in one word."},
+        {"role": "user", "content": "Hello there"},
+    ]}));
+    let r = post(
+        &s.base,
+        &dev,
+        &[("X-Session-Id", "d"), ("X-Session-Done", "1")],
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let rec = &s.wait_records(1).await[0];
+    assert!(
+        rec.prompt_text
+            .starts_with("<|im_start|>system\nAnswer in one word.<|im_end|>"),
+        "{}",
+        rec.prompt_text
+    );
+
+    // About 600 tokens of prompt: past the fixture's 512 positions.
+    let long = body(json!({"messages": [
+        {"role": "user", "content": "lorem ipsum dolor sit amet ".repeat(120)},
+    ]}));
+    let e = error_of(post(&s.base, &long, &[]).await, 400).await;
+    assert!(e.contains("512"), "{e}");
+    s.shutdown().await;
+
+    let ck = load_checkpoint::<CpuBackend>(Path::new(FIXTURE), &Default::default()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = GatewayConfig {
+        max_context: Some(4096),
+        data_dir: dir.path().to_path_buf(),
+        ..Default::default()
+    };
+    let e = Gateway::new(ck, cfg, "qwen3-tiny").err().expect("refused");
+    assert!(
+        e.to_string().contains("max_position_embeddings (512)"),
+        "{e}"
+    );
+}
