@@ -2,11 +2,13 @@
 //! chat templates exactly as Hugging Face does, scores responses and generates with a KV cache.
 //!
 //! Layout: [`config`] (the `config.json` schema), [`qwen3`] (the module and its forward passes),
+//! [`attention`] (tiled causal attention with its own backward),
 //! [`kv_cache`] (per-sequence cache outside the model), [`weights`] (safetensors in and out),
 //! [`checkpoint`] (the directory layout), [`chat`] (templates and tokenization), [`score`]
 //! (per-token log-probs in one pass), [`sampling`] (temperature / top-k / top-p), [`engine`] (the
 //! batching scheduler) and [`tool_call`] (Qwen `<tool_call>` parsing).
 
+pub mod attention;
 pub mod chat;
 pub mod checkpoint;
 pub mod config;

@@ -1,12 +1,12 @@
 //! `clawrl` subcommands of the model area: `model inspect` (config summary and parameter
-//! count), `model logits` (prompt text, ids and last-position logits for a message list) and
+//! count), `model init` (random weights of a given shape), `model logits` (prompt text, ids and last-position logits for a message list) and
 //! `generate` (one reply through the generation engine), for anyone checking a checkpoint.
 //! `logits` and `generate` run on the `--device` they are given (CPU by default).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -15,9 +15,10 @@ use serde_json::json;
 
 use clawrl::device::{Device, InferenceTask};
 use clawrl::model::chat::{parse_json_value, validate_messages, validate_tools};
+use clawrl::model::checkpoint::load_tokenizer_files;
 use clawrl::model::{
-    load_checkpoint, load_model, spawn_engine, Checkpoint, EngineOptions, FinishReason,
-    GenerationRequest, Qwen3, SamplingParams,
+    load_checkpoint, load_model, save_checkpoint_dir, spawn_engine, Checkpoint, EngineOptions,
+    FinishReason, GenerationRequest, Qwen3, Qwen3Config, SamplingParams,
 };
 use clawrl::CpuBackend;
 
@@ -43,6 +44,23 @@ pub enum ModelCommand {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+    },
+    /// Write a checkpoint with random weights: a Hugging Face `config.json` shape and the
+    /// tokenizer files of another directory (for tests and benchmarks of a shape no one has
+    /// trained).
+    Init {
+        /// A Qwen3 `config.json`.
+        #[arg(long)]
+        config: PathBuf,
+        /// A directory with `tokenizer.json` (and `tokenizer_config.json` for the template).
+        #[arg(long)]
+        tokenizer: PathBuf,
+        /// The checkpoint directory to write; it must not exist yet.
+        #[arg(long)]
+        out: PathBuf,
+        /// Seed of the weights (normal with the config's `initializer_range`, norms at 1).
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
     },
     /// Render the chat template, tokenize, and print the logits after the prompt.
     Logits {
@@ -108,6 +126,15 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
         } => inspect(&dir, json),
         Commands::Model {
             cmd:
+                ModelCommand::Init {
+                    config,
+                    tokenizer,
+                    out,
+                    seed,
+                },
+        } => init(&config, &tokenizer, &out, seed),
+        Commands::Model {
+            cmd:
                 ModelCommand::Logits {
                     dir,
                     messages,
@@ -154,6 +181,28 @@ impl InferenceTask for GenerateTask {
     {
         generate::<B>(self.0, &device)
     }
+}
+
+fn init(config: &Path, tokenizer: &Path, out: &Path, seed: u64) -> anyhow::Result<()> {
+    if out.exists() {
+        bail!(
+            "{} exists; model init writes a new directory only",
+            out.display()
+        );
+    }
+    let text =
+        std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
+    let cfg = Qwen3Config::from_json(&text).with_context(|| format!("{}", config.display()))?;
+    let (_, _, files) = load_tokenizer_files(tokenizer)?;
+    let device = Default::default();
+    CpuBackend::seed(&device, seed);
+    let model = Qwen3::<CpuBackend>::init(&cfg, &device);
+    save_checkpoint_dir(out, &cfg, &model, &files)?;
+    println!(
+        "{}",
+        json!({"out": out.display().to_string(), "parameters": model.num_params()})
+    );
+    Ok(())
 }
 
 fn inspect(dir: &Path, as_json: bool) -> anyhow::Result<()> {

@@ -254,6 +254,12 @@ impl GatewayPolicy {
         let policy = self.clone();
         tokio::spawn(async move {
             while let Some((announce, bytes)) = rx.recv().await {
+                // A version names one set of weights within a job, so an announcement of the
+                // version already served (the trainer's start-up version 0, or a restarted
+                // trainer's checkpoint) needs no install and is not stale.
+                if announce.version == policy.version() {
+                    continue;
+                }
                 if let Err(e) = policy.install_announced(&announce, bytes).await {
                     tracing::warn!(error = %e, "trainer version not installed on the gateway");
                 }

