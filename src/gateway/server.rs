@@ -296,7 +296,7 @@ struct ApiError {
     status: StatusCode,
     kind: &'static str,
     code: &'static str,
-    param: Option<&'static str>,
+    param: Option<std::borrow::Cow<'static, str>>,
     message: String,
 }
 
@@ -306,7 +306,7 @@ impl ApiError {
             status: StatusCode::BAD_REQUEST,
             kind: "invalid_request_error",
             code,
-            param,
+            param: param.map(Into::into),
             message: message.into(),
         }
     }
@@ -437,7 +437,7 @@ fn unknown_model(id: &str, s: &AppState) -> ApiError {
         status: StatusCode::NOT_FOUND,
         kind: "invalid_request_error",
         code: "model_not_found",
-        param: Some("model"),
+        param: Some("model".into()),
         message: format!(
             "the model {id:?} does not exist; this gateway serves {:?}",
             s.model_name
@@ -624,12 +624,18 @@ enum Stop {
 }
 
 #[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
 struct StreamOptions {
     #[serde(default)]
     include_usage: bool,
 }
 
+/// The request body. Every field the server reads is named here and any other is refused with
+/// a 400 naming it (`deny_unknown_fields`): a field that would change the answer and is not
+/// supported must never be silently ignored. The informational fields at the end are accepted
+/// and have no effect on the answer.
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct ChatRequest {
     model: String,
     messages: minijinja::Value,
@@ -663,6 +669,49 @@ struct ChatRequest {
     turn_type: Option<String>,
     #[serde(default)]
     session_done: Option<bool>,
+    /// Extra variables for the chat template (e.g. `{"enable_thinking": false}`).
+    #[serde(default)]
+    chat_template_kwargs: Option<serde_json::Map<String, Json_>>,
+    /// Accepted only as 0 (no penalty): the sampler has none.
+    #[serde(default)]
+    frequency_penalty: Option<f32>,
+    /// Accepted only as 0 (no penalty): the sampler has none.
+    #[serde(default)]
+    presence_penalty: Option<f32>,
+    /// Accepted only as `false`: per-token log-probs are not returned yet.
+    #[serde(default)]
+    logprobs: Option<bool>,
+    /// Accepted only as 0 (see `logprobs`).
+    #[serde(default)]
+    top_logprobs: Option<u32>,
+    // Informational: they name or tag the request, or ask for caching and storage that do not
+    // change the answer.
+    #[serde(default)]
+    #[allow(dead_code)]
+    user: Option<Json_>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    metadata: Option<Json_>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    store: Option<Json_>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    parallel_tool_calls: Option<Json_>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    prompt_cache_key: Option<Json_>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    safety_identifier: Option<Json_>,
+}
+
+/// The names serde gives an unknown field (`unknown field `x`, expected ...`).
+fn unknown_field(message: &str) -> Option<&str> {
+    message
+        .strip_prefix("unknown field `")
+        .and_then(|rest| rest.split_once('`'))
+        .map(|(name, _)| name)
 }
 
 fn parse_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
@@ -670,6 +719,19 @@ fn parse_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
     serde_path_to_error::deserialize::<_, ChatRequest>(de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
+        let text = inner.to_string();
+        if let Some(field) = unknown_field(&text) {
+            // The path already ends with the unknown field, except at the top level.
+            let at = if path == "." { field.to_string() } else { path };
+            return ApiError {
+                param: Some(at.clone().into()),
+                ..ApiError::bad(
+                    "unsupported_field",
+                    None,
+                    format!("`{at}` is not supported by this server (it would change the answer or is unknown; it is refused rather than ignored)"),
+                )
+            };
+        }
         let msg = if inner.is_syntax() || inner.is_eof() {
             format!("malformed JSON body: {inner}")
         } else if path == "." {
@@ -679,6 +741,68 @@ fn parse_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
         };
         ApiError::bad("invalid_json", None, msg)
     })
+}
+
+/// Refuses the values of supported fields that this server cannot honour.
+fn check_unsupported_values(r: &ChatRequest) -> Result<(), ApiError> {
+    for (name, v) in [
+        ("frequency_penalty", r.frequency_penalty),
+        ("presence_penalty", r.presence_penalty),
+    ] {
+        if matches!(v, Some(x) if x != 0.0) {
+            return Err(ApiError::bad(
+                "unsupported",
+                Some(name),
+                format!("{name} is not supported (only 0)"),
+            ));
+        }
+    }
+    if r.logprobs == Some(true) || r.top_logprobs.unwrap_or(0) > 0 {
+        let name = if r.logprobs == Some(true) {
+            "logprobs"
+        } else {
+            "top_logprobs"
+        };
+        return Err(ApiError::bad(
+            "unsupported",
+            Some(name),
+            "log-probs are not returned by this server yet",
+        ));
+    }
+    // "auto" lets the model choose and "none" hides the tools; forcing a call would need
+    // constrained decoding, which the engine does not have.
+    match &r.tool_choice {
+        None => {}
+        Some(Json_::String(c)) if c == "auto" || c == "none" => {}
+        Some(other) => {
+            return Err(ApiError::bad(
+                "unsupported",
+                Some("tool_choice"),
+                format!("tool_choice {other} is not supported (only \"auto\" and \"none\"): a forced tool call needs constrained decoding"),
+            ))
+        }
+    }
+    Ok(())
+}
+
+/// The template variables of `chat_template_kwargs`; the ones the server sets itself
+/// (`messages`, `tools`, `add_generation_prompt`) are refused.
+fn template_kwargs(r: &ChatRequest) -> Result<Vec<(String, minijinja::Value)>, ApiError> {
+    let Some(map) = &r.chat_template_kwargs else {
+        return Ok(Vec::new());
+    };
+    map.iter()
+        .map(|(k, v)| {
+            if matches!(k.as_str(), "messages" | "tools" | "add_generation_prompt") {
+                return Err(ApiError::bad(
+                    "invalid_value",
+                    Some("chat_template_kwargs"),
+                    format!("chat_template_kwargs.{k} is set by the server"),
+                ));
+            }
+            Ok((k.clone(), minijinja::Value::from_serialize(v)))
+        })
+        .collect()
 }
 
 fn sampling_params(s: &AppState, r: &ChatRequest) -> Result<SamplingParams, ApiError> {
@@ -1031,7 +1155,7 @@ fn sessions_full(full: SessionsFull) -> Response {
         status: StatusCode::TOO_MANY_REQUESTS,
         kind: "rate_limit_error",
         code: "too_many_sessions",
-        param: Some("session_id"),
+        param: Some("session_id".into()),
         message: format!("{full}; retry after {secs} s"),
     }
     .into_response();
@@ -1081,6 +1205,8 @@ fn prepare(
         .lock()
         .unwrap()
         .resolve_turn_type(explicit, named.is_some());
+    check_unsupported_values(&r)?;
+    let kwargs = template_kwargs(&r)?;
     let params = sampling_params(s, &r)?;
     let messages = normalize_messages(&r.messages)?;
     let sent: Vec<Json_> = match turn_type {
@@ -1109,7 +1235,15 @@ fn prepare(
     };
     let prompt_text = s
         .template
-        .render(&messages, tools.as_ref(), true, &[])
+        .render(
+            &messages,
+            tools.as_ref(),
+            true,
+            &kwargs
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.clone()))
+                .collect::<Vec<_>>(),
+        )
         .map_err(|e| ApiError::bad("invalid_messages", Some("messages"), e.to_string()))?;
     let prompt_ids = encode_text(&s.tokenizer, &prompt_text).map_err(|e| ApiError {
         status: StatusCode::INTERNAL_SERVER_ERROR,

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clawrl::gateway::{EndPolicy, Gateway, GatewayConfig, TurnEnd, TurnRecord, TurnType};
-use clawrl::model::load_checkpoint;
+use clawrl::model::{load_checkpoint, ChatTemplate};
 use clawrl::CpuBackend;
 use serde_json::{json, Value};
 
@@ -23,10 +23,19 @@ struct Server {
 }
 
 impl Server {
-    async fn start(mut cfg: GatewayConfig) -> Self {
+    async fn start(cfg: GatewayConfig) -> Self {
+        Self::start_with_template(cfg, None).await
+    }
+
+    /// As [`start`](Self::start), with the fixture's chat template replaced by `template`.
+    async fn start_with_template(mut cfg: GatewayConfig, template: Option<&str>) -> Self {
         let dir = tempfile::tempdir().unwrap();
         cfg.data_dir = dir.path().join("data");
-        let ck = load_checkpoint::<CpuBackend>(Path::new(FIXTURE), &Default::default()).unwrap();
+        let mut ck =
+            load_checkpoint::<CpuBackend>(Path::new(FIXTURE), &Default::default()).unwrap();
+        if let Some(t) = template {
+            ck.chat_template = ChatTemplate::new(t, "test template", Vec::new()).unwrap();
+        }
         let gw = Gateway::new(ck, cfg, "qwen3-tiny").unwrap();
         let turns = gw.turns_path(0);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -1093,4 +1102,89 @@ async fn roles_are_checked_and_the_context_is_the_models() {
         e.to_string().contains("max_position_embeddings (512)"),
         "{e}"
     );
+}
+
+/// A field that would change the answer and is not supported is refused with a 400 whose
+/// `param` names it, instead of being ignored; informational fields and no-op values pass; and
+/// `chat_template_kwargs` reach the template (Qwen3's `enable_thinking` switch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unsupported_fields_are_refused_and_template_kwargs_reach_the_template() {
+    let mut s = Server::start(GatewayConfig::default()).await;
+    for (extra, name) in [
+        (
+            json!({"response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (json!({"logit_bias": {"5": 10}}), "logit_bias"),
+        (json!({"frequency_penalty": 0.5}), "frequency_penalty"),
+        (json!({"presence_penalty": -1.0}), "presence_penalty"),
+        (json!({"logprobs": true}), "logprobs"),
+        (json!({"top_logprobs": 3}), "top_logprobs"),
+        (json!({"tool_choice": "required"}), "tool_choice"),
+        (
+            json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
+            "tool_choice",
+        ),
+        (
+            json!({"chat_template_kwargs": {"messages": []}}),
+            "chat_template_kwargs",
+        ),
+        (
+            json!({"stream_options": {"include_usage": true, "x": 1}}),
+            "stream_options.x",
+        ),
+    ] {
+        let r = post(&s.base, &body(extra.clone()), &[]).await;
+        assert_eq!(r.status(), 400, "{extra}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["param"], name, "{extra}: {v}");
+    }
+    let ok = body(json!({
+        "user": "u-1", "metadata": {"app": "t"}, "store": false, "parallel_tool_calls": true,
+        "prompt_cache_key": "k", "frequency_penalty": 0, "presence_penalty": 0.0,
+        "logprobs": false, "top_logprobs": 0, "tool_choice": "auto",
+    }));
+    let r = post(&s.base, &ok, &[("X-Turn-Type", "side")]).await;
+    assert_eq!(r.status(), 200);
+    s.shutdown().await;
+
+    let template = concat!(
+        "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}",
+        "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}",
+        "{%- if enable_thinking is defined and enable_thinking is false %}",
+        "{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}",
+    );
+    let mut s = Server::start_with_template(GatewayConfig::default(), Some(template)).await;
+    for (sid, kwargs) in [
+        ("on", json!({})),
+        ("off", json!({"enable_thinking": false})),
+    ] {
+        let b = body(json!({"chat_template_kwargs": kwargs}));
+        let r = post(
+            &s.base,
+            &b,
+            &[("X-Session-Id", sid), ("X-Session-Done", "1")],
+        )
+        .await;
+        assert_eq!(r.status(), 200);
+    }
+    let recs = s.wait_records(2).await;
+    let prompt = |sid: &str| {
+        recs.iter()
+            .find(|r| r.session_id == sid)
+            .unwrap()
+            .prompt_text
+            .clone()
+    };
+    assert!(
+        prompt("on").ends_with("<|im_start|>assistant\n"),
+        "{}",
+        prompt("on")
+    );
+    assert!(
+        prompt("off").ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+        "{}",
+        prompt("off")
+    );
+    s.shutdown().await;
 }
