@@ -150,6 +150,8 @@ fn run(sessions: u64, secs: u64, update_secs: u64, train: bool) -> Run {
                             old_logprobs: None,
                             ref_logprobs: None,
                             rollout_logprobs: None,
+                            opd: None,
+                            importance: None,
                         }
                     })
                     .collect();

@@ -53,6 +53,8 @@ fn main() {
             old_logprobs: Some((0..128).map(|k| -9.0 + 0.001 * k as f32).collect()),
             ref_logprobs: Some((0..128).map(|k| -9.0 - 0.001 * k as f32).collect()),
             rollout_logprobs: None,
+            opd: None,
+            importance: None,
         })
         .collect();
     let tokens = samples.iter().map(Sample::len).sum::<usize>();

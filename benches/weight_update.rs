@@ -116,6 +116,7 @@ fn samples(vocab: u32, version: u64, round: u32) -> Vec<TrainSample> {
                 response_ids: ids(16, 2),
                 advantages: vec![if i == 0 { 1.0 } else { -1.0 }; 16],
                 rollout_logprobs: None,
+                opd: None,
             }
         })
         .collect()

@@ -12,6 +12,6 @@ pub mod loss;
 pub mod optim;
 pub mod samples;
 
-pub use batch::{BatchLayout, Sample, SampleError};
+pub use batch::{BatchLayout, OpdTerm, Sample, SampleError};
 pub use config::{ConfigError, TrainConfig};
 pub use loss::{policy_loss, token_logprobs, LossParams, LossTerms};

@@ -47,7 +47,7 @@ pub use session::{
 };
 pub use trainer::{
     rollout_subscriber, Delivery, ExportedWeights, Importance, ImportanceSummary, Learner,
-    LocalPublisher, PublishFailed, RelayPublisher, SampleLimits, StalenessMode, StepEvent,
+    LocalPublisher, OpdTerm, PublishFailed, RelayPublisher, SampleLimits, StalenessMode, StepEvent,
     StepReport, Subscriber, TrainSample, Trainer, TrainerArgs, TrainerConfig, TrainerEvent,
     TrainerMsg, TrainerStartError, TrainerStats, WeightPublisher,
 };

@@ -366,6 +366,8 @@ impl TrainingTask for StepParity<'_> {
                     old_logprobs: Some(f32s(s, "old_logprobs")?),
                     ref_logprobs: Some(f32s(s, "ref_logprobs")?),
                     rollout_logprobs: None,
+                    opd: None,
+                    importance: None,
                 })
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
@@ -574,6 +576,8 @@ impl TrainingTask for TrainSpeed<'_> {
                     old_logprobs: Some((0..r).map(|k| -9.0 + 0.001 * k as f32).collect()),
                     ref_logprobs: Some((0..r).map(|k| -9.0 - 0.001 * k as f32).collect()),
                     rollout_logprobs: None,
+                    opd: None,
+                    importance: None,
                 }
             })
             .collect();

@@ -580,6 +580,8 @@ fn samples(
         old_logprobs: None,
         ref_logprobs: None,
         rollout_logprobs: Some(t.gen.logprobs.clone()),
+        opd: None,
+        importance: None,
     };
     let mut out = Vec::new();
     match method {

@@ -112,8 +112,8 @@ impl<B: AutodiffBackend> PolicyLearner<B> {
         self.inner.model_config()
     }
 
-    /// The batch as the learner's samples, with importance weights folded into the advantages;
-    /// also the weights' summary.
+    /// The batch as the learner's samples, with their importance weights (which multiply the
+    /// whole advantage, the OPD term included); also the weights' summary.
     fn samples(
         &self,
         batch: &[TrainSample],
@@ -128,6 +128,8 @@ impl<B: AutodiffBackend> PolicyLearner<B> {
                 old_logprobs: None,
                 ref_logprobs: None,
                 rollout_logprobs: s.rollout_logprobs.clone(),
+                opd: s.opd.clone(),
+                importance: None,
             })
             .collect();
         let weighted: Vec<(usize, f32)> = importance
@@ -165,9 +167,7 @@ impl<B: AutodiffBackend> PolicyLearner<B> {
                     source,
                 }
             })?;
-            for (a, w) in samples[index].advantages.iter_mut().zip(&w) {
-                *a *= w;
-            }
+            samples[index].importance = Some(w.clone());
             tokens += w.len();
             sum += w.iter().map(|&w| w as f64).sum::<f64>();
             truncated += trainer

@@ -4,7 +4,8 @@
 //!   reward ±1, else the session's first turn with a next state, "at least one"); every response
 //!   token gets the reward.
 //! - `opd`: a turn with an accepted hint gets `w_opd · (teacher_k − old_k)`; others give nothing.
-//! - `combined`: the four-case dispatch of [`crate::rl::combine`].
+//! - `combined`: the four cases of [`crate::rl::CombineCase`]: the binary term `w_binary · r`
+//!   per token plus, with an accepted hint, the OPD term.
 //! - `stepwise`: each step's reward is [`crate::rl::step_reward`] of the episode outcome and the
 //!   step's process score (0 for a step without a next state); rewards are z-scored in (task,
 //!   step index) buckets over the episodes of one build ([`crate::rl::zscore_buckets`]). Steps
@@ -15,15 +16,17 @@
 //! original response under `s_enhanced` with [`crate::judge::TeacherModel`] (the hint on the last
 //! user message, re-rendered with the same template and tools). When the teacher is the current
 //! policy, the trainer's new versions are installed on it like on any replica (without pausing);
-//! a frozen teacher keeps version 0. `old_k` are the rollout log-probs (the policy's own
-//! log-probs when `policy.temperature = 1`). Every sample carries the version of its tokens.
+//! a frozen teacher keeps version 0. `old_k` is the trainer's own log-prob before the update (at
+//! temperature 1, like the teacher), so a sample carries the teacher's log-probs
+//! ([`OpdTerm`]) and the trainer computes the term; the rollout's log-probs are tempered and
+//! maybe from an older version. Every sample carries the version of its tokens.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use clawrl_actors::loops::{
-    BoxFuture, Built, EndReason, EpisodeTurns, PolicyReplica, RolloutMsg, SampleBuilder,
+    BoxFuture, Built, EndReason, EpisodeTurns, OpdTerm, PolicyReplica, RolloutMsg, SampleBuilder,
     TrainSample,
 };
 use ractor::ActorRef;
@@ -32,7 +35,7 @@ use crate::job::MethodKind;
 use crate::judge::{TeacherError, TeacherModel};
 use crate::model::{model_from_safetensors, ChatTemplate, LoadError, Qwen3, Qwen3Config};
 use crate::rl::{
-    binary_samples, combine, step_reward, zscore_buckets, AdvantageWeights, BinaryTurn,
+    binary_samples, step_reward, zscore_buckets, AdvantageWeights, BinaryTurn, CombineCase,
     EpisodeKind, StepSample,
 };
 use crate::CpuBackend;
@@ -164,6 +167,16 @@ impl MethodBuilder {
 }
 
 fn sample(job: &str, jt: &clawrl_actors::loops::JudgedTurn, advantages: Vec<f32>) -> TrainSample {
+    with_opd(job, jt, advantages, None)
+}
+
+/// A sample whose OPD term (if any) the trainer resolves with its own old log-probs.
+fn with_opd(
+    job: &str,
+    jt: &clawrl_actors::loops::JudgedTurn,
+    advantages: Vec<f32>,
+    opd: Option<OpdTerm>,
+) -> TrainSample {
     let t = &jt.turn;
     TrainSample {
         job: job.to_string(),
@@ -174,6 +187,7 @@ fn sample(job: &str, jt: &clawrl_actors::loops::JudgedTurn, advantages: Vec<f32>
         response_ids: t.policy.response_ids.clone(),
         advantages,
         rollout_logprobs: Some(t.policy.logprobs.clone()),
+        opd,
     }
 }
 
@@ -264,22 +278,32 @@ impl MethodBuilder {
                             }
                             None => None,
                         };
-                        let opd = teacher_lp
-                            .as_deref()
-                            .map(|t| (t, jt.turn.policy.logprobs.as_slice()));
-                        let weights = if self.method == MethodKind::Opd {
-                            AdvantageWeights {
-                                w_binary: 0.0,
-                                w_opd: self.weights.w_opd,
-                            }
+                        let w_binary = if self.method == MethodKind::Opd {
+                            0.0
                         } else {
-                            self.weights
+                            self.weights.w_binary
                         };
-                        if let Some(c) = combine(weights, reward, opd, n).map_err(|e| {
-                            format!("session {} turn {}: {e}", jt.turn.session_id, jt.turn.turn)
-                        })? {
-                            samples.push(sample(&self.job, jt, c.advantages));
+                        // The binary term is known here; the OPD term needs the trainer's old
+                        // log-probs, so it travels as the teacher's log-probs.
+                        if CombineCase::of(reward, teacher_lp.is_some()) == CombineCase::Neither {
+                            continue;
                         }
+                        if let Some(t) = &teacher_lp {
+                            if t.len() != n {
+                                return Err(format!(
+                                    "session {} turn {}: the teacher scored {} tokens of {n}",
+                                    jt.turn.session_id,
+                                    jt.turn.turn,
+                                    t.len()
+                                ));
+                            }
+                        }
+                        let opd = teacher_lp.map(|teacher_logprobs| OpdTerm {
+                            weight: self.weights.w_opd,
+                            teacher_logprobs,
+                        });
+                        let base = vec![w_binary * reward as f32; n];
+                        samples.push(with_opd(&self.job, jt, base, opd));
                     }
                 }
             }

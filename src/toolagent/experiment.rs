@@ -691,6 +691,8 @@ pub fn update_samples(
                 old_logprobs: None,
                 ref_logprobs: None,
                 rollout_logprobs: Some(s.logprobs.clone()),
+                opd: None,
+                importance: None,
             }
         })
         .collect())

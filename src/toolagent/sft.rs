@@ -262,6 +262,8 @@ impl Encoder {
             old_logprobs: None,
             ref_logprobs: None,
             rollout_logprobs: None,
+            opd: None,
+            importance: None,
         })
     }
 }

@@ -30,7 +30,16 @@ pub struct Sample {
     /// Log-probs reported by the rollout worker, per response token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rollout_logprobs: Option<Vec<f32>>,
+    /// An OPD term the learner adds to `advantages` with its old log-probs (see
+    /// [`Sample::effective_advantages`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub opd: Option<OpdTerm>,
+    /// Per-token factors (truncated importance weights) that multiply the whole advantage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub importance: Option<Vec<f32>>,
 }
+
+pub use clawrl_actors::loops::OpdTerm;
 
 /// Why a sample was refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -85,6 +94,11 @@ impl Sample {
             ("old_logprobs", self.old_logprobs.as_deref()),
             ("ref_logprobs", self.ref_logprobs.as_deref()),
             ("rollout_logprobs", self.rollout_logprobs.as_deref()),
+            (
+                "opd.teacher_logprobs",
+                self.opd.as_ref().map(|o| o.teacher_logprobs.as_slice()),
+            ),
+            ("importance", self.importance.as_deref()),
         ]
         .into_iter()
         .filter_map(|(n, v)| v.map(|v| (n, v)))
@@ -99,6 +113,15 @@ impl Sample {
             return Err(SampleError::EmptyResponse);
         }
         let expected = self.response_ids.len();
+        if let Some(o) = &self.opd {
+            if !o.weight.is_finite() {
+                return Err(SampleError::NonFinite {
+                    field: "opd.weight",
+                    index: 0,
+                    value: o.weight,
+                });
+            }
+        }
         for (field, values) in self.float_fields() {
             if values.len() != expected {
                 return Err(SampleError::Length {
@@ -133,6 +156,23 @@ impl Sample {
             }
         }
         Ok(())
+    }
+
+    /// The advantage the loss uses per response token, given the old log-probs `old` (one per
+    /// response token): `(advantages[k] + w_opd · (teacher[k] − old[k])) · importance[k]`.
+    pub fn effective_advantages(&self, old: &[f32]) -> Vec<f32> {
+        let mut a = self.advantages.clone();
+        if let Some(o) = &self.opd {
+            for ((a, t), old) in a.iter_mut().zip(&o.teacher_logprobs).zip(old) {
+                *a += o.weight * (t - old);
+            }
+        }
+        if let Some(w) = &self.importance {
+            for (a, w) in a.iter_mut().zip(w) {
+                *a *= w;
+            }
+        }
+        a
     }
 
     /// Prompt plus response length.
@@ -305,6 +345,8 @@ mod tests {
             old_logprobs: None,
             ref_logprobs: None,
             rollout_logprobs: None,
+            opd: None,
+            importance: None,
         }
     }
 

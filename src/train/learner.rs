@@ -347,7 +347,13 @@ impl<B: AutodiffBackend> Learner<B> {
             None
         };
 
-        let adv: Vec<&[f32]> = samples.iter().map(|s| s.advantages.as_slice()).collect();
+        // The OPD term takes these same old log-probs (the policy before the update, at
+        // temperature 1), never the rollout's.
+        let adv: Vec<Vec<f32>> = samples
+            .iter()
+            .zip(&old_per_sample)
+            .map(|(s, old)| s.effective_advantages(old))
+            .collect();
         let terms = policy_loss(
             logp_new,
             logp_old,

@@ -149,6 +149,8 @@ pub fn parse_sample_line(text: &str, vocab: Option<usize>) -> Result<Sample, Str
                 .rollout_logprobs
                 .map(|v| to_f32("rollout_logprobs", v))
                 .transpose()?,
+            opd: None,
+            importance: None,
         })
     })()
     .map_err(|e| e.to_string())?;

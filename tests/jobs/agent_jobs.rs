@@ -418,6 +418,8 @@ async fn tuned_policy(dir: &Path, tasks: &Path) -> PathBuf {
         old_logprobs: None,
         ref_logprobs: None,
         rollout_logprobs: None,
+        opd: None,
+        importance: None,
     };
     let mut l = learner(2048, 1e-2);
     let sample = std::slice::from_ref(&sample);

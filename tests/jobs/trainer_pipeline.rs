@@ -79,6 +79,7 @@ async fn rollouts(w: &ActorRef<RolloutMsg<Policy>>, round: u32) -> Vec<TrainSamp
             advantages: vec![a; r.len()],
             response_ids: r,
             rollout_logprobs: Some(g.output.logprobs),
+            opd: None,
         });
     }
     out
@@ -242,6 +243,8 @@ async fn replica_serves_the_trainers_versions_and_a_restart_counts_on() {
                 old_logprobs: None,
                 ref_logprobs: None,
                 rollout_logprobs: s.rollout_logprobs.clone(),
+                opd: None,
+                importance: None,
             })
             .collect();
         reference.step(&samples).unwrap();
@@ -262,6 +265,7 @@ fn importance_weights_scale_the_policy_gradient_in_the_real_learner() {
         response_ids: vec![205, 13, 40, 41],
         advantages: vec![1.0, -1.0, 1.0, 0.5],
         rollout_logprobs: Some(rollout),
+        opd: None,
     };
     let mut weighted = PolicyLearner::new(learner(3), 0);
     let probe = sample(vec![0.0; 4]);
@@ -272,6 +276,8 @@ fn importance_weights_scale_the_policy_gradient_in_the_real_learner() {
         old_logprobs: None,
         ref_logprobs: None,
         rollout_logprobs: s.rollout_logprobs.clone(),
+        opd: None,
+        importance: None,
     };
     let trainer = weighted.inner().logprobs(&[as_sample(&probe)]).unwrap()[0].clone();
     // Rollout log-probs: one token far less likely (weight truncated at 2), one more likely

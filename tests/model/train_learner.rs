@@ -33,6 +33,8 @@ fn samples() -> Vec<Sample> {
         old_logprobs: None,
         ref_logprobs: None,
         rollout_logprobs: None,
+        opd: None,
+        importance: None,
     };
     vec![
         mk(&[1, 91, 89, 292, 205, 13], &[40, 41, 42, 2], 1.0),
@@ -255,4 +257,75 @@ fn invalid_batches_are_refused() {
     assert!(err.contains("sample 2") && err.contains("9999"), "{err}");
     let err = l.step(&[]).unwrap_err().to_string();
     assert!(err.contains("empty batch"), "{err}");
+}
+
+/// The OPD term is `teacher − log π_old` with the trainer's own old log-probs (temperature 1),
+/// never the rollout's. With the teacher equal to the current policy under the original prompt,
+/// every OPD advantage is 0 even for a response sampled at temperature 0.7, whose rollout
+/// log-probs differ from the policy's by far more; the step then has no gradient.
+#[test]
+fn the_opd_term_uses_the_trainers_old_logprobs_not_the_rollouts() {
+    use clawrl::model::SamplingParams;
+    use clawrl::model::{load_checkpoint, spawn_engine, EngineOptions, GenerationRequest};
+    use clawrl::train::OpdTerm;
+    use std::sync::Arc;
+
+    let ck = load_checkpoint::<CpuBackend>(Path::new(DIR), &Default::default()).unwrap();
+    let prompt: Vec<u32> = vec![1, 91, 89, 292, 205, 13, 2, 1, 40];
+    let engine = spawn_engine(
+        Arc::new(ck.model.clone()),
+        None,
+        EngineOptions {
+            max_batch: 1,
+            max_context: 512,
+        },
+    );
+    let generated = engine
+        .submit(GenerationRequest {
+            prompt_ids: prompt.clone(),
+            params: SamplingParams {
+                temperature: 0.7,
+                max_new_tokens: 12,
+                seed: 11,
+                ..Default::default()
+            },
+        })
+        .blocking_recv()
+        .unwrap()
+        .unwrap();
+    let mut sample = Sample {
+        prompt_ids: prompt,
+        response_ids: generated.response_ids.clone(),
+        advantages: vec![0.0; generated.response_ids.len()],
+        old_logprobs: None,
+        ref_logprobs: None,
+        rollout_logprobs: Some(generated.logprobs.clone()),
+        opd: None,
+        importance: None,
+    };
+    // The teacher: the current policy scoring the original prompt (no hint), as the trainer's
+    // model computes it.
+    let mut l = learner(0.0);
+    let teacher = l.logprobs(std::slice::from_ref(&sample)).unwrap()[0].clone();
+    let tempered_gap = teacher
+        .iter()
+        .zip(&generated.logprobs)
+        .map(|(t, r)| (t - r).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        tempered_gap > 1e-2,
+        "the rollout's log-probs are tempered: {tempered_gap}"
+    );
+    sample.opd = Some(OpdTerm {
+        weight: 1.0,
+        teacher_logprobs: teacher,
+    });
+
+    let old = l.logprobs(std::slice::from_ref(&sample)).unwrap();
+    for a in sample.effective_advantages(&old[0]) {
+        assert!(a.abs() < 1e-6, "OPD advantage {a}");
+    }
+    let m = l.step(&[sample]).unwrap();
+    assert!(m.skipped.is_none(), "{m:?}");
+    assert!(m.grad_norm < 1e-4, "no advantage, no gradient: {m:?}");
 }

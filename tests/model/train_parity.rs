@@ -70,6 +70,8 @@ fn one_step_matches_pytorch_reference() {
             old_logprobs: Some(f32s(&s["old_logprobs"])),
             ref_logprobs: Some(f32s(&s["ref_logprobs"])),
             rollout_logprobs: None,
+            opd: None,
+            importance: None,
         })
         .collect();
 

@@ -136,6 +136,8 @@ async fn gateway_switches_five_weight_versions_without_pausing() {
                     old_logprobs: None,
                     ref_logprobs: None,
                     rollout_logprobs: None,
+                    opd: None,
+                    importance: None,
                 }
             })
             .collect();

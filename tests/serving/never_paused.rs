@@ -140,6 +140,8 @@ async fn generation_never_pauses_while_five_weight_versions_land() {
                         old_logprobs: None,
                         ref_logprobs: None,
                         rollout_logprobs: Some(s.result.output.logprobs.clone()),
+                        opd: None,
+                        importance: None,
                     }
                 })
                 .collect()

@@ -71,10 +71,26 @@ pub struct TrainSample {
     pub prompt_ids: Vec<u32>,
     /// The response as token ids.
     pub response_ids: Vec<u32>,
-    /// One advantage per response token (binary/OPD/combined already applied).
+    /// One advantage per response token: the binary (or step-wise) term. An OPD term is not
+    /// in here: it needs the trainer's own log-probs, see `opd`.
     pub advantages: Vec<f32>,
     /// The rollout worker's log-prob of each response token, when known.
     pub rollout_logprobs: Option<Vec<f32>>,
+    /// The sample's OPD term, added to `advantages` by the trainer.
+    #[serde(default)]
+    pub opd: Option<OpdTerm>,
+}
+
+/// The on-policy distillation part of a sample's advantage. Per response token `a_k` it is
+/// `weight · (teacher_logprobs[k] − log π_old(a_k | s))`, where `π_old` is the trainer's own
+/// policy before the update at temperature 1, like the teacher. The rollout's log-probs cannot
+/// stand in for it: they come from a tempered distribution and maybe an older version.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OpdTerm {
+    /// `w_opd`.
+    pub weight: f32,
+    /// `log π_teacher(a_k | s_enhanced)`, one per response token.
+    pub teacher_logprobs: Vec<f32>,
 }
 
 /// How a sample of a batch is corrected for being off-policy.
@@ -981,9 +997,18 @@ impl TrainerState {
             return Some(format!("{who}: `response_ids` is empty"));
         }
         let n = s.response_ids.len();
+        if let Some(o) = &s.opd {
+            if !o.weight.is_finite() {
+                return Some(format!("{who}: `opd.weight` is {}", o.weight));
+            }
+        }
         let fields = [
             ("advantages", Some(&s.advantages)),
             ("rollout_logprobs", s.rollout_logprobs.as_ref()),
+            (
+                "opd.teacher_logprobs",
+                s.opd.as_ref().map(|o| &o.teacher_logprobs),
+            ),
         ];
         for (field, values) in fields {
             let Some(values) = values else { continue };

@@ -235,6 +235,7 @@ fn sample(version: u64, session: &str, turn: u32, ids: &[u32], adv: f32) -> Trai
         response_ids: ids.to_vec(),
         advantages: vec![adv; ids.len()],
         rollout_logprobs: None,
+        opd: None,
     }
 }
 
