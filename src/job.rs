@@ -142,7 +142,10 @@ fn default_judge_concurrency() -> u32 {
     64
 }
 fn default_judge_max_tokens() -> u32 {
-    2048
+    4096
+}
+fn default_judge_hint_max_tokens() -> u32 {
+    8192
 }
 
 /// The judge.
@@ -158,9 +161,13 @@ pub struct JudgeSpec {
     /// Sampling temperature of every vote (default 0.6).
     #[serde(default = "default_judge_temperature")]
     pub temperature: f32,
-    /// Most tokens of a judge answer (default 2048).
+    /// Most tokens of an evaluation vote's answer (default 4096: a thinking judge cut off is a
+    /// failed vote).
     #[serde(default = "default_judge_max_tokens")]
     pub max_tokens: u32,
+    /// Most tokens of a hint vote's answer (default 8192).
+    #[serde(default = "default_judge_hint_max_tokens")]
+    pub hint_max_tokens: u32,
     /// Seconds one turn's judging may take (every vote; default 120).
     #[serde(default = "default_judge_timeout")]
     pub timeout_s: f64,
@@ -583,6 +590,9 @@ impl JobSpec {
                 "judge.temperature",
                 format!("{} must be >= 0", j.temperature),
             );
+        }
+        if j.hint_max_tokens == 0 {
+            return bad("judge.hint_max_tokens", "must be at least 1".into());
         }
         if j.max_tokens == 0 {
             return bad("judge.max_tokens", "must be at least 1".into());

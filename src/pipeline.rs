@@ -285,6 +285,7 @@ pub fn judge_config(spec: &JobSpec, file: &str) -> Result<JudgeConfig, RunError>
         },
         temperature: j.temperature,
         max_tokens: j.max_tokens,
+        hint_max_tokens: j.hint_max_tokens,
         step_aggregation: j.step_aggregation.unwrap_or(crate::rl::Aggregation::Mean),
         vote_timeout_ms: (j.timeout_s * 1000.0) as u64,
         seed: Some(spec.seed),

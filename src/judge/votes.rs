@@ -34,8 +34,11 @@ pub struct VoteSettings {
     pub temperature: f32,
     /// Nucleus mass of every vote.
     pub top_p: f32,
-    /// Maximum tokens of a judge answer.
+    /// Maximum tokens of an evaluation vote's answer (a thinking judge needs room: cut off, it
+    /// is a failed vote).
     pub max_tokens: u32,
+    /// Maximum tokens of a hint vote's answer (it writes a hint after its reasoning).
+    pub hint_max_tokens: u32,
     /// Aggregation of step-judge votes.
     pub step_aggregation: Aggregation,
     /// Time limit of one vote (all retries included), in milliseconds.
@@ -51,7 +54,8 @@ impl Default for VoteSettings {
             hint_m: 3,
             temperature: 0.6,
             top_p: 1.0,
-            max_tokens: 2048,
+            max_tokens: 4096,
+            hint_max_tokens: 8192,
             step_aggregation: Aggregation::Mean,
             vote_timeout_ms: 180_000,
             seed: None,
@@ -100,6 +104,9 @@ impl VoteSettings {
         }
         if self.max_tokens == 0 {
             return bad("max_tokens", "0".into(), "must be > 0");
+        }
+        if self.hint_max_tokens == 0 {
+            return bad("hint_max_tokens", "0".into(), "must be > 0");
         }
         if self.vote_timeout_ms == 0 {
             return bad("vote_timeout_ms", "0".into(), "must be > 0");
@@ -319,7 +326,10 @@ impl Judge {
                 params: SamplingParams {
                     temperature: self.settings.temperature,
                     top_p: self.settings.top_p,
-                    max_tokens: self.settings.max_tokens,
+                    max_tokens: match vote_kind {
+                        VoteKind::Eval => self.settings.max_tokens,
+                        VoteKind::Hint => self.settings.hint_max_tokens,
+                    },
                     seed: self.settings.seed.map(|s| s.wrapping_add(i as u64)),
                 },
                 vote_index: i,

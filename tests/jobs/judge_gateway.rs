@@ -64,6 +64,7 @@ async fn noise_from_our_own_gateway_gives_failed_votes_and_an_unjudged_turn() {
         m: 3,
         hint_m: 2,
         max_tokens: 12,
+        hint_max_tokens: 12,
         seed: Some(7),
         ..VoteSettings::default()
     };

@@ -133,6 +133,7 @@ async fn a_noise_model_judge_gives_failed_votes_and_an_unjudged_turn() {
         m: 3,
         hint_m: 2,
         max_tokens: 12,
+        hint_max_tokens: 12,
         ..VoteSettings::default()
     };
     // The fixture's context is 512 tokens: short prompts so generation runs and yields noise.

@@ -300,3 +300,55 @@ async fn step_scores_aggregate_by_mean_or_majority() {
     );
     assert!(scores.iter().all(|s| matches!(s, Some(1) | Some(-1))));
 }
+
+/// Records the token budget each vote was given.
+struct Budgets(std::sync::Mutex<Vec<(PromptKind, u32)>>);
+
+impl JudgeBackend for Budgets {
+    fn name(&self) -> &str {
+        "budgets"
+    }
+    fn complete<'a>(
+        &'a self,
+        req: &'a JudgeRequest,
+    ) -> BoxFuture<'a, Result<String, BackendError>> {
+        self.0
+            .lock()
+            .unwrap()
+            .push((req.kind, req.params.max_tokens));
+        Box::pin(async move {
+            Ok(match req.kind {
+                PromptKind::Hint => "\\boxed{1} [HINT_START]Be brief.[HINT_END]".into(),
+                _ => "\\boxed{1}".into(),
+            })
+        })
+    }
+}
+
+/// A thinking judge needs room: by default evaluation votes may write 4096 tokens and hint
+/// votes 8192, each configurable on its own.
+#[tokio::test]
+async fn evaluation_and_hint_votes_have_their_own_token_budgets() {
+    for (settings, eval, hint) in [
+        (VoteSettings::default(), 4096, 8192),
+        (
+            VoteSettings {
+                max_tokens: 100,
+                hint_max_tokens: 300,
+                ..VoteSettings::default()
+            },
+            100,
+            300,
+        ),
+    ] {
+        let backend = Arc::new(Budgets(Default::default()));
+        let judge = Judge::new(backend.clone(), Arc::new(PromptSet::defaults()), settings).unwrap();
+        judge.judge_turn(turn("thanks"), true).await;
+        let seen = backend.0.lock().unwrap().clone();
+        assert_eq!(seen.len(), 6, "{seen:?}");
+        for (kind, budget) in seen {
+            let want = if kind == PromptKind::Hint { hint } else { eval };
+            assert_eq!(budget, want, "{kind:?}");
+        }
+    }
+}
