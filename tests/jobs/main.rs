@@ -11,6 +11,8 @@ mod judge_parse;
 mod judge_votes;
 mod personal_experiment;
 mod personal_job;
+#[path = "../support/personal_run.rs"]
+mod personal_run;
 mod pipeline_e2e;
 mod pipeline_faults;
 mod run_cli;

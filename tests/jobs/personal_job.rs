@@ -4,12 +4,12 @@
 //! turns give no samples, and at SIGTERM the job drains and prints a summary whose counts
 //! balance, with judge records on disk.
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+
+use crate::personal_run::PersonalRun;
 
 const KEY: &str = "sk-personal-test";
 
@@ -87,37 +87,8 @@ async fn personal_job_trains_from_gateway_turns_and_serves_the_new_version() {
     let out = dir.path().join("run");
     let job = dir.path().join("personal.toml");
     std::fs::write(&job, spec(&out)).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_clawrl"))
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .env("RUST_LOG", "warn")
-        .args(["run", "--json", "--out"])
-        .arg(&out)
-        .arg(&job)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // The port is announced on stderr; the rest of stderr is kept for failure messages.
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-    let log2 = log.clone();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            log2.lock().unwrap().push_str(&format!("{line}\n"));
-            if let Some(i) = line.find("listening on http://") {
-                let rest = &line[i + "listening on ".len()..];
-                let _ = tx.send(rest.split_whitespace().next().unwrap().to_string());
-            }
-        }
-    });
-    let base = match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(b) => b,
-        Err(_) => {
-            let _ = child.kill();
-            panic!("the job never listened: {}", log.lock().unwrap());
-        }
-    };
+    let run = PersonalRun::start(&job, &out, Duration::from_secs(60));
+    let base = run.base.clone();
     let http = reqwest::Client::new();
 
     // Three sessions of three main turns: the user praises turn 0, corrects turn 1, and ends
@@ -160,28 +131,14 @@ async fn personal_job_trains_from_gateway_turns_and_serves_the_new_version() {
             break (b, h);
         }
         if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!(
-                "the gateway never served a trained version: {}",
-                log.lock().unwrap()
-            );
+            panic!("the gateway never served a trained version: {}", run.log());
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     assert_eq!(header, body["version"].as_u64().unwrap().to_string());
 
     // Ctrl-C equivalent: drain and print the summary.
-    let pid = child.id().to_string();
-    assert!(Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
-    let o = child.wait_with_output().unwrap();
-    let err = log.lock().unwrap().clone();
-    assert!(o.status.success(), "clawrl run failed: {err}");
-    let s: Value = serde_json::from_slice(&o.stdout)
-        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {err}"));
+    let s = run.stop();
     assert_eq!(s["stopped_by"], "interrupted", "{s}");
     assert_eq!(s["balanced"], true, "{s}");
     let t = &s["trainer"];

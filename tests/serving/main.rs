@@ -10,3 +10,6 @@ mod load;
 mod never_paused;
 mod openai_sdk;
 mod openclaw;
+#[path = "../support/personal_run.rs"]
+mod personal_run;
+mod venv;

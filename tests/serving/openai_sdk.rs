@@ -23,34 +23,11 @@ fn run(cmd: &mut Command, what: &str) {
 
 /// A venv with `openai`, created once and cached under `target/`.
 fn venv_python() -> PathBuf {
-    let venv = Path::new(ROOT).join("target/gateway-openai-venv");
-    let py = venv.join("bin/python");
-    let ready = py.exists()
-        && Command::new(&py)
-            .args(["-c", "import openai"])
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false);
-    if !ready {
-        run(
-            Command::new("python3")
-                .args(["-m", "venv", "--clear"])
-                .arg(&venv),
-            "creating the venv (python3 -m venv)",
-        );
-        run(
-            Command::new(&py).args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "openai",
-            ]),
-            "pip install openai (PyPI must be reachable)",
-        );
-    }
-    py
+    crate::venv::venv_python(
+        &Path::new(ROOT).join("target/gateway-openai-venv"),
+        "openai",
+        "openai",
+    )
 }
 
 struct Child(std::process::Child);

