@@ -6,20 +6,9 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+use crate::venv::run;
 
-fn run(cmd: &mut Command, what: &str) {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: cannot start: {e}"));
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
 /// A venv with `openai`, created once and cached under `target/`.
 fn venv_python() -> PathBuf {

