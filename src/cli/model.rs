@@ -193,7 +193,15 @@ fn init(config: &Path, tokenizer: &Path, out: &Path, seed: u64) -> anyhow::Resul
     let text =
         std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
     let cfg = Qwen3Config::from_json(&text).with_context(|| format!("{}", config.display()))?;
-    let (_, _, files) = load_tokenizer_files(tokenizer)?;
+    let (tok, _, files) = load_tokenizer_files(tokenizer)?;
+    let ids = tok.get_vocab_size(true);
+    if ids > cfg.vocab_size {
+        bail!(
+            "the tokenizer in {} has {ids} ids, more than the config's vocab_size {}",
+            tokenizer.display(),
+            cfg.vocab_size
+        );
+    }
     let device = Default::default();
     CpuBackend::seed(&device, seed);
     let model = Qwen3::<CpuBackend>::init(&cfg, &device);

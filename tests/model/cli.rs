@@ -201,3 +201,50 @@ fn check_parity_passes_on_the_fixture_and_fails_on_a_moved_reference() {
     assert_eq!(v["model"]["cases"][1]["pass"], false, "{v}");
     assert_eq!(v["train"]["pass"], true);
 }
+
+/// `model init` writes a checkpoint of the given shape that loads and generates; it never
+/// writes over an existing directory and refuses a tokenizer with more ids than the vocabulary.
+#[test]
+fn model_init_writes_a_loadable_random_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = fixture_dir().join("config.json");
+    let out = dir.path().join("model");
+    let init = |cfg: &Path, out: &Path| {
+        clawrl(&[
+            "model",
+            "init",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--tokenizer",
+            fixture_dir().to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--seed",
+            "3",
+        ])
+    };
+    let (ok, stdout, stderr) = init(&config, &out);
+    assert!(ok, "{stderr}");
+    let printed: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let (ok, inspected, stderr) = clawrl(&["model", "inspect", out.to_str().unwrap(), "--json"]);
+    assert!(ok, "{stderr}");
+    let inspected: serde_json::Value = serde_json::from_str(&inspected).unwrap();
+    assert_eq!(
+        printed["parameters"], inspected["parameters"],
+        "{inspected}"
+    );
+    assert_eq!(
+        load_config(&out).unwrap(),
+        load_config(&fixture_dir()).unwrap()
+    );
+    let (ok, _, stderr) = init(&config, &out);
+    assert!(!ok && stderr.contains("exists"), "{stderr}");
+
+    let mut small: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    small["vocab_size"] = 100.into();
+    let small_cfg = dir.path().join("small.json");
+    std::fs::write(&small_cfg, small.to_string()).unwrap();
+    let (ok, _, stderr) = init(&small_cfg, &dir.path().join("small"));
+    assert!(!ok && stderr.contains("vocab_size 100"), "{stderr}");
+}
