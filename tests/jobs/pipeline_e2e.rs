@@ -214,6 +214,7 @@ async fn binary_job_runs_end_to_end() {
     for (_, _, s) in rec.of("sample") {
         let a = s["advantage_mean"].as_f64().unwrap();
         assert!([-1.0, 0.0, 1.0].contains(&a), "binary advantage {a}");
+        assert_eq!(s["opd"], false, "{s}");
     }
     for (_, _, j) in rec.of("judge") {
         assert_eq!(j["hint_accepted"], false, "binary takes no hint votes: {j}");
@@ -232,6 +233,11 @@ async fn opd_job_runs_end_to_end() {
     assert!(!with_hint.is_empty(), "no hint was accepted");
     // Only turns with an accepted hint give OPD samples, each scored by a teacher version.
     assert_eq!(rec.of("sample").len(), with_hint.len());
+    // Each carries the teacher's log-probs for the trainer; its own advantage part is 0.
+    for (_, _, s) in rec.of("sample") {
+        assert_eq!(s["opd"], true, "{s}");
+        assert_eq!(s["advantage_mean"], 0.0, "{s}");
+    }
     for (_, _, j) in with_hint {
         assert!(j["teacher_version"].as_u64().is_some(), "{j}");
         assert!(j["hint"].as_str().unwrap().len() > 10);

@@ -106,6 +106,9 @@ impl JobSample for TrainSample {
             "prompt_tokens": self.prompt_ids.len(),
             "response_tokens": self.response_ids.len(),
             "advantage_mean": mean,
+            // `advantage_mean` is the binary (or step-wise) part; an OPD term is added by the
+            // trainer with its own old log-probs.
+            "opd": self.opd.is_some(),
         })
     }
 }
