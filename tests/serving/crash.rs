@@ -4,7 +4,6 @@
 //! answer is in the served journal (`served-v0.jsonl`, mode 0600), its token ids decoding to
 //! exactly the text the client was given.
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -54,15 +53,7 @@ fn answered_turns_survive_a_sigkill_in_the_served_journal() {
         .stderr(Stdio::inherit())
         .spawn()
         .expect("starting clawrl serve");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let base = line
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_string();
+    let base = crate::venv::served_address(&mut child);
 
     let rt = tokio::runtime::Runtime::new().unwrap();
     let answers: Vec<(String, String)> = rt.block_on(async {

@@ -2,7 +2,6 @@
 //! under `target/` gets `openai` from PyPI, then `tests/gateway/openai_sdk_check.py` runs chat,
 //! streaming, tools and typed errors. If the venv or pip fails, the test fails and says why.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -52,15 +51,7 @@ fn openai_python_sdk_chat_streaming_and_tools() {
             .spawn()
             .expect("starting clawrl serve"),
     );
-    let mut line = String::new();
-    BufReader::new(child.0.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let base = line
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_string();
+    let base = crate::venv::served_address(&mut child.0);
     run(
         Command::new(&py)
             .arg(Path::new(ROOT).join("tests/gateway/openai_sdk_check.py"))

@@ -1,9 +1,11 @@
-//! Commands the serving tests run (failing with their output), and the Python virtual
+//! Commands the serving tests run (failing with their output), the address a `clawrl serve`
+//! child announces, and the Python virtual
 //! environments they need, each created once under `target/` with one package from PyPI. If the
 //! venv or pip fails, the test fails and says why.
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, Command};
 
 /// Runs `cmd` to completion and returns its stdout; panics naming `what` and showing the
 /// output if it cannot start or fails.
@@ -50,4 +52,16 @@ pub fn venv_python(dir: &Path, module: &str, package: &str) -> PathBuf {
         );
     }
     py
+}
+
+/// The `http://ADDR` a `clawrl serve` child (stdout piped) prints on its first line.
+pub fn served_address(child: &mut Child) -> String {
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout piped"))
+        .read_line(&mut line)
+        .unwrap();
+    line.split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_string()
 }
