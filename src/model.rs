@@ -2,7 +2,8 @@
 //! chat templates exactly as Hugging Face does, scores responses and generates with a KV cache.
 //!
 //! Layout: [`config`] (the `config.json` schema), [`qwen3`] (the module and its forward passes),
-//! [`attention`] (tiled causal attention with its own backward),
+//! [`attention`] (tiled causal attention with its own backward), [`matmul`] (float32-exact
+//! products on GPUs that round to TF32),
 //! [`kv_cache`] (per-sequence cache outside the model), [`weights`] (safetensors in and out),
 //! [`checkpoint`] (the directory layout), [`chat`] (templates and tokenization), [`score`]
 //! (per-token log-probs in one pass), [`sampling`] (temperature / top-k / top-p), [`engine`] (the
@@ -14,6 +15,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod engine;
 pub mod kv_cache;
+pub mod matmul;
 pub mod qwen3;
 pub mod sampling;
 pub mod score;

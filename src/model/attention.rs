@@ -21,7 +21,7 @@
 //! autodiff backends this crate trains on (`Autodiff<Flex>`, and `Autodiff<Cuda>` with the `cuda`
 //! feature) get the custom backward; every other backend runs the same tiled forward.
 
-use std::any::{Any, TypeId};
+use std::any::TypeId;
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
@@ -31,6 +31,8 @@ use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, Tensor, TensorPrimitive};
+
+use super::matmul::{cast, matmul};
 
 /// The most score elements (`b · h · t · keys`) one tile holds: 2 Mi f32 is 8 MiB, and the
 /// backward keeps about four such blocks live. Measured on 2 CPU cores at 4k tokens (4 heads
@@ -70,7 +72,7 @@ fn tiled<B: Backend>(
         Ok(o) => return o,
         Err(qkv) => qkv,
     };
-    forward(q, k, v, budget).0
+    forward(q, k, v, Some(0), budget).0
 }
 
 /// Runs the autodiff op when `B` is `Autodiff<I>`; hands the inputs back otherwise.
@@ -88,51 +90,62 @@ fn tracked<B: Backend, I: Backend>(
     Ok(cast(o))
 }
 
-/// `Tensor<A, 4>` as `Tensor<B, 4>` when `A` and `B` are the same type (checked by the caller
-/// through `TypeId`; a mismatch is a bug and panics).
-fn cast<A: Backend, B: Backend>(t: Tensor<A, 4>) -> Tensor<B, 4> {
-    let boxed: Box<dyn Any> = Box::new(t.into_primitive());
-    match boxed.downcast::<TensorPrimitive<B>>() {
-        Ok(p) => Tensor::from_primitive(*p),
-        Err(_) => unreachable!("cast between different backends"),
-    }
+/// Attention of queries against cached keys and values, for generation (forward only):
+/// `q [b, h, t, d]`, `k, v [b, h, n, d]` → `[b, h, t, d]`. With `Some(offset)` query row `r` is
+/// position `offset + r` and sees keys `0..=offset + r` (a prefill, `n = offset + t`); with
+/// `None` every row sees all `n` keys (a decode step whose rows are one token's query heads).
+/// Used where the backend's own attention would multiply on TF32 (see [`super::matmul`]).
+pub fn cached_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    offset: Option<usize>,
+) -> Tensor<B, 4> {
+    forward(q, k, v, offset, TILE_ELEMENTS).0
 }
 
-/// The tiled forward: `(o [b, h, n, d], lse [b, h, n, 1])`.
+/// The tiled forward of queries `q [b, h, t, d]` against `k, v [b, h, n, d]`, causal from
+/// position `mask_from` when given (see [`cached_attention`]): `(o [b, h, t, d],
+/// lse [b, h, t, 1])`.
 fn forward<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
+    mask_from: Option<usize>,
     budget: usize,
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
-    let [b, h, n, d] = q.dims();
+    let [b, h, t, d] = q.dims();
+    let n = k.dims()[2];
     let q = q * (d as f64).powf(-0.5);
-    let t = tile_rows(b, h, n, budget);
+    let rows = tile_rows(b, h, n, budget);
     let (mut outs, mut lses) = (Vec::new(), Vec::new());
-    for start in (0..n).step_by(t) {
-        let end = (start + t).min(n);
+    for start in (0..t).step_by(rows) {
+        let end = (start + rows).min(t);
+        // A causal tile needs the keys up to its last row's position only.
+        let keys = mask_from.map_or(n, |offset| offset + end);
         let qi = q.clone().slice([0..b, 0..h, start..end, 0..d]);
-        let kj = k.clone().slice([0..b, 0..h, 0..end, 0..d]);
-        let vj = v.clone().slice([0..b, 0..h, 0..end, 0..d]);
-        let s = scores(qi, kj, start);
+        let kj = k.clone().slice([0..b, 0..h, 0..keys, 0..d]);
+        let vj = v.clone().slice([0..b, 0..h, 0..keys, 0..d]);
+        let s = scores(qi, kj, mask_from.map(|offset| offset + start));
         let m = s.clone().max_dim(3);
         let p = row_sub(s, m.clone()).exp();
         let l = p.clone().sum_dim(3);
-        outs.push(p.matmul(vj) / l.clone());
+        outs.push(matmul(p, vj) / l.clone());
         lses.push(m + l.log());
     }
     (Tensor::cat(outs, 2), Tensor::cat(lses, 2))
 }
 
-/// `qi [b, h, t, d]` (rows `start..start+t`, already scaled by `1/√d`) against
-/// `kj [b, h, keys, d]` → the scores `[b, h, t, keys]`, `-inf` where a key comes after the
-/// row's position.
-fn scores<B: Backend>(qi: Tensor<B, 4>, kj: Tensor<B, 4>, start: usize) -> Tensor<B, 4> {
+/// `qi [b, h, t, d]` (already scaled by `1/√d`) against `kj [b, h, keys, d]` → the scores
+/// `[b, h, t, keys]`. With `Some(first)` row `r` is position `first + r`, and a key after it is
+/// `-inf`.
+fn scores<B: Backend>(qi: Tensor<B, 4>, kj: Tensor<B, 4>, first: Option<usize>) -> Tensor<B, 4> {
     let [_, _, t, _] = qi.dims();
     let keys = kj.dims()[2];
-    let s = qi.matmul(kj.swap_dims(2, 3));
-    // Row r is position start + r; key j is masked when j > start + r.
-    let mask = Tensor::<B, 2, Bool>::tril_mask([t, keys], start as i64, &s.device());
+    let s = matmul(qi, kj.swap_dims(2, 3));
+    let Some(first) = first else { return s };
+    // Row r is position first + r; key j is masked when j > first + r.
+    let mask = Tensor::<B, 2, Bool>::tril_mask([t, keys], first as i64, &s.device());
     s.mask_fill(mask.unsqueeze::<4>(), f32::NEG_INFINITY)
 }
 
@@ -172,12 +185,12 @@ fn backward<B: Backend>(
         let vj = v.clone().slice(keys.clone());
         let lse_i = lse.clone().slice([0..b, 0..h, start..end, 0..1]);
         let delta_i = delta.clone().slice([0..b, 0..h, start..end, 0..1]);
-        let p = row_sub(scores(qi.clone(), kj.clone(), start), lse_i).exp();
-        let dv_j = p.clone().swap_dims(2, 3).matmul(d_oi.clone());
-        let dp = d_oi.matmul(vj.swap_dims(2, 3));
+        let p = row_sub(scores(qi.clone(), kj.clone(), Some(start)), lse_i).exp();
+        let dv_j = matmul(p.clone().swap_dims(2, 3), d_oi.clone());
+        let dp = matmul(d_oi, vj.swap_dims(2, 3));
         let ds = p * row_sub(dp, delta_i);
-        dqs.push(ds.clone().matmul(kj) * scale);
-        let dk_j = ds.swap_dims(2, 3).matmul(qi);
+        dqs.push(matmul(ds.clone(), kj) * scale);
+        let dk_j = matmul(ds.swap_dims(2, 3), qi);
         dk = dk
             .clone()
             .slice_assign(keys.clone(), dk.slice(keys.clone()) + dk_j);
@@ -229,6 +242,7 @@ fn autodiff_op<I: Backend>(
         inner::<I>(q.primitive.clone()),
         inner::<I>(k.primitive.clone()),
         inner::<I>(v.primitive.clone()),
+        Some(0),
         budget,
     );
     let o = o.into_primitive().tensor();
@@ -328,6 +342,35 @@ mod tests {
         };
         let want = attention(q.clone(), k.clone(), v.clone(), None, None, opts);
         causal_attention(q, k, v)
+            .into_data()
+            .assert_approx_eq::<f32>(&want.into_data(), Tolerance::absolute(2e-5));
+    }
+
+    /// A prefill of 5 tokens after 9 cached ones, and a decode step whose rows are one token's
+    /// query heads, each equal Burn's attention over the same keys.
+    #[test]
+    fn cached_attention_equals_burns_attention() {
+        type B = crate::CpuBackend;
+        let dev = Default::default();
+        let [q, k, v] = inputs::<B>([1, 2, 14, 16], 9);
+        let q = q.slice([0..1, 0..2, 9..14, 0..16]);
+        // Burn's causal mask aligns the last query with the last key (a prefill after a cache).
+        let causal = AttentionModuleOptions {
+            scale: None,
+            softcap: None,
+            is_causal: true,
+        };
+        let want = attention(q.clone(), k.clone(), v.clone(), None, None, causal);
+        cached_attention(q.clone(), k.clone(), v.clone(), Some(9))
+            .into_data()
+            .assert_approx_eq::<f32>(&want.into_data(), Tolerance::absolute(2e-5));
+        let all = AttentionModuleOptions {
+            is_causal: false,
+            ..causal
+        };
+        let q = Tensor::<B, 4>::random([1, 2, 4, 16], Distribution::Normal(0.0, 1.0), &dev);
+        let want = attention(q.clone(), k.clone(), v.clone(), None, None, all);
+        cached_attention(q, k, v, None)
             .into_data()
             .assert_approx_eq::<f32>(&want.into_data(), Tolerance::absolute(2e-5));
     }

@@ -17,9 +17,10 @@ use burn::tensor::module::{attention, embedding};
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 
-use super::attention::causal_attention;
+use super::attention::{cached_attention, causal_attention};
 use super::config::Qwen3Config;
 use super::kv_cache::{KvCache, KvCacheError};
+use super::matmul::{matmul, native_matmul_is_inexact};
 
 /// Root-mean-square layer norm over the last dimension (no bias, no mean subtraction).
 #[derive(Module, Debug)]
@@ -44,7 +45,7 @@ fn linear<B: Backend>(x: Tensor<B, 3>, w: &Param<Tensor<B, 2>>) -> Tensor<B, 3> 
     let [b, s, i] = x.dims();
     let w = w.val();
     let o = w.dims()[1];
-    x.reshape([b * s, i]).matmul(w).reshape([b, s, o])
+    matmul(x.reshape([b * s, i]), w).reshape([b, s, o])
 }
 
 /// RoPE inverse frequencies `1 / theta^(2i / head_dim)` for `i < head_dim / 2`, computed in f32
@@ -423,9 +424,7 @@ impl<B: Backend> Qwen3<B> {
                 let [b, s, h] = x.dims();
                 let w = self.embed_tokens.val();
                 let v = w.dims()[0];
-                x.reshape([b * s, h])
-                    .matmul(w.transpose())
-                    .reshape([b, s, v])
+                matmul(x.reshape([b * s, h]), w.transpose()).reshape([b, s, v])
             }
         }
     }
@@ -466,6 +465,8 @@ impl<B: Backend> Qwen3<B> {
         let ids_i: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
         let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids_i, [1, s]), &device);
         let mut x = embedding(self.embed_tokens.val(), input);
+        // Burn's attention multiplies with the backend's own matmul, which rounds on CUDA.
+        let exact = native_matmul_is_inexact::<B>();
         for (l, layer) in self.layers.iter().enumerate() {
             let attn = &layer.self_attn;
             let (q, k, v) = attn.qkv(
@@ -474,14 +475,12 @@ impl<B: Backend> Qwen3<B> {
                 sin.clone(),
             );
             let (k_all, v_all) = cache.append(l, k, v);
-            let o = attention(
-                q,
-                attn.repeat_kv(k_all),
-                attn.repeat_kv(v_all),
-                None,
-                None,
-                causal(),
-            );
+            let (k_all, v_all) = (attn.repeat_kv(k_all), attn.repeat_kv(v_all));
+            let o = if exact {
+                cached_attention(q, k_all, v_all, Some(start))
+            } else {
+                attention(q, k_all, v_all, None, None, causal())
+            };
             let h = x + attn.output(o);
             x = h.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(h));
         }
@@ -518,6 +517,7 @@ impl<B: Backend> Qwen3<B> {
             softcap: None,
             is_causal: false,
         };
+        let exact = native_matmul_is_inexact::<B>();
         for (l, layer) in self.layers.iter().enumerate() {
             let attn = &layer.self_attn;
             let (q, k, v) = attn.qkv(
@@ -536,7 +536,11 @@ impl<B: Backend> Qwen3<B> {
                 // group's queries become the query axis: [1, kv, groups, d]. No causal mask
                 // needed: one new token sees its whole past.
                 let qi = q.clone().narrow(0, i, 1).reshape([1, nkv, groups, d]);
-                let o = attention(qi, k_all, v_all, None, None, no_causal);
+                let o = if exact {
+                    cached_attention(qi, k_all, v_all, None)
+                } else {
+                    attention(qi, k_all, v_all, None, None, no_causal)
+                };
                 outs.push(o.reshape([1, nq, 1, d]));
             }
             let o = Tensor::cat(outs, 0);
