@@ -131,6 +131,19 @@ pub type CudaBackend = burn::backend::Cuda;
 #[cfg(feature = "cuda")]
 pub type CudaAutodiff = burn::backend::Autodiff<CudaBackend>;
 
+/// Whether `B` is the CUDA backend, with or without autodiff (never, without the `cuda`
+/// feature). Model code picks GPU-specific paths by it, since Rust has no specialisation.
+pub fn is_cuda<B: 'static>() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        use std::any::TypeId;
+        let b = TypeId::of::<B>();
+        b == TypeId::of::<CudaBackend>() || b == TypeId::of::<CudaAutodiff>()
+    }
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
 impl Device {
     /// Checks that this device can be used, without running anything on the CPU: always `Ok`
     /// for [`Device::Cpu`]; for a CUDA device, an error unless the binary has the `cuda`

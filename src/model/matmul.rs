@@ -26,8 +26,6 @@
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
 use std::any::Any;
-#[cfg(feature = "cuda")]
-use std::any::TypeId;
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
@@ -45,14 +43,14 @@ const SPLITTER: f64 = 16_385.0;
 /// Batch dimensions must match (no broadcasting), which every caller in the model satisfies.
 pub fn matmul<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
     #[cfg(feature = "cuda")]
-    {
-        use crate::device::CudaBackend as C;
-        if same::<B, Autodiff<C>>() {
-            return cast(tracked::<C, D>(cast(a), cast(b)));
-        }
-        if same::<B, C>() {
-            return split_product(a, b);
-        }
+    if native_matmul_is_inexact::<B>() {
+        use crate::device::{CudaAutodiff, CudaBackend};
+        use std::any::TypeId;
+        return if TypeId::of::<B>() == TypeId::of::<CudaAutodiff>() {
+            cast(tracked::<CudaBackend, D>(cast(a), cast(b)))
+        } else {
+            split_product(a, b)
+        };
     }
     a.matmul(b)
 }
@@ -60,19 +58,7 @@ pub fn matmul<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> T
 /// Whether `B`'s own matmul rounds float32 operands (the CUDA backends), so that products must
 /// go through [`matmul`] rather than through Burn ops that multiply internally (its attention).
 pub fn native_matmul_is_inexact<B: Backend>() -> bool {
-    #[cfg(feature = "cuda")]
-    {
-        use crate::device::CudaBackend as C;
-        if same::<B, Autodiff<C>>() || same::<B, C>() {
-            return true;
-        }
-    }
-    false
-}
-
-#[cfg(feature = "cuda")]
-fn same<A: 'static, B: 'static>() -> bool {
-    TypeId::of::<A>() == TypeId::of::<B>()
+    crate::device::is_cuda::<B>()
 }
 
 /// `Tensor<A, D>` as `Tensor<B, D>` when `A` and `B` are the same type (checked by the caller
