@@ -48,6 +48,8 @@ fn main() {
         EngineOptions {
             max_batch: 16,
             max_context: 4096,
+            // Rounds repeat prompts: the measure includes their prefill.
+            prefix_cache_bytes: 0,
         },
     );
     let request = |salt: u32| GenerationRequest {

@@ -169,6 +169,7 @@ async fn measure(shape: &str, replicas: usize, relay: bool, rounds: u32) -> Row 
     let options = EngineOptions {
         max_batch: 1,
         max_context: 64,
+        prefix_cache_bytes: 0,
     };
     let policy = Arc::new(Policy::new(
         model_config.clone(),

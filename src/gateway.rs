@@ -17,6 +17,7 @@ pub mod session;
 pub mod sink;
 pub mod text;
 
+use crate::model::engine::DEFAULT_PREFIX_CACHE_BYTES;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -48,6 +49,7 @@ pub use sink::{TurnRecord, TurnSink};
 /// max_batch = 16                   # sequences decoded together
 /// max_context = 4096               # prompt + response positions per sequence
 ///                                  # (default: the model's max_position_embeddings)
+/// prefix_cache_mib = 1024          # prompt keys/values kept for reuse (0: off)
 /// default_max_tokens = 256         # when a request gives none
 /// max_tokens_limit = 4096          # the most a request may ask for
 /// version = 0                      # weight version the loaded checkpoint is served as
@@ -87,6 +89,9 @@ pub struct GatewayConfig {
     /// Most positions (prompt + response) per sequence; absent: the model's
     /// `max_position_embeddings`. More than that is refused when the gateway starts.
     pub max_context: Option<usize>,
+    /// MiB of prompt keys and values the engine keeps for later prompts with the same prefix
+    /// (an agent's long system prompt and tools, a session's history); 0 turns it off.
+    pub prefix_cache_mib: usize,
     /// `max_tokens` when a request gives none.
     pub default_max_tokens: usize,
     /// The largest `max_tokens` a request may ask for.
@@ -113,6 +118,7 @@ impl Default for GatewayConfig {
             record_queue: 1024,
             max_batch: 16,
             max_context: None,
+            prefix_cache_mib: DEFAULT_PREFIX_CACHE_BYTES >> 20,
             default_max_tokens: 256,
             max_tokens_limit: 4096,
             version: 0,

@@ -82,6 +82,10 @@ fn default_top_p() -> f32 {
 fn default_max_new_tokens() -> u32 {
     256
 }
+fn default_prefix_cache_mib() -> u32 {
+    (crate::model::engine::DEFAULT_PREFIX_CACHE_BYTES >> 20) as u32
+}
+
 fn default_max_batch() -> u32 {
     16
 }
@@ -113,6 +117,10 @@ pub struct PolicySpec {
     /// Most positions (prompt + response) of one sequence.
     #[serde(default = "default_max_context")]
     pub max_context: u32,
+    /// MiB of prompt keys and values each engine keeps for later prompts with the same prefix
+    /// (a task's prompt across its group, an agent's system prompt across turns); 0: off.
+    #[serde(default = "default_prefix_cache_mib")]
+    pub prefix_cache_mib: u32,
     /// Where the learner and the served policy compute: `cpu` (the default) or `cuda:N`
     /// (a build with the `cuda` feature). `personal` jobs only; the OPD teacher and a local
     /// judge model stay on the CPU.

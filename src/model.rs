@@ -4,7 +4,8 @@
 //! Layout: [`config`] (the `config.json` schema), [`qwen3`] (the module and its forward passes),
 //! [`attention`] (tiled causal attention with its own backward), [`matmul`] (float32-exact
 //! products on GPUs that round to TF32),
-//! [`kv_cache`] (per-sequence cache outside the model), [`weights`] (safetensors in and out),
+//! [`kv_cache`] (per-sequence cache outside the model), [`prefix_cache`] (which prompt blocks
+//! the engine keeps for reuse), [`weights`] (safetensors in and out),
 //! [`checkpoint`] (the directory layout), [`chat`] (templates and tokenization), [`score`]
 //! (per-token log-probs in one pass), [`sampling`] (temperature / top-k / top-p), [`engine`] (the
 //! batching scheduler) and [`tool_call`] (Qwen `<tool_call>` parsing).
@@ -16,6 +17,7 @@ pub mod config;
 pub mod engine;
 pub mod kv_cache;
 pub mod matmul;
+pub mod prefix_cache;
 pub mod qwen3;
 pub mod sampling;
 pub mod score;

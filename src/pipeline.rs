@@ -552,6 +552,7 @@ pub async fn run_job(
     let engine = EngineOptions {
         max_batch: p.max_batch as usize,
         max_context: p.max_context as usize,
+        prefix_cache_bytes: (p.prefix_cache_mib as usize) << 20,
     };
     let mut replicas = Vec::new();
     for _ in 0..p.replicas {

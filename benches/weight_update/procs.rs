@@ -281,6 +281,7 @@ pub async fn measure(cluster: &Cluster, shape: &str, replicas: usize, rounds: u3
         model_config: model_config.to_json(),
         max_batch: MAX_BATCH,
         max_context: MAX_CONTEXT,
+        prefix_cache_bytes: 0,
         announce,
     };
     // Version 0 (the initial weights): every host starts the job's worker and loads it.
@@ -330,6 +331,7 @@ pub async fn measure(cluster: &Cluster, shape: &str, replicas: usize, rounds: u3
         EngineOptions {
             max_batch: MAX_BATCH,
             max_context: MAX_CONTEXT,
+            prefix_cache_bytes: 0,
         },
         Default::default(),
     ));

@@ -490,6 +490,8 @@ impl InferenceTask for GenerateSpeed<'_> {
             EngineOptions {
                 max_batch: s.batch,
                 max_context: s.prompt + s.new_tokens + 1,
+                // Each round repeats the prompt: generation is measured with its prefill.
+                prefix_cache_bytes: 0,
             },
         );
         let vocab = cfg.vocab_size;

@@ -329,6 +329,7 @@ where
         EngineOptions {
             max_batch: 1,
             max_context,
+            ..EngineOptions::default()
         },
     );
     let params = SamplingParams {

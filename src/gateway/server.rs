@@ -137,6 +137,7 @@ impl Gateway {
             EngineOptions {
                 max_batch: cfg.max_batch,
                 max_context,
+                prefix_cache_bytes: cfg.prefix_cache_mib << 20,
             },
         );
         let (sink, writer) = TurnSink::start(&cfg.data_dir, cfg.record_queue)?;
@@ -1437,6 +1438,7 @@ struct Collected {
     ids: Vec<u32>,
     logprobs: Vec<f32>,
     reason: Option<FinishReason>,
+    cached_tokens: usize,
 }
 
 impl Collected {
@@ -1445,6 +1447,7 @@ impl Collected {
             ids: Vec::new(),
             logprobs: Vec::new(),
             reason: None,
+            cached_tokens: 0,
         }
     }
 
@@ -1461,6 +1464,7 @@ impl Collected {
                 self.ids = r.response_ids;
                 self.logprobs = r.logprobs;
                 self.reason = Some(r.finish_reason);
+                self.cached_tokens = r.cached_tokens;
             }
             StreamEvent::Failed(e) => return Err(e),
         }
@@ -1524,8 +1528,14 @@ async fn finish_turn(
     record_all(s, out).await;
 }
 
-fn usage(prompt: usize, completion: usize) -> Json_ {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+/// OpenAI's usage object; `cached` prompt tokens came from the engine's prefix cache.
+fn usage(prompt: usize, completion: usize, cached: usize) -> Json_ {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
 }
 
 async fn complete_response(
@@ -1572,7 +1582,7 @@ async fn complete_response(
         "created": unix_now(),
         "model": s.model_name,
         "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": null}],
-        "usage": usage(p.prompt_ids.len(), c.ids.len()),
+        "usage": usage(p.prompt_ids.len(), c.ids.len(), c.cached_tokens),
         "session_id": p.session_id,
         "turn_type": p.turn_type,
         "version": served.version(),
@@ -1670,7 +1680,7 @@ fn stream_response(
                 "id": id, "object": "chat.completion.chunk", "created": created,
                 "model": s.model_name, "session_id": p.session_id, "version": version,
                 "choices": [],
-                "usage": usage(p.prompt_ids.len(), c.ids.len()),
+                "usage": usage(p.prompt_ids.len(), c.ids.len(), c.cached_tokens),
             });
             let _ = tx.send(Event::default().data(v.to_string())).await;
         }

@@ -13,12 +13,14 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
-use super::kv_cache::KvCache;
+use super::kv_cache::{KvCache, LayerKv};
+use super::prefix_cache::PrefixIndex;
 use super::qwen3::Qwen3;
 use super::sampling::{sample_token, SamplingError, SamplingParams};
 
@@ -30,6 +32,9 @@ pub struct EngineOptions {
     /// Most positions (prompt + response) one sequence may hold; its KV cache never grows past
     /// this (capped at the model's `max_position_embeddings`).
     pub max_context: usize,
+    /// Bytes of prompt keys and values kept for reuse by later prompts with the same prefix
+    /// (blocks of [`PREFIX_BLOCK_TOKENS`]); 0 turns the prefix cache off.
+    pub prefix_cache_bytes: usize,
 }
 
 impl Default for EngineOptions {
@@ -37,9 +42,19 @@ impl Default for EngineOptions {
         Self {
             max_batch: 16,
             max_context: 4096,
+            prefix_cache_bytes: DEFAULT_PREFIX_CACHE_BYTES,
         }
     }
 }
+
+/// Tokens per prefix-cache block: a prompt reuses whole blocks only, so a shared prefix loses
+/// at most this many tokens less one; smaller blocks mean more tensors to join per reuse.
+pub const PREFIX_BLOCK_TOKENS: usize = 64;
+
+/// The default prefix-cache budget, 1 GiB: for Qwen3-0.6B in float32 (224 KiB of keys and
+/// values per token: 28 layers × 2 × 8 heads × 128 × 4 bytes) about 4.7k tokens; a whole 12k
+/// agent prompt of a small model (the 2-layer long-context bench shape: 512 bytes a token).
+pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 1 << 30;
 
 /// One generation request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -74,6 +89,8 @@ pub struct GenerationResult {
     pub logprobs: Vec<f32>,
     /// Why it ended.
     pub finish_reason: FinishReason,
+    /// Prompt tokens whose keys and values came from the prefix cache instead of a prefill.
+    pub cached_tokens: usize,
 }
 
 /// A request the engine refused or could not finish.
@@ -249,6 +266,7 @@ struct Active<B: Backend> {
     params: SamplingParams,
     rng: StdRng,
     cache: KvCache<B>,
+    cached_tokens: usize,
     response: Vec<u32>,
     logprobs: Vec<f32>,
     reply: Reply,
@@ -261,6 +279,8 @@ pub struct Scheduler<B: Backend> {
     options: EngineOptions,
     waiting: VecDeque<(GenerationRequest, Reply)>,
     active: Vec<Active<B>>,
+    /// Prompt blocks' keys and values, per layer; `None` when the budget is 0.
+    prefix: Option<PrefixIndex<Vec<LayerKv<B>>>>,
 }
 
 impl<B: Backend> Scheduler<B> {
@@ -275,6 +295,8 @@ impl<B: Backend> Scheduler<B> {
             options,
             waiting: VecDeque::new(),
             active: Vec::new(),
+            prefix: (options.prefix_cache_bytes > 0)
+                .then(|| PrefixIndex::new(PREFIX_BLOCK_TOKENS, options.prefix_cache_bytes)),
         }
     }
 
@@ -358,16 +380,18 @@ impl<B: Backend> Scheduler<B> {
                 reply.send(Err(e));
                 continue;
             }
-            let mut cache = self.model.new_cache(self.max_context());
+            let (mut cache, cached_tokens) = self.cached_prefix(&req.prompt_ids);
             let logits = self
                 .model
-                .prefill(&req.prompt_ids, &mut cache)
+                .prefill(&req.prompt_ids[cached_tokens..], &mut cache)
                 .expect("validated prompt fits the cache");
+            self.remember_prefix(&req.prompt_ids, cached_tokens, &cache);
             let row: Vec<f32> = logits.into_data().convert::<f32>().to_vec().expect("f32");
             let mut seq = Active {
                 rng: StdRng::seed_from_u64(req.params.seed),
                 params: req.params,
                 cache,
+                cached_tokens,
                 response: Vec::new(),
                 logprobs: Vec::new(),
                 reply,
@@ -378,6 +402,49 @@ impl<B: Backend> Scheduler<B> {
                 self.active.push(seq);
             }
         }
+    }
+
+    /// A new sequence cache holding the longest cached prefix of `prompt`, and its length.
+    fn cached_prefix(&mut self, prompt: &[u32]) -> (KvCache<B>, usize) {
+        let cache = self.model.new_cache(self.max_context());
+        let Some(index) = &mut self.prefix else {
+            return (cache, 0);
+        };
+        let hit = index.lookup(prompt);
+        if hit.tokens == 0 {
+            index.unpin(&hit);
+            return (cache, 0);
+        }
+        let layers = (0..self.model.num_layers())
+            .map(|l| {
+                let (ks, vs): (Vec<_>, Vec<_>) = hit
+                    .keys
+                    .iter()
+                    .map(|key| index.value(*key).expect("a hit's blocks are pinned")[l].clone())
+                    .unzip();
+                (Tensor::cat(ks, 2), Tensor::cat(vs, 2))
+            })
+            .collect();
+        // The joined tensors are the sequence's own, so the blocks need no pin past this point.
+        index.unpin(&hit);
+        (cache.with_prefix(layers, hit.tokens), hit.tokens)
+    }
+
+    /// Caches the whole blocks of `prompt` after the first `cached` tokens, copied out of the
+    /// sequence's `cache` (which holds the whole prompt).
+    fn remember_prefix(&mut self, prompt: &[u32], cached: usize, cache: &KvCache<B>) {
+        let Some(index) = &mut self.prefix else {
+            return;
+        };
+        let block = index.block_tokens();
+        index.insert(prompt, cached / block, |i| {
+            let layers = cache.copy_range(i * block..(i + 1) * block);
+            let bytes = layers
+                .iter()
+                .map(|(k, v)| (k.shape().num_elements() + v.shape().num_elements()) * 4)
+                .sum();
+            (layers, bytes)
+        });
     }
 
     /// Samples the next token of `seq` from `row`; returns a finish reason if it is done.
@@ -414,12 +481,14 @@ impl<B: Backend> Scheduler<B> {
             response,
             logprobs,
             reply,
+            cached_tokens,
             ..
         } = seq; // the cache is dropped here, freeing its memory
         reply.send(Ok(GenerationResult {
             response_ids: response,
             logprobs,
             finish_reason: reason,
+            cached_tokens,
         }));
     }
 

@@ -23,6 +23,9 @@ pub enum KvCacheError {
     },
 }
 
+/// One layer's keys and values, each `[1, kv_heads, positions, head_dim]`.
+pub type LayerKv<B> = (Tensor<B, 4>, Tensor<B, 4>);
+
 /// Per-layer keys and values of one sequence, each `[1, kv_heads, len, head_dim]`.
 #[derive(Debug, Clone)]
 pub struct KvCache<B: Backend> {
@@ -39,6 +42,40 @@ impl<B: Backend> KvCache<B> {
             len: 0,
             max_len,
         }
+    }
+
+    /// This empty cache holding `len` positions already: `layers[l]` are layer `l`'s keys and
+    /// values, each `[1, kv_heads, len, head_dim]` (a reused prompt prefix).
+    pub(crate) fn with_prefix(mut self, layers: Vec<LayerKv<B>>, len: usize) -> Self {
+        assert_eq!(layers.len(), self.layers.len(), "one (k, v) per layer");
+        assert!(
+            self.is_empty() && len <= self.max_len,
+            "a prefix fits an empty cache"
+        );
+        self.layers = layers.into_iter().map(Some).collect();
+        self.len = len;
+        self
+    }
+
+    /// Layer by layer, the keys and values of `positions` as tensors of their own. A slice is a
+    /// view that keeps the whole sequence's buffer alive; adding it to zeros makes a copy on
+    /// every backend, so what is kept is what is counted.
+    pub(crate) fn copy_range(&self, positions: std::ops::Range<usize>) -> Vec<LayerKv<B>> {
+        assert!(positions.end <= self.len, "copying cached positions only");
+        let own = |t: &Tensor<B, 4>| {
+            let [b, h, _, d] = t.dims();
+            let view = t.clone().slice([0..b, 0..h, positions.clone(), 0..d]);
+            view.zeros_like() + view
+        };
+        self.layers
+            .iter()
+            .map(|slot| {
+                let (k, v) = slot
+                    .as_ref()
+                    .expect("every layer holds the cached positions");
+                (own(k), own(v))
+            })
+            .collect()
     }
 
     /// Number of cached positions.

@@ -408,6 +408,7 @@ impl World {
             EngineOptions {
                 max_batch: 32,
                 max_context: self.max_context,
+                ..EngineOptions::default()
             },
         );
         let rxs: Vec<_> = prompts

@@ -478,6 +478,7 @@ where
     let engine = EngineOptions {
         max_batch: spec.policy.max_batch as usize,
         max_context: spec.policy.max_context as usize,
+        prefix_cache_bytes: (spec.policy.prefix_cache_mib as usize) << 20,
     };
     let mut subscribers: Vec<Subscriber> = vec![gateway_policy.trainer_subscriber()];
     let teacher =

@@ -480,6 +480,7 @@ impl World {
             EngineOptions {
                 max_batch: 64,
                 max_context: self.max_positions,
+                ..EngineOptions::default()
             },
         );
         let mut round = 0u64;

@@ -148,6 +148,7 @@ async fn replica_serves_the_trainers_versions_and_a_restart_counts_on() {
         EngineOptions {
             max_batch: 4,
             max_context: 128,
+            ..EngineOptions::default()
         },
         Default::default(),
     ));

@@ -51,6 +51,14 @@ fn cases() -> Vec<Case> {
 }
 
 fn engine(max_batch: usize, max_context: usize) -> (EngineHandle, Arc<clawrl::model::Qwen3<B>>) {
+    engine_with_cache(max_batch, max_context, 0)
+}
+
+fn engine_with_cache(
+    max_batch: usize,
+    max_context: usize,
+    prefix_cache_bytes: usize,
+) -> (EngineHandle, Arc<clawrl::model::Qwen3<B>>) {
     let ck = load_checkpoint::<B>(&fixture_dir(), &Default::default()).unwrap();
     let model = Arc::new(ck.model);
     let h = spawn_engine(
@@ -59,6 +67,7 @@ fn engine(max_batch: usize, max_context: usize) -> (EngineHandle, Arc<clawrl::mo
         EngineOptions {
             max_batch,
             max_context,
+            prefix_cache_bytes,
         },
     );
     (h, model)
@@ -96,6 +105,52 @@ fn concurrent_greedy_requests_match_reference_and_join_and_leave() {
             assert!((*g as f64 - w).abs() < 1e-4, "logprob {g} vs {w}");
         }
     }
+}
+
+/// A prompt that extends a cached one computes only its new tokens, and answers exactly as an
+/// engine without the cache: the same greedy ids, log-probs within float rounding. Requests
+/// that share the prefix at the same time share its blocks.
+#[test]
+fn the_prefix_cache_reuses_whole_blocks_and_changes_no_answer() {
+    let (cached, _) = engine_with_cache(4, 1024, 64 << 20);
+    let (plain, _) = engine(4, 1024);
+    // A long shared prefix (2 blocks of 64 and a partial third), then different endings.
+    let base: Vec<u32> = cases()
+        .iter()
+        .flat_map(|c| c.ids.clone())
+        .cycle()
+        .take(150)
+        .collect();
+    let ending = |k: u32| -> Vec<u32> { base.iter().copied().chain(k * 7..k * 7 + 20).collect() };
+    let greedy = |h: &EngineHandle, ids: &[u32]| h.submit(req(ids, 0.0, 8, 0));
+
+    let first = greedy(&cached, &base).blocking_recv().unwrap().unwrap();
+    assert_eq!(
+        first.cached_tokens, 0,
+        "nothing is cached before the first prompt"
+    );
+    let prompts: Vec<Vec<u32>> = (1..4).map(ending).collect();
+    let rxs: Vec<_> = prompts.iter().map(|p| greedy(&cached, p)).collect();
+    for (p, rx) in prompts.iter().zip(rxs) {
+        let got = rx.blocking_recv().unwrap().unwrap();
+        let want = greedy(&plain, p).blocking_recv().unwrap().unwrap();
+        assert_eq!(
+            got.cached_tokens, 128,
+            "the two whole blocks of the shared prefix"
+        );
+        assert_eq!(want.cached_tokens, 0);
+        assert_eq!(got.response_ids, want.response_ids, "greedy ids");
+        for (g, w) in got.logprobs.iter().zip(&want.logprobs) {
+            assert!((g - w).abs() < 1e-4, "logprob {g} vs {w}");
+        }
+    }
+    // A 200-token prompt caches its own third block; asked again, it reuses three blocks
+    // (its last token always runs: its logits give the first answer token).
+    let long: Vec<u32> = base.iter().copied().chain(300..350).collect();
+    let once = greedy(&cached, &long).blocking_recv().unwrap().unwrap();
+    let twice = greedy(&cached, &long).blocking_recv().unwrap().unwrap();
+    assert_eq!((once.cached_tokens, twice.cached_tokens), (128, 192));
+    assert_eq!(once.response_ids, twice.response_ids);
 }
 
 #[test]

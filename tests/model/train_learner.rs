@@ -278,6 +278,7 @@ fn the_opd_term_uses_the_trainers_old_logprobs_not_the_rollouts() {
         EngineOptions {
             max_batch: 1,
             max_context: 512,
+            ..EngineOptions::default()
         },
     );
     let generated = engine

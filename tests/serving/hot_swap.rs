@@ -374,6 +374,7 @@ async fn engine_streams_each_token_then_the_result() {
         EngineOptions {
             max_batch: 4,
             max_context: 128,
+            ..EngineOptions::default()
         },
     );
     let request = GenerationRequest {

@@ -60,6 +60,7 @@ async fn generation_never_pauses_while_five_weight_versions_land() {
     let options = EngineOptions {
         max_batch: 8,
         max_context: 256,
+        ..EngineOptions::default()
     };
     let policy = Arc::new(Policy::new(
         learner.model_config().clone(),

@@ -221,8 +221,13 @@ fn stock_openclaw_trains_a_personal_job_by_talking_to_it() {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
+        // OpenClaw logs every model fetch that fails or is not OK, and OK ones only when slow
+        // (over its SLOW_MODEL_FETCH_MS), so a quick answer leaves no line at all.
+        let failed_fetch = text
+            .lines()
+            .any(|l| l.contains("[model-fetch]") && !l.contains("status=200"));
         assert!(
-            out.status.success() && text.contains("status=200"),
+            out.status.success() && !failed_fetch,
             "openclaw agent failed ({}) on {message:?}:\n{text}\njob: {}",
             out.status,
             job.log()

@@ -121,6 +121,7 @@ pub async fn run_placed_job(
     let engine = EngineOptions {
         max_batch: spec.policy.max_batch as usize,
         max_context: spec.policy.max_context as usize,
+        prefix_cache_bytes: (spec.policy.prefix_cache_mib as usize) << 20,
     };
 
     // Records.

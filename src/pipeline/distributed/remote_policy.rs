@@ -135,6 +135,7 @@ impl PoolShared {
                     model_config: self.model_config.clone(),
                     max_batch: self.engine.max_batch,
                     max_context: self.engine.max_context,
+                    prefix_cache_bytes: self.engine.prefix_cache_bytes,
                     announce: announce.clone(),
                 };
                 calls.spawn(async move {

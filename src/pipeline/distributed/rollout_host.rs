@@ -76,6 +76,7 @@ impl Actor for RolloutHost {
                 model_config,
                 max_batch,
                 max_context,
+                prefix_cache_bytes,
                 announce,
             } => {
                 let alive = state
@@ -99,6 +100,7 @@ impl Actor for RolloutHost {
                         EngineOptions {
                             max_batch,
                             max_context,
+                            prefix_cache_bytes,
                         },
                         Default::default(),
                     );

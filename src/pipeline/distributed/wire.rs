@@ -20,6 +20,8 @@ pub enum RolloutRequest {
         max_batch: usize,
         /// Engine context.
         max_context: usize,
+        /// Engine prefix-cache budget in bytes (0: off).
+        prefix_cache_bytes: usize,
         /// The version to install.
         announce: WeightAnnounce,
     },
