@@ -992,4 +992,195 @@ mod tests {
         // A's own continuation still links.
         assert_eq!(t.infer(A, &r2).unwrap().session_id, sa);
     }
+
+    /// Random interleavings of admissions, served and released turns, named and header-less
+    /// requests, session ends and idle time, against the table's invariants: the cap always
+    /// holds, a request extending the turn just served is linked to its session, no turn comes
+    /// out twice, and at shutdown every served turn came out exactly once (or was counted as
+    /// dropped), with the counters balancing.
+    mod interleavings {
+        use super::*;
+        use proptest::prelude::*;
+        use serde_json::Value;
+        use std::collections::{HashMap, HashSet};
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Admit {
+                scope: u8,
+                sess: u8,
+            },
+            Serve {
+                i: usize,
+                done: bool,
+            },
+            Release {
+                i: usize,
+            },
+            Named {
+                scope: u8,
+                sess: u8,
+                user: bool,
+                side: bool,
+            },
+            Extend {
+                k: usize,
+            },
+            End {
+                scope: u8,
+                sess: u8,
+            },
+            Wait {
+                secs: u8,
+            },
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                3 => (0..2u8, 0..5u8).prop_map(|(scope, sess)| Op::Admit { scope, sess }),
+                3 => (any::<usize>(), prop::bool::weighted(0.1))
+                    .prop_map(|(i, done)| Op::Serve { i, done }),
+                1 => any::<usize>().prop_map(|i| Op::Release { i }),
+                2 => (0..2u8, 0..5u8, any::<bool>(), prop::bool::weighted(0.2))
+                    .prop_map(|(scope, sess, user, side)| Op::Named { scope, sess, user, side }),
+                2 => any::<usize>().prop_map(|k| Op::Extend { k }),
+                1 => (0..2u8, 0..5u8).prop_map(|(scope, sess)| Op::End { scope, sess }),
+                1 => (0..15u8).prop_map(|secs| Op::Wait { secs }),
+            ]
+        }
+
+        /// A served turn: where, what was sent, what was answered.
+        struct Served {
+            scope: Scope,
+            sess: String,
+            sent: Vec<Value>,
+            response: Value,
+        }
+
+        fn user(text: String) -> Value {
+            json!({"role": "user", "content": text})
+        }
+
+        fn extension(t: &Served, k: usize) -> Vec<Value> {
+            let mut m = t.sent.clone();
+            m.push(t.response.clone());
+            m.push(user(format!("next {k}")));
+            m
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+            #[test]
+            fn the_rules_hold_under_any_interleaving(
+                ops in prop::collection::vec(op(), 1..120),
+                keep in any::<bool>(),
+            ) {
+                let cap = 3;
+                let mut t: SessionTable<usize> = SessionTable::new(SessionConfig {
+                    default_turn_type: TurnType::Main,
+                    idle_timeout: Duration::from_secs(10),
+                    on_end: if keep { EndPolicy::Keep } else { EndPolicy::Drop },
+                    max_sessions_per_key: cap,
+                });
+                let start = Instant::now();
+                let mut now = start;
+                let mut in_flight: Vec<Admission> = Vec::new();
+                let mut served: Vec<Served> = Vec::new();
+                let mut history: HashMap<(Scope, String), Vec<Value>> = HashMap::new();
+                let mut out: Vec<Finished<usize>> = Vec::new();
+                let mut seen = HashSet::new();
+                for op in ops {
+                    let got = match op {
+                        Op::Admit { scope, sess } => {
+                            if let Ok(a) = t.admit(Scope(scope.into()), &format!("s{sess}"), now) {
+                                in_flight.push(a);
+                            }
+                            Vec::new()
+                        }
+                        Op::Serve { i, done } if !in_flight.is_empty() => {
+                            let a = in_flight.remove(i % in_flight.len());
+                            let key = (a.scope(), a.session_id().to_string());
+                            let id = served.len();
+                            let mut sent = history.get(&key).cloned().unwrap_or_default();
+                            sent.push(user(format!("turn {id}")));
+                            let response = json!({"role": "assistant", "content": format!("answer {id}")});
+                            let transcript = Transcript::new(&sent, &response);
+                            let got = t.on_served(a, id, Some(transcript), done, now);
+                            let mut h = sent.clone();
+                            h.push(response.clone());
+                            history.insert(key.clone(), h);
+                            served.push(Served { scope: key.0, sess: key.1, sent, response });
+                            if !done {
+                                // A request extending the turn just served continues its session.
+                                let inf = t.infer(key.0, &extension(&served[id], id));
+                                prop_assert_eq!(inf.map(|i| i.session_id), Some(served[id].sess.clone()));
+                            }
+                            got
+                        }
+                        Op::Release { i } if !in_flight.is_empty() => {
+                            let a = in_flight.remove(i % in_flight.len());
+                            t.release(a);
+                            Vec::new()
+                        }
+                        Op::Named { scope, sess, user: u, side } => {
+                            let last = if u {
+                                user("named".into())
+                            } else {
+                                json!({"role": "assistant", "content": "prefill"})
+                            };
+                            let kind = if side { TurnType::Side } else { TurnType::Main };
+                            t.on_request(Scope(scope.into()), &format!("s{sess}"), kind, Some(&last), now)
+                        }
+                        Op::Extend { k } if !served.is_empty() => {
+                            let k = k % served.len();
+                            let s = &served[k];
+                            match t.infer(s.scope, &extension(s, k)) {
+                                Some(inf) => {
+                                    // Responses are unique, so only its own session can match.
+                                    prop_assert_eq!(&inf.session_id, &s.sess);
+                                    let a = t.admit(s.scope, &inf.session_id, now);
+                                    prop_assert!(a.is_ok(), "an open session is always admitted");
+                                    let got = t.on_inferred(s.scope, &inf, now);
+                                    t.release(a.unwrap());
+                                    got
+                                }
+                                None => Vec::new(),
+                            }
+                        }
+                        Op::End { scope, sess } => t.end_session(Scope(scope.into()), &format!("s{sess}")),
+                        Op::Wait { secs } => {
+                            now += Duration::from_secs(secs.into());
+                            t.expire(now)
+                        }
+                        _ => Vec::new(),
+                    };
+                    for f in got {
+                        prop_assert!(f.turn < served.len(), "only served turns come out");
+                        prop_assert!(seen.insert(f.turn), "turn {} came out twice", f.turn);
+                        out.push(f);
+                    }
+                    for scope in 0..2 {
+                        prop_assert!(t.held(Scope(scope)) <= cap, "the cap holds");
+                    }
+                }
+                for a in in_flight.drain(..) {
+                    t.release(a);
+                }
+                for f in t.end_all() {
+                    prop_assert!(seen.insert(f.turn), "turn {} came out twice", f.turn);
+                    out.push(f);
+                }
+                let st = t.stats();
+                prop_assert_eq!(out.len() as u64 + st.dropped, served.len() as u64, "nothing lost");
+                prop_assert_eq!(st.main_turns, served.len() as u64);
+                prop_assert_eq!(
+                    st.with_next_state,
+                    out.iter().filter(|f| f.end == TurnEnd::NextState).count() as u64
+                );
+                prop_assert_eq!(st.started, st.ended_done + st.ended_idle, "every session ended");
+                prop_assert_eq!(t.open_sessions(), 0);
+                prop_assert_eq!(t.held(Scope(0)) + t.held(Scope(1)), 0);
+            }
+        }
+    }
 }
