@@ -946,12 +946,18 @@ fn check_tool_calls(at: &str, calls: &minijinja::Value) -> Result<(), ApiError> 
                 "index" if v.is_none() || v.is_integer() => {}
                 "index" => return Err(invalid_message(&at, "\"index\" must be an integer")),
                 "function" if v.kind() == ValueKind::Map => {
+                    let at = format!("{at}, function");
                     for fk in v.try_iter().expect("a map") {
-                        let null = v.get_item(&fk).is_ok_and(|x| x.is_none());
+                        let fv = v.get_item(&fk).unwrap_or_default();
                         let name = fk.as_str().unwrap_or_default();
-                        if !FUNCTION_KEYS.contains(&name) && !null {
-                            let at = format!("{at}, function");
-                            return Err(unsupported_key(&at, name, &FUNCTION_KEYS));
+                        match name {
+                            _ if fv.is_none() => {}
+                            "name" if fv.kind() == ValueKind::String => {}
+                            "name" => {
+                                return Err(invalid_message(&at, "\"name\" must be a string"))
+                            }
+                            "arguments" => check_arguments(&at, &fv)?,
+                            _ => return Err(unsupported_key(&at, name, &FUNCTION_KEYS)),
                         }
                     }
                 }
@@ -962,6 +968,22 @@ fn check_tool_calls(at: &str, calls: &minijinja::Value) -> Result<(), ApiError> 
         }
     }
     Ok(())
+}
+
+/// A tool call's `arguments` in history: an object, or (as OpenAI sends them) a string holding
+/// one. Anything else would reach the template as something the model never wrote.
+fn check_arguments(at: &str, v: &minijinja::Value) -> Result<(), ApiError> {
+    use minijinja::value::ValueKind;
+    let bad = |why: String| invalid_message(at, format!("\"arguments\" {why}"));
+    match v.kind() {
+        ValueKind::Map => Ok(()),
+        ValueKind::String => match serde_json::from_str::<serde_json::Value>(v.as_str().unwrap()) {
+            Ok(serde_json::Value::Object(_)) => Ok(()),
+            Ok(_) => Err(bad("must hold a JSON object".into())),
+            Err(e) => Err(bad(format!("is not valid JSON ({e})"))),
+        },
+        _ => Err(bad("must be a JSON object or a string holding one".into())),
+    }
 }
 
 /// OpenAI messages → what the chat template expects: text-part lists joined, a missing or null
@@ -1038,18 +1060,23 @@ fn content_text(v: &minijinja::Value) -> Result<minijinja::Value, String> {
         ValueKind::None | ValueKind::Undefined => Ok(minijinja::Value::from("")),
         ValueKind::Seq => {
             let mut text = String::new();
-            for part in v.try_iter().map_err(|e| e.to_string())? {
+            for (j, part) in v.try_iter().map_err(|e| e.to_string())?.enumerate() {
                 let ty = part.get_attr("type").unwrap_or_default();
                 match ty.as_str() {
                     Some("text") => {
                         let t = part.get_attr("text").unwrap_or_default();
-                        text.push_str(t.as_str().ok_or("a text part has no string \"text\"")?)
+                        let t = t.as_str().ok_or_else(|| {
+                            format!("content part {j} (text) has no string \"text\"")
+                        })?;
+                        text.push_str(t)
                     }
-                    other => {
+                    Some(other) => {
                         return Err(format!(
-                            "content part of type {other:?} is not supported (text only)"
+                            "content part {j} has the type {other:?}, which is not supported \
+                             (text only)"
                         ))
                     }
+                    None => return Err(format!("content part {j} has no string \"type\"")),
                 }
             }
             Ok(minijinja::Value::from(text))

@@ -953,6 +953,40 @@ async fn unknown_message_keys_are_refused_and_nulls_are_absent() {
     .await;
     assert!(m.contains("\"name\" is longer than 1024 bytes"), "{m}");
 
+    // Malformed tool-call arguments in history and a content part of another type: 400 naming
+    // the message, the tool call and the field.
+    for (arguments, why) in [
+        (json!("{\"path\": "), "is not valid JSON"),
+        (json!("[1, 2]"), "must hold a JSON object"),
+        (json!(7), "must be a JSON object or a string holding one"),
+    ] {
+        let mut bad_call = call.clone();
+        bad_call["function"]["arguments"] = arguments;
+        let messages = json!([{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": null, "tool_calls": [call.clone(), bad_call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "x"}]);
+        let m = error_of(
+            post(&s.base, &body(json!({"messages": messages})), &[]).await,
+            400,
+        )
+        .await;
+        assert!(
+            m.contains("message 1, tool call 1, function: \"arguments\"") && m.contains(why),
+            "{m}"
+        );
+    }
+    let image = json!([{"role": "user", "content": [{"type": "text", "text": "look"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]);
+    let m = error_of(
+        post(&s.base, &body(json!({"messages": image})), &[]).await,
+        400,
+    )
+    .await;
+    assert!(
+        m.contains("message 0: content part 1 has the type \"image_url\", which is not supported"),
+        "{m}"
+    );
+
     // What real clients send is served: the SDK's dump of an answer (refusal, audio,
     // function_call, annotations as null), a tool result's name, reasoning_content.
     let history = json!([
