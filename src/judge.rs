@@ -22,7 +22,7 @@ pub mod votes;
 
 pub use access::{JudgeAccess, JudgeAccessError};
 pub use backend::{
-    BackendError, ChatGenerator, ChatMessage, GenerateError, JudgeBackend, JudgeRequest,
+    BackendError, ChatGenerator, ChatMessage, GenerateError, Generated, JudgeBackend, JudgeRequest,
     ModelBackend, SamplingParams,
 };
 pub use config::{BackendConfig, JudgeConfig, JudgeConfigError, ModelSource, OpdConfig, Teacher};

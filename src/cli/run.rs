@@ -434,8 +434,15 @@ fn print_personal_table(r: &GatewayJobReport, out: &Path, balanced: bool) {
         (
             "main turns",
             format!(
-                "{} in {} sessions ({} with a next state; {} judged, {} unjudged)",
-                c.turns, c.sessions_started, r.turns_with_next_state, c.judged, c.unjudged
+                "{} in {} sessions ({} with a next state; {} judged, {} unjudged; \
+                 {} votes failed, {} of them cut off at max_tokens)",
+                c.turns,
+                c.sessions_started,
+                r.turns_with_next_state,
+                c.judged,
+                c.unjudged,
+                c.votes_failed,
+                c.votes_truncated
             ),
         ),
         (
@@ -637,7 +644,10 @@ fn print_table(r: &RunReport, out: &Path, balanced: bool) {
         ),
         (
             "turns",
-            format!("{} ({} judged, {} unjudged)", c.turns, c.judged, c.unjudged),
+            format!(
+                "{} ({} judged, {} unjudged; {} votes failed, {} of them cut off at max_tokens)",
+                c.turns, c.judged, c.unjudged, c.votes_failed, c.votes_truncated
+            ),
         ),
         (
             "admission",

@@ -84,6 +84,15 @@ pub enum BackendError {
     /// A local generator failed.
     #[error("local judge model failed: {0}")]
     Generation(String),
+    /// The answer was cut off at `max_tokens` (the endpoint's `finish_reason` was `length`).
+    /// The vote still counts when the text parses; otherwise it fails as truncated.
+    #[error("judge answer cut off at max_tokens = {max_tokens}")]
+    Truncated {
+        /// The budget it hit.
+        max_tokens: u32,
+        /// What was written before the cut.
+        text: String,
+    },
 }
 
 /// A judge backend: rendered request in, raw judge text out.
@@ -98,6 +107,15 @@ pub trait JudgeBackend: Send + Sync {
     ) -> BoxFuture<'a, Result<String, BackendError>>;
 }
 
+/// A [`ChatGenerator`]'s answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Generated {
+    /// The text.
+    pub text: String,
+    /// Generation stopped at `max_tokens`, not at an end of turn.
+    pub cut_off: bool,
+}
+
 /// The error type of a [`ChatGenerator`].
 pub type GenerateError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -110,7 +128,7 @@ pub trait ChatGenerator: Send + Sync {
         &'a self,
         messages: &'a [ChatMessage],
         params: &'a SamplingParams,
-    ) -> BoxFuture<'a, Result<String, GenerateError>>;
+    ) -> BoxFuture<'a, Result<Generated, GenerateError>>;
 }
 
 /// The `model` backend: judge votes sampled from a local chat model.
@@ -135,10 +153,18 @@ impl JudgeBackend for ModelBackend {
         request: &'a JudgeRequest,
     ) -> BoxFuture<'a, Result<String, BackendError>> {
         Box::pin(async move {
-            self.generator
+            let out = self
+                .generator
                 .generate(&request.messages, &request.params)
                 .await
-                .map_err(|e| BackendError::Generation(e.to_string()))
+                .map_err(|e| BackendError::Generation(e.to_string()))?;
+            if out.cut_off {
+                return Err(BackendError::Truncated {
+                    max_tokens: request.params.max_tokens,
+                    text: out.text,
+                });
+            }
+            Ok(out.text)
         })
     }
 }

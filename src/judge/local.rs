@@ -10,7 +10,7 @@ use futures::future::BoxFuture;
 use minijinja::Value;
 use thiserror::Error;
 
-use super::backend::{ChatGenerator, ChatMessage, GenerateError, SamplingParams};
+use super::backend::{ChatGenerator, ChatMessage, GenerateError, Generated, SamplingParams};
 use super::opd::{enhance_messages, OpdError};
 use crate::model::{
     load_checkpoint, score_response, spawn_engine, ChatError, ChatTemplate, EngineHandle,
@@ -71,7 +71,7 @@ impl ChatGenerator for EngineGenerator {
         &'a self,
         messages: &'a [ChatMessage],
         params: &'a SamplingParams,
-    ) -> BoxFuture<'a, Result<String, GenerateError>> {
+    ) -> BoxFuture<'a, Result<Generated, GenerateError>> {
         Box::pin(async move {
             let prompt =
                 self.template
@@ -96,7 +96,10 @@ impl ChatGenerator for EngineGenerator {
                 .tokenizer
                 .decode(&out.response_ids, true)
                 .map_err(|e| format!("decoding the judge's answer: {e}"))?;
-            Ok(text)
+            Ok(Generated {
+                text,
+                cut_off: out.finish_reason == crate::model::FinishReason::Length,
+            })
         })
     }
 }

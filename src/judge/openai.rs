@@ -139,6 +139,8 @@ struct ChatResponse {
 #[derive(Deserialize)]
 struct Choice {
     message: ChoiceMessage,
+    #[serde(default)]
+    finish_reason: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -272,6 +274,7 @@ impl OpenAiBackend {
             None => Err(BackendError::BadResponse("no choices".into())),
             Some(Choice {
                 message: ChoiceMessage { content: None },
+                ..
             }) => Err(BackendError::BadResponse(
                 "choices[0].message.content is null".into(),
             )),
@@ -279,6 +282,16 @@ impl OpenAiBackend {
                 message: ChoiceMessage {
                     content: Some(text),
                 },
+                finish_reason,
+            }) if finish_reason.as_deref() == Some("length") => Err(BackendError::Truncated {
+                max_tokens: request.params.max_tokens,
+                text,
+            }),
+            Some(Choice {
+                message: ChoiceMessage {
+                    content: Some(text),
+                },
+                ..
             }) => Ok(text),
         })
     }

@@ -113,6 +113,7 @@ mod tests {
                 hint: None,
                 raw: "\\boxed{1}\n\"quoted\"".into(),
                 error: None,
+                truncated: false,
             }],
             reward: 1,
             hint_accepted: false,

@@ -17,7 +17,7 @@ use futures::future::join_all;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use super::backend::{ChatMessage, JudgeBackend, JudgeRequest, SamplingParams};
+use super::backend::{BackendError, ChatMessage, JudgeBackend, JudgeRequest, SamplingParams};
 use super::parse::{parse_hint, parse_vote};
 use super::prompt::{Material, PromptKind, PromptSet, StepMaterial, TurnMaterial};
 use crate::rl::{aggregate, majority_vote, select_hint, Aggregation};
@@ -138,6 +138,9 @@ pub struct VoteRecord {
     pub raw: String,
     /// Why the vote failed, if it did.
     pub error: Option<String>,
+    /// The answer was cut off at the vote's `max_tokens` (it counts when it parses anyway).
+    #[serde(default)]
+    pub truncated: bool,
 }
 
 /// The judgement of one turn.
@@ -308,6 +311,7 @@ impl Judge {
             hint: None,
             raw,
             error: Some(error),
+            truncated: false,
         };
         let content = match self.prompts.render(kind, material) {
             Ok(c) => c,
@@ -343,6 +347,27 @@ impl Judge {
                         format!("vote timed out after {} ms", timeout.as_millis()),
                     )
                 }
+                Ok(Err(BackendError::Truncated { max_tokens, text })) => {
+                    let vote = match parse_vote(&text, kind.allowed_scores()) {
+                        Err(e) => {
+                            failed(text, format!("truncated at max_tokens = {max_tokens}: {e}"))
+                        }
+                        Ok(score) => VoteRecord {
+                            kind: vote_kind,
+                            score: Some(score),
+                            hint: (vote_kind == VoteKind::Hint)
+                                .then(|| parse_hint(&text))
+                                .flatten(),
+                            raw: text,
+                            error: None,
+                            truncated: false,
+                        },
+                    };
+                    return VoteRecord {
+                        truncated: true,
+                        ..vote
+                    };
+                }
                 Ok(Err(e)) => return failed(String::new(), e.to_string()),
                 Ok(Ok(raw)) => raw,
             };
@@ -360,6 +385,7 @@ impl Judge {
                         hint,
                         raw,
                         error: None,
+                        truncated: false,
                     }
                 }
             }

@@ -264,6 +264,8 @@ struct Counters {
     with_next_state: AtomicU64,
     judged: AtomicU64,
     unjudged: AtomicU64,
+    votes_failed: AtomicU64,
+    votes_truncated: AtomicU64,
     built: AtomicU64,
     build_errors: AtomicU64,
     submitted: AtomicU64,
@@ -293,6 +295,8 @@ impl Counters {
             turns: l(&self.turns),
             judged: l(&self.judged),
             unjudged: l(&self.unjudged),
+            votes_failed: l(&self.votes_failed),
+            votes_truncated: l(&self.votes_truncated),
             episodes_built: l(&self.built),
             build_errors: l(&self.build_errors),
             samples_submitted: l(&self.submitted),
@@ -341,6 +345,10 @@ impl Ctx {
         } else {
             c.judged.fetch_add(1, Ordering::Relaxed);
         }
+        c.votes_failed
+            .fetch_add(judgement.failed_votes.into(), Ordering::Relaxed);
+        c.votes_truncated
+            .fetch_add(judgement.truncated_votes.into(), Ordering::Relaxed);
         let episode = EpisodeTurns {
             session_id: turn.session_id.clone(),
             task_id: GATEWAY_TASK.into(),

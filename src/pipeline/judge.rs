@@ -12,7 +12,7 @@ use clawrl_actors::loops::{BoxFuture, Judgement, Turn, TurnJudge};
 use serde_json::{json, Value};
 
 use crate::job::MethodKind;
-use crate::judge::{Judge, PromptKind, StepMaterial, TurnMaterial};
+use crate::judge::{Judge, PromptKind, StepMaterial, TurnMaterial, VoteRecord};
 
 /// Most characters of the history summary a step judge reads.
 const HISTORY_CHARS: usize = 4000;
@@ -113,10 +113,13 @@ impl TurnJudge for PipelineJudge {
                     "teacher_version": null,
                     "unjudged": j.unjudged,
                 });
+                let (failed_votes, truncated_votes) = vote_failures(&j.votes);
                 return Ok(Judgement {
                     reward: j.score,
                     hint: None,
                     unjudged: j.unjudged,
+                    failed_votes,
+                    truncated_votes,
                     record,
                 });
             }
@@ -133,12 +136,50 @@ impl TurnJudge for PipelineJudge {
                 .await;
             let record = serde_json::to_value(j.record(&turn.session_id, turn.turn as u64, None))
                 .map_err(|e| format!("serializing the judge record: {e}"))?;
+            let (failed_votes, truncated_votes) =
+                vote_failures(j.votes.iter().chain(&j.hint_votes));
             Ok(Judgement {
                 reward: j.reward as f64,
                 hint: j.hint,
                 unjudged: j.unjudged,
+                failed_votes,
+                truncated_votes,
                 record,
             })
         })
+    }
+}
+
+/// `(failed, truncated and failed)` among `votes`.
+fn vote_failures<'a>(votes: impl IntoIterator<Item = &'a VoteRecord>) -> (u32, u32) {
+    votes
+        .into_iter()
+        .filter(|v| v.error.is_some())
+        .fold((0, 0), |(f, t), v| (f + 1, t + u32::from(v.truncated)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::judge::VoteKind;
+
+    #[test]
+    fn failed_and_truncated_votes_are_counted() {
+        let vote = |score: Option<i8>, truncated: bool| VoteRecord {
+            kind: VoteKind::Eval,
+            score,
+            hint: None,
+            raw: String::new(),
+            error: score.is_none().then(|| "failed".to_string()),
+            truncated,
+        };
+        // A truncated answer that still parsed is not a failure.
+        let votes = [
+            vote(Some(1), true),
+            vote(None, true),
+            vote(None, false),
+            vote(Some(-1), false),
+        ];
+        assert_eq!(vote_failures(&votes), (2, 1));
     }
 }

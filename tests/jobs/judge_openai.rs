@@ -27,9 +27,13 @@ struct Server {
 }
 
 fn completion(text: &str) -> Response {
+    finished(text, "stop")
+}
+
+fn finished(text: &str, finish_reason: &str) -> Response {
     Json(json!({
         "id": "x", "object": "chat.completion", "model": "judge",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}]
     }))
     .into_response()
 }
@@ -58,6 +62,7 @@ async fn chat(
         "CASE_GARBAGE",
         "CASE_LIMIT",
         "CASE_TIE",
+        "CASE_CUT",
     ]
     .into_iter()
     .find(|c| prompt.contains(c))
@@ -95,6 +100,12 @@ async fn chat(
             completion("\\boxed{1}")
         }
         ("CASE_GARBAGE", _) => (StatusCode::OK, "<html>not json</html>").into_response(),
+        // Cut off at max_tokens: after the verdict, then mid-reasoning; the third is whole.
+        ("CASE_CUT", "eval") => match vote {
+            0 => finished("The user thanked it. \\boxed{1} Also, the", "length"),
+            1 => finished("<think>Let me weigh whether the reply", "length"),
+            _ => completion("\\boxed{1}"),
+        },
         ("CASE_LIMIT", _) => {
             // Hold until two requests are in flight (bounded wait), so the peak is observed.
             for _ in 0..200 {
@@ -346,4 +357,25 @@ async fn the_concurrency_limit_holds() {
     );
     assert_eq!(server.peak.load(Ordering::SeqCst), 2);
     assert_eq!(backend.peak_in_flight(), 2);
+}
+
+/// An answer cut off at `max_tokens` (`finish_reason: "length"`) is marked truncated: it counts
+/// when its verdict came before the cut, and is a failed vote saying so when it did not.
+#[tokio::test]
+async fn answers_cut_off_at_max_tokens_are_marked_truncated() {
+    let (url, _) = serve().await;
+    let (judge, _) = judge(OpenAiBackend::new(config(&url)).unwrap(), 3, 0);
+    let j = judge.judge_turn(turn("CASE_CUT"), false).await;
+    let v = &j.votes;
+    assert_eq!((v[0].score, v[0].truncated), (Some(1), true), "{v:?}");
+    assert_eq!((v[1].score, v[1].truncated), (None, true), "{v:?}");
+    let why = v[1].error.as_deref().unwrap_or_default();
+    assert!(why.starts_with("truncated at max_tokens = 4096"), "{why}");
+    assert!(
+        v[1].raw.contains("Let me weigh"),
+        "the cut text is kept: {v:?}"
+    );
+    assert_eq!((v[2].score, v[2].truncated), (Some(1), false), "{v:?}");
+    assert_eq!(j.reward, 1);
+    assert!(j.unjudged.is_none());
 }

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clawrl::judge::{
-    BackendError, ChatGenerator, ChatMessage, GenerateError, Judge, JudgeBackend, JudgeConfig,
-    JudgeRequest, ModelBackend, PromptKind, PromptSet, SamplingParams, StepMaterial, TurnMaterial,
-    VoteKind, VoteSettings,
+    BackendError, ChatGenerator, ChatMessage, GenerateError, Generated, Judge, JudgeBackend,
+    JudgeConfig, JudgeRequest, ModelBackend, PromptKind, PromptSet, SamplingParams, StepMaterial,
+    TurnMaterial, VoteKind, VoteSettings,
 };
 use clawrl::rl::{self, AdvantageWeights, Aggregation, CombineCase, EpisodeKind};
 use futures::future::BoxFuture;
@@ -140,13 +140,22 @@ impl ChatGenerator for Generator {
         &'a self,
         messages: &'a [ChatMessage],
         params: &'a SamplingParams,
-    ) -> BoxFuture<'a, Result<String, GenerateError>> {
+    ) -> BoxFuture<'a, Result<Generated, GenerateError>> {
         Box::pin(async move {
             assert_eq!(params.temperature, 0.6);
             if messages[0].content.contains("boom") {
                 Err("out of KV cache".into())
+            } else if messages[0].content.contains("ramble") {
+                // Stopped by max_tokens before any verdict.
+                Ok(Generated {
+                    text: "<think>First, the step".into(),
+                    cut_off: true,
+                })
             } else {
-                Ok(format!("step looks {} \\boxed{{1}}", messages.len()))
+                Ok(Generated {
+                    text: format!("step looks {} \\boxed{{1}}", messages.len()),
+                    cut_off: false,
+                })
             }
         })
     }
@@ -172,6 +181,11 @@ async fn the_model_backend_runs_through_a_chat_generator() {
         .unjudged
         .unwrap()
         .contains("local judge model failed: out of KV cache"));
+    // A local answer stopped by max_tokens before its verdict is a failed vote marked truncated.
+    let s = judge.judge_step(PromptKind::StepSwe, step("ramble")).await;
+    assert!(s.votes.iter().all(|v| v.truncated && v.score.is_none()));
+    let why = s.unjudged.unwrap();
+    assert!(why.contains("truncated at max_tokens = 4096"), "{why}");
 }
 
 #[tokio::test]

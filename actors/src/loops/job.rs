@@ -286,6 +286,11 @@ pub struct JobCounts {
     pub judged: u64,
     /// Turns left unjudged (the reason is in the judge records).
     pub unjudged: u64,
+    /// Judge votes that failed, every turn together (a turn is unjudged only when all did).
+    pub votes_failed: u64,
+    /// Of those, votes cut off at the judge's `max_tokens` (raise `judge.max_tokens` /
+    /// `judge.hint_max_tokens` when this grows).
+    pub votes_truncated: u64,
     /// Episodes turned into samples.
     pub episodes_built: u64,
     /// Builds that failed (their episodes give no samples; the error is logged).
@@ -1015,6 +1020,8 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
                 } else {
                     state.counts.judged += 1;
                 }
+                state.counts.votes_failed += u64::from(jt.judgement.failed_votes);
+                state.counts.votes_truncated += u64::from(jt.judgement.truncated_votes);
                 let sid = jt.turn.session_id.clone();
                 match state.assemblies.get_mut(&sid) {
                     Some(a) => a.judged.push(*jt),

@@ -27,6 +27,12 @@ pub struct Judgement {
     pub hint: Option<String>,
     /// Set when the turn could not be judged: why.
     pub unjudged: Option<String>,
+    /// Votes that failed (timeout, endpoint error, unparseable or truncated answer).
+    #[serde(default)]
+    pub failed_votes: u32,
+    /// Of those, votes whose answer was cut off at the judge's `max_tokens`.
+    #[serde(default)]
+    pub truncated_votes: u32,
     /// The judged-turn record as the judge writes it (`{session_id, turn, votes, reward,
     /// hint_accepted, hint, teacher_version, ...}`).
     pub record: serde_json::Value,
@@ -50,6 +56,8 @@ impl Judgement {
                 "unjudged": reason,
             }),
             unjudged: Some(reason),
+            failed_votes: 0,
+            truncated_votes: 0,
         }
     }
 }

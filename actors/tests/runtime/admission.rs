@@ -285,6 +285,8 @@ impl TurnJudge for Judge {
                 reward: 1.0,
                 hint: None,
                 unjudged: None,
+                failed_votes: 0,
+                truncated_votes: 0,
                 record: json!({"session_id": turn.session_id, "turn": turn.turn}),
             })
         })

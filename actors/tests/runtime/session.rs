@@ -300,6 +300,8 @@ impl TurnJudge for Judge {
                     reward: 1.0,
                     hint: None,
                     unjudged: None,
+                    failed_votes: 0,
+                    truncated_votes: 0,
                     record: json!({"turn": 0}),
                 }),
                 1 => Err("endpoint unreachable".into()),
@@ -312,6 +314,8 @@ impl TurnJudge for Judge {
                     reward: -1.0,
                     hint: None,
                     unjudged: None,
+                    failed_votes: 0,
+                    truncated_votes: 0,
                     record: json!({}),
                 }),
             }
