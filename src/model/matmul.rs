@@ -285,15 +285,13 @@ mod tests {
             let ours = run(&|a, b| tracked::<B, D>(a, b));
             let want = run(&|a, b| a.matmul(b));
             let tol = Tolerance::<f32>::relative(1e-5).set_absolute(1e-4);
-            ours.0
-                .into_data()
-                .assert_approx_eq::<f32>(&want.0.into_data(), tol);
-            ours.1
-                .into_data()
-                .assert_approx_eq::<f32>(&want.1.into_data(), tol);
-            ours.2
-                .into_data()
-                .assert_approx_eq::<f32>(&want.2.into_data(), tol);
+            for (got, want) in [ours.0, ours.1, ours.2]
+                .into_iter()
+                .zip([want.0, want.1, want.2])
+            {
+                got.into_data()
+                    .assert_approx_eq::<f32>(&want.into_data(), tol);
+            }
         }
         check([6, 9], [9, 5]);
         check([2, 3, 7, 4], [2, 3, 4, 6]);
