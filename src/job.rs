@@ -268,8 +268,6 @@ pub struct MethodSpec {
     /// Step-wise: the reward formula (`terminal`, `gui`, `swe`, `tool_call`, `general`; default
     /// from the environment kind).
     pub step_reward: Option<crate::rl::EpisodeKind>,
-    /// Step-wise: finished episodes z-scored together (default: `env.parallelism`).
-    pub group_episodes: Option<u32>,
 }
 
 fn default_clip_high() -> f64 {
@@ -332,6 +330,9 @@ pub struct EnvSpec {
     /// sessions run freely. Default: `optim.batch_size × min(optim.staleness + 1, 2)`
     /// ([`JobSpec::max_backlog`]).
     pub max_backlog: Option<BacklogBound>,
+    /// Step-wise jobs: episodes of one task run as a GRPO group, whose advantages are
+    /// z-scored together per step index ([`JobSpec::group_size`]; default 8).
+    pub group_size: Option<u32>,
 }
 
 /// `env.max_backlog`: a number of samples, or `"off"`.
@@ -441,6 +442,9 @@ pub struct JobSpecError {
 
 /// The environment kind Control places a `personal` job on (the gateway).
 pub const PERSONAL_ENV_KIND: &str = "gateway";
+
+/// Episodes per GRPO group of a step-wise job when `env.group_size` is not given.
+pub const DEFAULT_GROUP_SIZE: u32 = 8;
 
 /// Environment kinds a spec may name.
 pub const ENV_KINDS: &[&str] = &[
@@ -677,9 +681,6 @@ impl JobSpec {
                 ),
             );
         }
-        if self.method.group_episodes == Some(0) {
-            return bad("method.group_episodes", "must be at least 1".into());
-        }
         let o = &self.optim;
         if o.batch_size == 0 {
             return bad("optim.batch_size", "must be at least 1".into());
@@ -811,6 +812,21 @@ impl JobSpec {
                 return bad("env.episode_timeout_s", format!("{t} must be > 0"));
             }
         }
+        if let Some(n) = self.env.group_size {
+            if self.method.kind != MethodKind::Stepwise {
+                return bad(
+                    "env.group_size",
+                    format!(
+                        "applies to method.kind = \"stepwise\" only (GRPO groups of one task); \
+                         method `{}` builds each episode alone",
+                        self.method.kind.name()
+                    ),
+                );
+            }
+            if !(1..=1024).contains(&n) {
+                return bad("env.group_size", format!("{n} is not in 1..=1024"));
+            }
+        }
         if let Some(BacklogBound::Samples(n)) = self.env.max_backlog {
             let b = self.optim.batch_size as u64;
             if n < b {
@@ -844,6 +860,13 @@ impl JobSpec {
                     .saturating_mul((self.optim.staleness as u64 + 1).min(2)),
             ),
         }
+    }
+
+    /// The GRPO group size of a step-wise job (`env.group_size`, default
+    /// [`DEFAULT_GROUP_SIZE`]); `None` for per-turn methods, which build each episode alone.
+    pub fn group_size(&self) -> Option<usize> {
+        (self.method.kind == MethodKind::Stepwise)
+            .then(|| self.env.group_size.unwrap_or(DEFAULT_GROUP_SIZE) as usize)
     }
 
     /// What Control needs to place this job.
@@ -906,6 +929,35 @@ max_steps = 100
 
     fn err(text: &str) -> String {
         JobSpec::parse(text, "jobs/x.toml").unwrap_err().to_string()
+    }
+
+    #[test]
+    fn group_size_defaults_to_eight_for_stepwise_and_is_refused_elsewhere() {
+        let stepwise = GOOD.replace(r#"kind = "combined""#, r#"kind = "stepwise""#);
+        let s = JobSpec::parse(&stepwise, "x.toml").unwrap();
+        assert_eq!(s.group_size(), Some(DEFAULT_GROUP_SIZE as usize));
+        let with = |text: &str, v: &str| {
+            text.replace(
+                "parallelism = 4",
+                &format!("parallelism = 4\ngroup_size = {v}"),
+            )
+        };
+        let s = JobSpec::parse(&with(&stepwise, "3"), "x.toml").unwrap();
+        assert_eq!(s.group_size(), Some(3));
+        assert_eq!(JobSpec::parse(GOOD, "x.toml").unwrap().group_size(), None);
+        let e = err(&with(GOOD, "3"));
+        assert!(
+            e.contains("env.group_size") && e.contains("stepwise"),
+            "{e}"
+        );
+        let e = err(&with(&stepwise, "0"));
+        assert!(
+            e.contains("env.group_size") && e.contains("1..=1024"),
+            "{e}"
+        );
+        // The old key is gone, and says so.
+        let e = err(&stepwise.replace("[method]", "[method]\ngroup_episodes = 4"));
+        assert!(e.contains("group_episodes"), "{e}");
     }
 
     #[test]

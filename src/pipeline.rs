@@ -360,6 +360,7 @@ pub fn job_settings(spec: &JobSpec, poll: Duration) -> JobSettings {
             batch_size: spec.optim.batch_size as u64,
             max_wait: episode_deadline(spec) / 4,
         }),
+        group_size: spec.group_size(),
     }
 }
 
@@ -418,7 +419,6 @@ pub(crate) fn build_judging(
         },
         teacher,
         step_kind,
-        spec.method.group_episodes.unwrap_or(spec.env.parallelism) as usize,
     )
     .map_err(RunError::Judge)?;
     Ok((judge, builder))

@@ -11,6 +11,7 @@
 
 pub mod admission;
 pub mod env;
+pub mod groups;
 pub mod job;
 pub mod recorder;
 pub mod rollout;
@@ -33,6 +34,7 @@ pub use admission::{
 pub use env::{
     Action, BoxFuture, EnvError, Environment, Episode, Observation, StepOutcome, ToolCallAction,
 };
+pub use groups::{GroupCounts, GroupId, Groups, Settled};
 pub use job::{
     spawn_job, Built, EpisodeTurns, JobArgs, JobCounts, JobMsg, JobPhase, JobSample, JobSettings,
     JobSupervisor, ProgressReport, SampleBuilder, StopCondition, TrainerCounts, TrainerLink,

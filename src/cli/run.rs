@@ -668,6 +668,17 @@ fn print_table(r: &RunReport, out: &Path, balanced: bool) {
             },
         ),
         (
+            "groups",
+            match &c.groups {
+                None => "none (each episode is built alone)".to_string(),
+                Some(g) => format!(
+                    "{} episodes each: {} started, {} built whole, {} built short at the stop, \
+                     {} dropped whole ({} episodes discarded)",
+                    g.size, g.started, g.built, g.short, g.dropped, g.episodes_discarded
+                ),
+            },
+        ),
+        (
             "samples",
             format!(
                 "{} produced = {} trained + {} dropped stale + {} failed + {} pending ({})",

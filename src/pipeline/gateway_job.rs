@@ -352,6 +352,7 @@ impl Ctx {
         let episode = EpisodeTurns {
             session_id: turn.session_id.clone(),
             task_id: GATEWAY_TASK.into(),
+            group: None,
             reason: EndReason::Done { outcome: None },
             turns: vec![JudgedTurn { turn, judgement }],
         };
@@ -534,7 +535,6 @@ where
         },
         teacher.clone(),
         EpisodeKind::General,
-        1,
     )
     .map_err(RunError::Judge)?;
     let ctx = Arc::new(Ctx {

@@ -7,8 +7,9 @@
 //! - `combined`: the four cases of [`crate::rl::CombineCase`]: the binary term `w_binary · r`
 //!   per token plus, with an accepted hint, the OPD term.
 //! - `stepwise`: each step's reward is [`crate::rl::step_reward`] of the episode outcome and the
-//!   step's process score (0 for a step without a next state); rewards are z-scored in (task,
-//!   step index) buckets over the episodes of one build ([`crate::rl::zscore_buckets`]). Steps
+//!   step's process score (0 for a step without a next state); rewards are z-scored in (group,
+//!   step index) buckets over the episodes of one GRPO group, which the job builds together
+//!   ([`crate::rl::zscore_buckets`]). Steps
 //!   without a next state are left out, except the final step of an episode that ended with an
 //!   outcome (a final answer), which is rewarded with the outcome alone.
 //!
@@ -137,7 +138,6 @@ pub struct MethodBuilder {
     weights: AdvantageWeights,
     teacher: Option<TeacherWorker>,
     step_kind: EpisodeKind,
-    group_episodes: usize,
     timeout: Duration,
 }
 
@@ -149,7 +149,6 @@ impl MethodBuilder {
         weights: AdvantageWeights,
         teacher: Option<TeacherWorker>,
         step_kind: EpisodeKind,
-        group_episodes: usize,
     ) -> Result<Self, String> {
         if method.uses_hints() && teacher.is_none() {
             return Err(format!("method `{}` needs an OPD teacher", method.name()));
@@ -160,7 +159,6 @@ impl MethodBuilder {
             weights,
             teacher,
             step_kind,
-            group_episodes: group_episodes.max(1),
             timeout: Duration::from_secs(600),
         })
     }
@@ -344,8 +342,12 @@ impl MethodBuilder {
                             jt.judgement.reward
                         };
                         let r = step_reward(self.step_kind, o, prm).map_err(|e| e.to_string())?;
+                        // The job builds one GRPO group at a time; an episode outside a group
+                        // (a job without groups) is bucketed by its task.
                         steps.push(StepSample {
-                            group: ep.task_id.clone(),
+                            group: ep
+                                .group
+                                .map_or_else(|| ep.task_id.clone(), |g| format!("g{g}")),
                             step: jt.turn.turn,
                             reward: r,
                         });
@@ -370,14 +372,6 @@ impl MethodBuilder {
 pub struct SharedBuilder(pub Arc<MethodBuilder>);
 
 impl SampleBuilder<TrainSample> for SharedBuilder {
-    fn episodes_per_build(&self) -> usize {
-        if self.0.method == MethodKind::Stepwise {
-            self.0.group_episodes
-        } else {
-            1
-        }
-    }
-
     fn build(
         &self,
         episodes: Arc<Vec<EpisodeTurns>>,

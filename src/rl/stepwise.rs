@@ -106,8 +106,9 @@ pub struct ZScored {
 
 /// Z-scores rewards within (task group, step index) buckets (docs/design.md §1).
 ///
-/// - `advantage = (r − mean) / (std + 1e-6)` with the *sample* standard deviation (Bessel's
-///   `n − 1`), as GRPO implementations compute it.
+/// - `advantage = (r − mean) / (std + 1e-6)` with the *population* standard deviation
+///   (divided by `n`), as the reference implementation computes it; a bucket's advantages then
+///   have mean 0 and population standard deviation 1 (up to the epsilon).
 /// - A single-sample bucket keeps its raw reward as its advantage.
 /// - A bucket of two or more samples whose standard deviation is below `1e-6` carries no signal
 ///   and is dropped, except that the output is never empty when the input is not ("keep at least
@@ -145,7 +146,7 @@ pub fn zscore_buckets(samples: &[StepSample]) -> Result<Vec<ZScored>, StepwiseEr
             .iter()
             .map(|&i| (samples[i].reward - mean).powi(2))
             .sum::<f64>()
-            / (n - 1) as f64;
+            / n as f64;
         let std = var.sqrt();
         if std < ZSCORE_EPS {
             continue;
@@ -210,8 +211,9 @@ mod tests {
 
     #[test]
     fn zscore_within_group_and_step_index() {
-        // Bucket (g, 0): rewards 1, 3 → mean 2, sample std √2.
-        // Bucket (g, 1): rewards 0, 0, 6 → mean 2, sample std √12.
+        // Population standard deviations (divided by n, as the reference computes them):
+        // Bucket (g, 0): rewards 1, 3 → mean 2, std 1.
+        // Bucket (g, 1): rewards 0, 0, 6 → mean 2, std √8 (Bessel's n − 1 would give √12).
         // Bucket (h, 0): a different group with the same step index is its own bucket.
         let samples = [
             s("g", 0, 1.0),
@@ -223,17 +225,28 @@ mod tests {
             s("h", 0, 4.0),
         ];
         let out = zscore_buckets(&samples).unwrap();
-        let sq2 = 2f64.sqrt() + ZSCORE_EPS;
-        let sq12 = 12f64.sqrt() + ZSCORE_EPS;
+        let one = 1.0 + ZSCORE_EPS;
+        let sq8 = 8f64.sqrt() + ZSCORE_EPS;
         let want = [
-            (0, -1.0 / sq2),
-            (1, -2.0 / sq12),
-            (2, 1.0 / sq2),
-            (3, -2.0 / sq12),
-            (4, 4.0 / sq12),
-            (5, -1.0 / sq2),
-            (6, 1.0 / sq2),
+            (0, -1.0 / one),
+            (1, -2.0 / sq8),
+            (2, 1.0 / one),
+            (3, -2.0 / sq8),
+            (4, 4.0 / sq8),
+            (5, -1.0 / one),
+            (6, 1.0 / one),
         ];
+        // Each bucket's advantages: mean 0, population standard deviation 1.
+        for bucket in [&[0usize, 2][..], &[1, 3, 4], &[5, 6]] {
+            let a: Vec<f64> = bucket.iter().map(|&i| out[i].advantage).collect();
+            let n = a.len() as f64;
+            let mean = a.iter().sum::<f64>() / n;
+            let std = (a.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n).sqrt();
+            assert!(
+                mean.abs() < 1e-12 && (std - 1.0).abs() < 1e-5,
+                "{bucket:?}: {mean} {std}"
+            );
+        }
         assert_eq!(out.len(), want.len());
         for (got, (i, a)) in out.iter().zip(want) {
             assert_eq!(got.index, i);

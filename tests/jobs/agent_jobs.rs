@@ -146,6 +146,7 @@ parallelism = 2
 tasks = "{tasks}"
 max_steps = {max_steps}
 episode_timeout_s = 120
+{group}
 [stop]
 max_steps = 2
 "#,
@@ -157,6 +158,12 @@ max_steps = 2
         max_steps = j.max_steps,
         method = j.method,
         max_context = j.max_context,
+        // Step-wise: GRPO groups of two episodes, so that two steps' samples come soon.
+        group = if j.method == "stepwise" {
+            "group_size = 2"
+        } else {
+            ""
+        },
     )
 }
 

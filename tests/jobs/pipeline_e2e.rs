@@ -18,6 +18,13 @@ const TASKS: &str = r#"{"id": "greet", "instruction": "Say hello.", "replies": [
 
 fn spec_text(method: &str) -> String {
     let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3-tiny");
+    // Step-wise jobs: GRPO groups of 4 episodes of one task, and a judge whose votes are
+    // flipped at random (per response), so that a group's step rewards differ.
+    let (noise, group) = if method == "stepwise" {
+        ("noise_rate = 0.3", "group_size = 4")
+    } else {
+        ("", "")
+    };
     format!(
         r#"
 kind = "rl"
@@ -38,6 +45,7 @@ rules = [
 ]
 default_score = 0
 hint = {{ pattern = "(?i)hint: (.*)" }}
+{noise}
 [method]
 kind = "{method}"
 [optim]
@@ -50,6 +58,7 @@ staleness = 2
 kind = "scripted"
 parallelism = 3
 tasks = "tasks.jsonl"
+{group}
 [stop]
 max_steps = 2
 "#
@@ -261,10 +270,56 @@ async fn combined_job_runs_end_to_end() {
 async fn stepwise_job_runs_end_to_end() {
     let (r, rec) = run("stepwise").await;
     check_common("stepwise", &r, &rec);
-    // Step judges score with the step prompt; every sample's advantage is finite.
+    // Every sample names its GRPO group and step; within each (group, step) bucket of two or
+    // more samples the advantages have mean 0 and population standard deviation 1 (a bucket of
+    // one keeps its raw reward, or is the one kept of buckets without variance).
+    let mut buckets: HashMap<(u64, u64), Vec<f64>> = HashMap::new();
     for (_, _, s) in rec.of("sample") {
-        assert!(s["advantage_mean"].as_f64().unwrap().is_finite());
+        let a = s["advantage_mean"].as_f64().unwrap();
+        assert!(a.is_finite(), "{s}");
+        let group = s["group"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no group: {s}"));
+        let step = s["step"].as_u64().unwrap_or_else(|| panic!("no step: {s}"));
+        assert_eq!(s["step"], s["turn"], "{s}");
+        buckets.entry((group, step)).or_default().push(a);
     }
+    let mut checked = 0;
+    for (key, a) in &buckets {
+        if a.len() < 2 {
+            continue;
+        }
+        let n = a.len() as f64;
+        let mean = a.iter().sum::<f64>() / n;
+        let std = (a.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n).sqrt();
+        assert!(
+            mean.abs() < 1e-4 && (std - 1.0).abs() < 1e-4,
+            "bucket {key:?}: mean {mean}, population std {std}: {a:?}"
+        );
+        checked += 1;
+    }
+    assert!(
+        checked >= 1,
+        "no bucket of two or more samples: {buckets:?}"
+    );
+    // Groups are counted: whole ones built (the stop may leave some short), none dropped.
+    let g = r
+        .counts
+        .groups
+        .as_ref()
+        .expect("a step-wise job has groups");
+    assert_eq!(g.size, 4, "{g:?}");
+    assert!(g.built >= 1, "{g:?}");
+    assert_eq!((g.dropped, g.episodes_discarded), (0, 0), "{g:?}");
+    assert_eq!(
+        r.counts.episodes_built,
+        rec.of("turn")
+            .iter()
+            .map(|(_, _, t)| t["session_id"].as_str().unwrap())
+            .collect::<std::collections::HashSet<_>>()
+            .len() as u64,
+        "every episode is built in its group"
+    );
     for (_, _, j) in rec.of("judge") {
         assert_eq!(j["hint_accepted"], false);
     }

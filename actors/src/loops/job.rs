@@ -15,6 +15,11 @@
 //! - a failing voter, builder or trainer call never stops the job: turns go on unjudged, a failed
 //!   build is counted, a refused submission is counted.
 //!
+//! Builds: each finished episode is built alone, or, in a job with GRPO groups
+//! ([`JobSettings::group_size`]), the episodes of one group are built together once the group
+//! is complete; a failed session is then retried within its group and its attempt discarded, and
+//! a session given up on drops its group whole ([`super::groups`] has the rules).
+//!
 //! Admission (with [`JobSettings::admission`]): sessions are held back so that they do not
 //! outrun the trainer. Each turn is admitted by a [`Gate`] before the policy is
 //! asked, and a new session starts only when the gate would admit a turn; the supervisor keeps
@@ -39,6 +44,7 @@ use tokio::sync::oneshot;
 
 use super::admission::{AdmissionCounts, AdmissionSettings, Backlog, Gate, GatedPolicy};
 use super::env::{BoxFuture, Environment};
+use super::groups::{GroupCounts, GroupId, Groups, Settled};
 use super::recorder::RecorderHandle;
 use super::session::{EndReason, EnvSession, SessionArgs, SessionEvent, Turn, TurnPolicy};
 use super::trainer::{TrainSample, TrainerMsg, TrainerStats};
@@ -51,6 +57,8 @@ pub struct EpisodeTurns {
     pub session_id: String,
     /// The task's id.
     pub task_id: String,
+    /// Its GRPO group, in a job with groups ([`JobSettings::group_size`]).
+    pub group: Option<GroupId>,
     /// Why the episode ended.
     pub reason: EndReason,
     /// Its turns with their verdicts.
@@ -69,13 +77,8 @@ pub struct Built<S> {
 /// Builds training samples from finished episodes (the method lives here: binary, OPD,
 /// combined, step-wise).
 pub trait SampleBuilder<S>: Send + Sync + 'static {
-    /// How many finished episodes one build takes (step-wise z-scoring wants several episodes
-    /// of a task group; per-turn methods take one). At the end of a job a build may get fewer.
-    fn episodes_per_build(&self) -> usize {
-        1
-    }
-
-    /// Builds samples from `episodes`.
+    /// Builds samples from `episodes`: one episode, or the members of one GRPO group in a job
+    /// with groups ([`JobSettings::group_size`]).
     fn build(
         &self,
         episodes: Arc<Vec<EpisodeTurns>>,
@@ -229,6 +232,12 @@ pub struct JobSettings {
     /// Admission control (backpressure from the trainer); `None`: sessions run freely.
     #[serde(default)]
     pub admission: Option<AdmissionSettings>,
+    /// GRPO groups: `Some(n)` runs `n` episodes of one task as a group that is built together
+    /// (a failed attempt is retried in its group and discarded; a group with a session given
+    /// up on is dropped whole; see [`super::groups`]). `None`: every episode is built alone,
+    /// a failed one included.
+    #[serde(default)]
+    pub group_size: Option<usize>,
 }
 
 impl Default for JobSettings {
@@ -244,6 +253,7 @@ impl Default for JobSettings {
             stop: StopCondition::default(),
             poll: Duration::from_millis(200),
             admission: None,
+            group_size: None,
         }
     }
 }
@@ -315,6 +325,9 @@ pub struct JobCounts {
     /// What admission control did (all zero without it).
     #[serde(default)]
     pub admission: AdmissionCounts,
+    /// What became of GRPO groups, in a job with groups.
+    #[serde(default)]
+    pub groups: Option<GroupCounts>,
 }
 
 impl JobCounts {
@@ -361,6 +374,9 @@ pub enum JobMsg<S> {
     Judged(Box<JudgedTurn>),
     /// A build finished.
     Built(Arc<Vec<EpisodeTurns>>, Result<Built<S>, String>),
+    /// Episodes that give no samples, to settle (a failed attempt in a job with groups, or
+    /// a dropped group).
+    Discarded(Arc<Vec<EpisodeTurns>>),
     /// Poll the trainer, report progress, check the stop condition.
     Tick,
     /// Stop now (as if the stop condition were reached) and drain.
@@ -404,12 +420,14 @@ struct Slot {
     session_id: String,
     task_index: usize,
     failures: u32,
+    group: Option<GroupId>,
 }
 
 /// A session's episode being assembled.
 #[derive(Default)]
 struct Assembly {
     task_id: String,
+    group: Option<GroupId>,
     received: u32,
     ended: Option<(u32, EndReason)>,
     judged: Vec<JudgedTurn>,
@@ -428,7 +446,6 @@ pub struct JobState<S> {
     live: HashMap<ActorId, (ActorRef<super::session::SessionMsg>, Slot)>,
     /// Sessions whose `Ended` was seen, by session id (slot to refill).
     assemblies: BTreeMap<String, Assembly>,
-    ready: Vec<EpisodeTurns>,
     builds_in_flight: usize,
     next_session: u64,
     next_task: usize,
@@ -444,6 +461,8 @@ pub struct JobState<S> {
     /// Whether the last poll of the trainer's counters failed (admission then opens: a trainer
     /// that cannot be asked must not hold the sessions back on counts it may have lost).
     trainer_unreachable: bool,
+    /// The GRPO groups, in a job with groups.
+    groups: Option<Groups<EpisodeTurns>>,
 }
 
 impl<S: JobSample> JobState<S> {
@@ -465,6 +484,7 @@ impl<S: JobSample> JobState<S> {
         myself: &ActorRef<JobMsg<S>>,
         task_index: usize,
         failures: u32,
+        group: Option<GroupId>,
     ) -> Result<(), ActorProcessingErr> {
         let n = self.next_session;
         self.next_session += 1;
@@ -491,8 +511,13 @@ impl<S: JobSample> JobState<S> {
             max_steps: self.args.settings.max_episode_steps,
             report,
         };
-        self.assemblies
-            .insert(session_id.clone(), Assembly::default());
+        self.assemblies.insert(
+            session_id.clone(),
+            Assembly {
+                group,
+                ..Assembly::default()
+            },
+        );
         let (actor, _) = Actor::spawn_linked(None, EnvSession, args, myself.get_cell()).await?;
         self.counts.sessions_started += 1;
         self.live.insert(
@@ -503,6 +528,7 @@ impl<S: JobSample> JobState<S> {
                     session_id,
                     task_index,
                     failures,
+                    group,
                 },
             ),
         );
@@ -524,8 +550,22 @@ impl<S: JobSample> JobState<S> {
             if self.gate.as_ref().is_some_and(|g| !g.admits_start()) {
                 break;
             }
-            let t = self.take_task();
-            self.spawn_session(myself, t, 0).await?;
+            let (task, group) = match &mut self.groups {
+                Some(groups) => {
+                    let count = self.args.env.task_count().max(1);
+                    let next = &mut self.next_task;
+                    let Some((group, task)) = groups.assign(|| {
+                        let t = *next % count;
+                        *next += 1;
+                        t
+                    }) else {
+                        break;
+                    };
+                    (task, Some(group))
+                }
+                None => (self.take_task(), None),
+            };
+            self.spawn_session(myself, task, 0, group).await?;
         }
         Ok(())
     }
@@ -555,7 +595,7 @@ impl<S: JobSample> JobState<S> {
         None
     }
 
-    fn begin_drain(&mut self, why: &str) {
+    fn begin_drain(&mut self, myself: &ActorRef<JobMsg<S>>, why: &str) {
         if self.counts.phase != JobPhase::Running {
             return;
         }
@@ -566,6 +606,10 @@ impl<S: JobSample> JobState<S> {
         }
         for (actor, _) in self.live.values() {
             actor.stop(Some("job stopping".into()));
+        }
+        if let Some(groups) = &mut self.groups {
+            let settled = groups.drain();
+            self.settle(myself, settled);
         }
     }
 
@@ -597,7 +641,7 @@ impl<S: JobSample> JobState<S> {
                     }
                 }
                 if let Some(why) = self.stop_condition() {
-                    self.begin_drain(&why);
+                    self.begin_drain(myself, &why);
                 }
                 // Counted as produced first, then no longer as admitted: the gate never sees
                 // the turn missing from both.
@@ -627,6 +671,31 @@ impl<S: JobSample> JobState<S> {
                     .find(|(_, (_, s))| s.session_id == session_id)
                     .map(|(id, _)| *id);
                 let slot = slot.and_then(|id| self.live.remove(&id)).map(|(_, s)| s);
+                // A failed session is restarted while the job runs and its restarts last,
+                // unless its group was already dropped (nothing of it will be built).
+                let group = self.assemblies.get(&session_id).and_then(|a| a.group);
+                let group_dropped = match (&self.groups, group) {
+                    (Some(groups), Some(g)) => groups.is_dropped(g),
+                    _ => false,
+                };
+                let retry = failed
+                    && !group_dropped
+                    && self.counts.phase == JobPhase::Running
+                    && slot
+                        .as_ref()
+                        .is_some_and(|s| s.failures < self.args.settings.max_restarts);
+                // Its group learns that before the episode can complete (a group must not be
+                // built short while a retry is on its way): one more attempt, or dropped.
+                if let (true, false, Some(groups), Some(g)) =
+                    (failed, group_dropped, &mut self.groups, group)
+                {
+                    if retry {
+                        groups.retry(g);
+                    } else {
+                        let settled = groups.give_up(g);
+                        self.settle(myself, settled);
+                    }
+                }
                 if let Some(a) = self.assemblies.get_mut(&session_id) {
                     if a.task_id.is_empty() {
                         a.task_id = task_id;
@@ -644,7 +713,10 @@ impl<S: JobSample> JobState<S> {
                 self.try_complete(myself, &session_id)?;
                 self.refresh_gate();
                 if let Some(slot) = slot {
-                    self.refill(myself, slot, failed).await?;
+                    // A failure in a dropped group frees its slot like a normal end: the
+                    // session was not given up on, its group was.
+                    let failed = failed && !group_dropped;
+                    self.refill(myself, slot, failed, retry).await?;
                 }
             }
         }
@@ -656,6 +728,7 @@ impl<S: JobSample> JobState<S> {
         myself: &ActorRef<JobMsg<S>>,
         slot: Slot,
         failed: bool,
+        retry: bool,
     ) -> Result<(), ActorProcessingErr> {
         if self.counts.phase != JobPhase::Running {
             if failed {
@@ -664,10 +737,10 @@ impl<S: JobSample> JobState<S> {
             return Ok(());
         }
         if failed {
-            if slot.failures < self.args.settings.max_restarts {
+            if retry {
                 self.counts.sessions_restarted += 1;
                 return self
-                    .spawn_session(myself, slot.task_index, slot.failures + 1)
+                    .spawn_session(myself, slot.task_index, slot.failures + 1, slot.group)
                     .await;
             }
             self.counts.sessions_lost += 1;
@@ -687,7 +760,7 @@ impl<S: JobSample> JobState<S> {
                 tracing::error!(job = %self.args.job, "{why}");
                 self.counts.last_error = Some(why.clone());
                 self.counts.gave_up = Some(why.clone());
-                self.begin_drain(&why);
+                self.begin_drain(myself, &why);
                 return Ok(());
             }
         }
@@ -708,41 +781,62 @@ impl<S: JobSample> JobState<S> {
         if complete {
             let a = self.assemblies.remove(session_id).expect("checked");
             let (_, reason) = a.ended.expect("checked");
+            let member = !reason.is_failure();
             let mut turns = a.judged;
             turns.sort_by_key(|t| t.turn.turn);
-            if !turns.is_empty() {
-                self.ready.push(EpisodeTurns {
-                    session_id: session_id.to_string(),
-                    task_id: a.task_id,
-                    reason,
-                    turns,
-                });
+            let episode = (!turns.is_empty()).then(|| EpisodeTurns {
+                session_id: session_id.to_string(),
+                task_id: a.task_id,
+                group: a.group,
+                reason,
+                turns,
+            });
+            match (&mut self.groups, a.group) {
+                (Some(groups), Some(g)) => {
+                    let settled = groups.episode(g, episode, member);
+                    self.settle(myself, settled);
+                }
+                _ => {
+                    if let Some(e) = episode {
+                        self.start_build(myself, vec![e]);
+                    }
+                }
             }
-            self.maybe_build(myself, false)?;
         }
         Ok(())
     }
 
-    fn maybe_build(
+    /// Acts on what the groups hand back: a group to build, or episodes to discard.
+    fn settle(
         &mut self,
         myself: &ActorRef<JobMsg<S>>,
-        flush: bool,
-    ) -> Result<(), ActorProcessingErr> {
-        let per = self.args.builder.episodes_per_build().max(1);
-        while self.ready.len() >= per || (flush && !self.ready.is_empty()) {
-            let n = per.min(self.ready.len());
-            let batch: Vec<EpisodeTurns> = self.ready.drain(..n).collect();
-            self.build_turns += batch.iter().map(|e| e.turns.len() as u64).sum::<u64>();
-            let batch = Arc::new(batch);
-            let fut = self.args.builder.build(batch.clone());
-            let me = myself.clone();
-            self.builds_in_flight += 1;
-            tokio::spawn(async move {
-                let result = fut.await;
-                let _ = me.cast(JobMsg::Built(batch, result));
-            });
+        settled: impl IntoIterator<Item = Settled<EpisodeTurns>>,
+    ) {
+        for s in settled {
+            match s {
+                Settled::Build { episodes, .. } => self.start_build(myself, episodes),
+                Settled::Discard(episodes) => {
+                    // Settled like a build that made nothing, through the mailbox so that the
+                    // judge records are written in order with everything else.
+                    self.build_turns += episodes.iter().map(|e| e.turns.len() as u64).sum::<u64>();
+                    self.builds_in_flight += 1;
+                    let _ = myself.cast(JobMsg::Discarded(Arc::new(episodes)));
+                }
+            }
         }
-        Ok(())
+    }
+
+    /// Starts building `episodes` (one episode, or one group) off the actor.
+    fn start_build(&mut self, myself: &ActorRef<JobMsg<S>>, episodes: Vec<EpisodeTurns>) {
+        self.build_turns += episodes.iter().map(|e| e.turns.len() as u64).sum::<u64>();
+        let batch = Arc::new(episodes);
+        let fut = self.args.builder.build(batch.clone());
+        let me = myself.clone();
+        self.builds_in_flight += 1;
+        tokio::spawn(async move {
+            let result = fut.await;
+            let _ = me.cast(JobMsg::Built(batch, result));
+        });
     }
 
     async fn on_built(
@@ -758,10 +852,29 @@ impl<S: JobSample> JobState<S> {
             Ok(built) => {
                 self.counts.episodes_built += episodes.len() as u64;
                 let n = built.samples.len() as u64;
+                // Each sample's record says which group and step index it belongs to (its
+                // step-wise advantage is z-scored among those).
+                let groups: HashMap<&str, GroupId> = episodes
+                    .iter()
+                    .filter_map(|e| e.group.map(|g| (e.session_id.as_str(), g)))
+                    .collect();
                 let records: Vec<(u64, serde_json::Value)> = built
                     .samples
                     .iter()
-                    .map(|s| (s.version(), s.record()))
+                    .map(|s| {
+                        let mut record = s.record();
+                        if let Some(obj) = record.as_object_mut() {
+                            let group = obj
+                                .get("session_id")
+                                .and_then(|v| v.as_str())
+                                .and_then(|sid| groups.get(sid));
+                            obj.insert("group".into(), group.copied().into());
+                            if let Some(turn) = obj.get("turn").cloned() {
+                                obj.insert("step".into(), turn);
+                            }
+                        }
+                        (s.version(), record)
+                    })
                     .collect();
                 for (version, record) in records {
                     self.record(version, "sample", &record).await;
@@ -789,6 +902,26 @@ impl<S: JobSample> JobState<S> {
                 HashMap::new()
             }
         };
+        self.record_judgements(&episodes, &teacher).await;
+    }
+
+    /// Episodes that give no samples (a failed attempt, a dropped group) are settled: their
+    /// turns leave the backlog and their judge records are written.
+    async fn on_discarded(&mut self, episodes: Arc<Vec<EpisodeTurns>>) {
+        self.builds_in_flight -= 1;
+        let turns = episodes.iter().map(|e| e.turns.len() as u64).sum::<u64>();
+        self.build_turns -= turns;
+        self.turns_settled += turns;
+        self.record_judgements(&episodes, &HashMap::new()).await;
+    }
+
+    /// The judge record of every turn of `episodes`, with the OPD teacher's version where one
+    /// scored the turn.
+    async fn record_judgements(
+        &mut self,
+        episodes: &[EpisodeTurns],
+        teacher: &HashMap<(String, u32), u64>,
+    ) {
         for ep in episodes.iter() {
             for jt in &ep.turns {
                 let mut record = jt.judgement.record.clone();
@@ -825,6 +958,7 @@ impl<S: JobSample> JobState<S> {
             self.counts.records_waited = s.waited_full;
         }
         self.counts.sessions_running = self.live.len() as u64;
+        self.counts.groups = self.groups.as_ref().map(|g| g.counts().clone());
         self.counts.elapsed_ms = self.started.elapsed().as_millis() as u64;
     }
 
@@ -857,7 +991,7 @@ impl<S: JobSample> JobState<S> {
             && self.live.is_empty()
             && self.judging() == 0
             && self.assemblies.is_empty()
-            && self.ready.is_empty()
+            && self.groups.as_ref().is_none_or(|g| g.is_empty())
             && self.builds_in_flight == 0
     }
 
@@ -955,6 +1089,7 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
             Some(a) => Some(Gate::new(a).map_err(|e| format!("job: {e}"))?),
             None => None,
         };
+        let groups = s.group_size.map(Groups::new);
         let me = myself.clone();
         let (voter, _) = Actor::spawn_linked(
             None,
@@ -976,7 +1111,6 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
             voter,
             live: HashMap::new(),
             assemblies: BTreeMap::new(),
-            ready: Vec::new(),
             builds_in_flight: 0,
             next_session: 0,
             next_task: 0,
@@ -986,6 +1120,7 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
             build_turns: 0,
             submitted_since_poll: 0,
             trainer_unreachable: false,
+            groups,
         })
     }
 
@@ -1030,20 +1165,17 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
                 state.try_complete(&myself, &sid)?;
             }
             JobMsg::Built(episodes, result) => state.on_built(episodes, result).await,
+            JobMsg::Discarded(episodes) => state.on_discarded(episodes).await,
             JobMsg::Tick => {
                 if state.counts.phase == JobPhase::Finished {
                     return Ok(());
                 }
                 state.poll().await;
                 if let Some(why) = state.stop_condition() {
-                    state.begin_drain(&why);
+                    state.begin_drain(&myself, &why);
                 }
                 // Slots left empty by admission control start when the backlog allows.
                 state.fill(&myself).await?;
-                if state.counts.phase == JobPhase::Draining {
-                    // Whatever finished episodes remain, build them now.
-                    state.maybe_build(&myself, true)?;
-                }
                 if state.drained() {
                     match state.args.trainer.idle().await {
                         Ok(c) => state.counts.trainer = c,
@@ -1063,7 +1195,7 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
                     state.report();
                 }
             }
-            JobMsg::Stop => state.begin_drain("stop requested"),
+            JobMsg::Stop => state.begin_drain(&myself, "stop requested"),
             JobMsg::SetMaxSteps(max_steps) => {
                 tracing::info!(job = %state.args.job, max_steps, "the job's step limit changed");
                 state.args.settings.stop.max_trainer_steps = Some(max_steps);

@@ -305,15 +305,10 @@ impl JobSample for Sample {
     }
 }
 
-/// One sample per turn, `per` episodes per build.
-struct Builder {
-    per: usize,
-}
+/// One sample per turn of the episodes of a build.
+struct Builder;
 
 impl SampleBuilder<Sample> for Builder {
-    fn episodes_per_build(&self) -> usize {
-        self.per
-    }
     fn build(
         &self,
         eps: Arc<Vec<EpisodeTurns>>,
@@ -383,8 +378,12 @@ impl TrainerLink<Sample> for SlowTrainer {
 }
 
 /// Runs a job of 6 sessions of 3-turn episodes against a trainer taking batches of 4 with a
-/// staleness bound of 2, to 12 trainer steps.
-async fn slow_trainer_job(admission: Option<AdmissionSettings>, per: usize) -> JobCounts {
+/// staleness bound of 2, to 12 trainer steps; `group_size`: GRPO groups of that many episodes,
+/// each built together.
+async fn slow_trainer_job(
+    admission: Option<AdmissionSettings>,
+    group_size: Option<usize>,
+) -> JobCounts {
     let version = Arc::new(AtomicU64::new(0));
     let trainer = Arc::new(SlowTrainer {
         batch: 4,
@@ -406,7 +405,7 @@ async fn slow_trainer_job(admission: Option<AdmissionSettings>, per: usize) -> J
         env: Arc::new(Env { steps: 3 }),
         policy: Arc::new(Policy(version)),
         judge: Arc::new(Judge),
-        builder: Arc::new(Builder { per }),
+        builder: Arc::new(Builder),
         trainer: trainer.clone(),
         recorder: None,
         settings: JobSettings {
@@ -417,6 +416,7 @@ async fn slow_trainer_job(admission: Option<AdmissionSettings>, per: usize) -> J
             },
             poll: Duration::from_millis(2),
             admission,
+            group_size,
             ..JobSettings::default()
         },
         progress: None,
@@ -441,14 +441,14 @@ fn stale_fraction(c: &JobCounts) -> f64 {
 async fn admission_keeps_sessions_from_outrunning_the_trainer() {
     // Free-running sessions produce far more than a batch of 4 per step can use: most of what
     // the trainer sees is too stale.
-    let free = slow_trainer_job(None, 1).await;
+    let free = slow_trainer_job(None, None).await;
     assert!(free.balanced(), "{free:?}");
     assert_eq!(free.admission, Default::default());
     let free_stale = stale_fraction(&free);
     assert!(free_stale > 0.5, "{free_stale}: {free:?}");
 
     // Held back to what the staleness bound can use (4 × (2 + 1) samples): few go stale.
-    let held = slow_trainer_job(Some(settings(12, 4)), 1).await;
+    let held = slow_trainer_job(Some(settings(12, 4)), None).await;
     assert!(held.balanced(), "{held:?}");
     assert!(held.trainer.steps >= 12, "{held:?}");
     assert_eq!(held.turns, held.judged + held.unjudged);
@@ -469,12 +469,15 @@ async fn admission_keeps_sessions_from_outrunning_the_trainer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admission_never_deadlocks_on_builds_that_wait_for_a_group() {
-    // Builds take 4 finished episodes at once (as step-wise z-scoring does): turns of finished
-    // episodes wait for a group while the gate holds sessions back; the job still runs to its
-    // stop condition and drains.
-    let c = slow_trainer_job(Some(settings(12, 4)), 4).await;
+    // Builds take the 4 episodes of a GRPO group at once (as step-wise z-scoring does): turns of
+    // finished episodes wait for their group while the gate holds sessions back; the job still
+    // runs to its stop condition and drains.
+    let c = slow_trainer_job(Some(settings(12, 4)), Some(4)).await;
     assert!(c.balanced(), "{c:?}");
     assert!(c.trainer.steps >= 12, "{c:?}");
     assert_eq!(c.admission.wait_expired, 0, "{:?}", c.admission);
     assert_eq!(c.sessions_running, 0);
+    let g = c.groups.as_ref().expect("group counts");
+    assert!(g.built >= 1, "{g:?}");
+    assert_eq!(g.dropped, 0, "{g:?}");
 }

@@ -574,3 +574,100 @@ async fn a_job_whose_sessions_all_fail_stops_with_the_error() {
     assert_eq!(c.trainer.steps, 0);
     assert!(c.balanced());
 }
+
+/// Records the task and group of every episode of every build, and makes one sample per judged
+/// turn with a non-zero reward (as [`Builder`]).
+#[derive(Default)]
+struct GroupRecorder {
+    builds: Mutex<Vec<Vec<(String, Option<u64>)>>>,
+}
+
+impl SampleBuilder<Sample> for Arc<GroupRecorder> {
+    fn build(
+        &self,
+        eps: Arc<Vec<EpisodeTurns>>,
+    ) -> BoxFuture<'static, Result<Built<Sample>, String>> {
+        self.builds
+            .lock()
+            .unwrap()
+            .push(eps.iter().map(|e| (e.task_id.clone(), e.group)).collect());
+        Builder.build(eps)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_with_groups_builds_whole_groups_of_one_task_and_drops_failed_ones() {
+    // Groups of 2 episodes. Task 1 never starts and task 2 fails at its second step, so their
+    // groups are retried and then dropped whole; groups of tasks 0 and 3 are built.
+    let mut e = Env::new(vec![3, 3, 3, 3]);
+    e.fail_start = vec![1];
+    e.fail_step = vec![2];
+    let env = Arc::new(e);
+    let p = policy(2);
+    let trainer = Arc::new(Trainer {
+        counts: Mutex::new(TrainerCounts::default()),
+        policy: p.clone(),
+        seen: Mutex::new(Vec::new()),
+    });
+    let builds = Arc::new(GroupRecorder::default());
+    let (_job, done) = spawn_job(JobArgs {
+        job: "j".into(),
+        env: env.clone(),
+        policy: p.clone(),
+        judge: Arc::new(Judge),
+        builder: Arc::new(builds.clone()),
+        trainer: trainer.clone(),
+        recorder: None,
+        settings: JobSettings {
+            parallelism: 3,
+            episode_deadline: Duration::from_secs(10),
+            judge_timeout: Duration::from_millis(100),
+            max_restarts: 1,
+            stop: StopCondition {
+                max_trainer_steps: Some(3),
+                ..StopCondition::default()
+            },
+            poll: Duration::from_millis(20),
+            group_size: Some(2),
+            ..JobSettings::default()
+        },
+        progress: None,
+        done: None,
+    })
+    .await
+    .unwrap();
+    let c = tokio::time::timeout(Duration::from_secs(60), done)
+        .await
+        .expect("the job stops")
+        .unwrap();
+    assert!(c.trainer.steps >= 3, "{c:?}");
+    assert!(c.balanced());
+    assert_eq!(c.turns, c.judged + c.unjudged, "{c:?}");
+    let g = c.groups.clone().expect("group counts");
+    assert_eq!(g.size, 2);
+    assert!(
+        g.dropped >= 2,
+        "the groups of tasks 1 and 2 are dropped: {g:?}"
+    );
+    assert!(g.built >= 2, "{g:?}");
+    assert!(g.episodes_discarded >= 1, "task 2's failed attempts: {g:?}");
+    assert!(g.started >= g.built + g.short + g.dropped, "{g:?}");
+    let builds = builds.builds.lock().unwrap();
+    assert_eq!(
+        builds.len() as u64,
+        g.built + g.short,
+        "one build per group"
+    );
+    for b in builds.iter() {
+        // One group, one task; only tasks whose episodes never fail.
+        assert!(!b.is_empty() && b.len() <= 2, "{b:?}");
+        assert!(b.iter().all(|e| e == &b[0]), "a build mixes groups: {b:?}");
+        assert!(["t0", "t3"].contains(&b[0].0.as_str()), "{b:?}");
+        assert!(b[0].1.is_some(), "{b:?}");
+    }
+    assert_eq!(
+        builds.iter().filter(|b| b.len() == 2).count() as u64,
+        g.built,
+        "{builds:?}"
+    );
+}
