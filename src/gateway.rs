@@ -12,6 +12,7 @@
 pub mod infer;
 pub mod metrics;
 pub mod policy;
+pub mod reasoning;
 pub mod server;
 pub mod session;
 pub mod sink;

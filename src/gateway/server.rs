@@ -38,6 +38,7 @@ use tokio::sync::mpsc;
 use super::infer::Transcript;
 use super::metrics::Metrics;
 use super::policy::{GatewayPolicy, ServingVersion};
+use super::reasoning::{split_reasoning, Part, ReasoningSplitter};
 use super::session::{Admission, Finished, Inferred, Scope, SessionTable, SessionsFull, TurnType};
 use super::sink::{SinkError, TurnRecord, TurnSink};
 use super::text::{split_all, Piece, TextStream, ToolCallSplitter};
@@ -1594,9 +1595,13 @@ async fn complete_response(
     }
     let decoded = decode(s, &c.ids);
     let visible = super::text::cut_at_stop(&decoded, &p.params.stop_strings);
-    let (content, calls) = split_all(visible);
+    let (reasoning, answer) = split_reasoning(&p.prompt_text, visible);
+    let (content, calls) = split_all(&answer);
     let reason = finish_reason(c.reason.expect("loop ends on a reason"), !calls.is_empty());
     let mut message = json!({"role": "assistant", "content": content});
+    if let Some(r) = reasoning {
+        message["reasoning_content"] = Json_::String(r);
+    }
     if !calls.is_empty() {
         if content.is_empty() {
             message["content"] = Json_::Null;
@@ -1641,7 +1646,9 @@ fn stream_response(
         };
         let mut c = Collected::new();
         let mut text = TextStream::new(p.params.stop_strings.clone());
+        let mut thinking = ReasoningSplitter::new(&p.prompt_text);
         let mut splitter = ToolCallSplitter::default();
+        let mut reasoning = String::new();
         let mut content = String::new();
         let mut calls: Vec<Json_> = Vec::new();
         let mut ok = tx
@@ -1665,17 +1672,34 @@ fn stream_response(
             }
             let decoded = decode(&s, &c.ids);
             let piece = text.push(&decoded, c.reason.is_some());
-            let mut pieces = splitter.push(&piece);
+            let mut parts = thinking.push(&piece);
             if c.reason.is_some() {
-                pieces.extend(splitter.finish());
+                parts.extend(thinking.finish());
+            }
+            // Reasoning goes out as it comes; the answer goes through the tool-call splitter.
+            let mut pieces: Vec<Part<Piece>> = Vec::new();
+            for part in parts {
+                match part {
+                    Part::Reasoning(r) => pieces.push(Part::Reasoning(r)),
+                    Part::Content(t) => {
+                        pieces.extend(splitter.push(&t).into_iter().map(Part::Content))
+                    }
+                }
+            }
+            if c.reason.is_some() {
+                pieces.extend(splitter.finish().into_iter().map(Part::Content));
             }
             for pc in pieces {
                 let delta = match pc {
-                    Piece::Content(t) => {
+                    Part::Reasoning(r) => {
+                        reasoning.push_str(&r);
+                        json!({"reasoning_content": r})
+                    }
+                    Part::Content(Piece::Content(t)) => {
                         content.push_str(&t);
                         json!({"content": t})
                     }
-                    Piece::ToolCall(tc) => {
+                    Part::Content(Piece::ToolCall(tc)) => {
                         let mut j = openai_tool_call(&tc);
                         j["index"] = json!(calls.len());
                         calls.push(j.clone());
@@ -1713,6 +1737,9 @@ fn stream_response(
         }
         let _ = tx.send(Event::default().data("[DONE]")).await;
         let mut message = json!({"role": "assistant", "content": content});
+        if !reasoning.is_empty() {
+            message["reasoning_content"] = Json_::String(reasoning);
+        }
         if !calls.is_empty() {
             if content.is_empty() {
                 message["content"] = Json_::Null;

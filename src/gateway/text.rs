@@ -61,7 +61,7 @@ impl TextStream {
 }
 
 /// Length of the longest proper prefix of `stop` that `text` ends with.
-fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
+pub(crate) fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
     (1..stop.len())
         .rev()
         .filter(|&n| stop.is_char_boundary(n))

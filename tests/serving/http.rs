@@ -1222,3 +1222,92 @@ async fn unsupported_fields_are_refused_and_template_kwargs_reach_the_template()
     );
     s.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reasoning_is_returned_apart_streamed_or_not_and_accepted_back() {
+    // A template whose generation prompt opens a `<think>` block (the prefix format of Qwen3
+    // thinking templates): the answer starts inside the reasoning.
+    let fixture: Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{FIXTURE}/tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    let original = fixture["chat_template"].as_str().unwrap();
+    let open = "{{- '<|im_start|>assistant\\n' }}{%- endif %}\n";
+    assert!(
+        original.ends_with(open),
+        "the fixture's generation prompt moved"
+    );
+    let template = format!(
+        "{}{{{{- '<|im_start|>assistant\\n<think>\\n' }}}}{{%- endif %}}\n",
+        &original[..original.len() - open.len()]
+    );
+    let mut s = Server::start_with_template(GatewayConfig::default(), Some(&template)).await;
+    let b = body(json!({"max_tokens": 16, "seed": 5}));
+    let full: Value = post(&s.base, &b, &[("X-Session-Id", "full")])
+        .await
+        .json()
+        .await
+        .unwrap();
+    let message = &full["choices"][0]["message"];
+    let reasoning = message["reasoning_content"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no reasoning_content: {message}"))
+        .to_string();
+    assert!(!reasoning.is_empty());
+
+    let mut sb = b.clone();
+    sb["stream"] = json!(true);
+    let events = sse_events(post(&s.base, &sb, &[("X-Session-Id", "streamed")]).await).await;
+    let (mut streamed_reasoning, mut streamed_content) = (String::new(), String::new());
+    let mut reasoning_chunks = 0;
+    for e in &events[..events.len() - 1] {
+        let c: Value = serde_json::from_str(e).unwrap();
+        let delta = &c["choices"][0]["delta"];
+        if let Some(r) = delta["reasoning_content"].as_str() {
+            assert!(
+                streamed_content.is_empty(),
+                "reasoning after the answer began"
+            );
+            reasoning_chunks += 1;
+            streamed_reasoning.push_str(r);
+        }
+        if let Some(t) = delta["content"].as_str() {
+            streamed_content.push_str(t);
+        }
+    }
+    assert_eq!(streamed_reasoning, reasoning, "same seed, same reasoning");
+    assert_eq!(
+        streamed_content,
+        message["content"].as_str().unwrap_or(""),
+        "same seed, same answer"
+    );
+    assert!(
+        reasoning_chunks > 2,
+        "{reasoning_chunks} reasoning chunks: not streamed as it came"
+    );
+
+    // Accepted back in history; the next turn continues the session.
+    let mut next = body(json!({"max_tokens": 4}));
+    next["messages"] = json!([
+        {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": message["content"], "reasoning_content": reasoning},
+        {"role": "user", "content": "thanks"},
+    ]);
+    let r = post(&s.base, &next, &[("X-Session-Id", "full")]).await;
+    assert_eq!(r.status(), 200);
+
+    s.shutdown().await;
+    let recs = s.records();
+    // The served tokens are exactly what was split, and the record keeps the split message.
+    let first = recs
+        .iter()
+        .find(|r| r.session_id == "full" && r.response["reasoning_content"].is_string())
+        .expect("the first turn's record");
+    let decoded = decode_record(first);
+    let (want_reasoning, want_content) =
+        clawrl::gateway::reasoning::split_reasoning(&first.prompt_text, &decoded);
+    assert_eq!(want_reasoning.as_deref(), Some(reasoning.as_str()));
+    assert_eq!(want_content, message["content"].as_str().unwrap_or(""));
+    assert_eq!(first.response["reasoning_content"], json!(reasoning));
+    assert!(first.prompt_text.ends_with("<think>\n"));
+}
