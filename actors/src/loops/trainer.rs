@@ -1665,6 +1665,40 @@ mod tests {
         assert_eq!(m.max_abs, 2.0);
     }
 
+    /// A sample with a top-k OPD term survives the actor wire (bincode) and the pending-sample
+    /// journal (JSON); a journal line written before top-k terms existed still reads.
+    #[test]
+    fn topk_terms_travel_on_the_wire_and_in_the_journal() {
+        let sample = TrainSample {
+            job: "j".into(),
+            session_id: "s".into(),
+            turn: 1,
+            version: 2,
+            prompt_ids: vec![1, 2],
+            response_ids: vec![3, 4],
+            advantages: vec![1.0, 1.0],
+            rollout_logprobs: Some(vec![-0.5, -0.25]),
+            opd: Some(OpdTerm {
+                weight: 0.5,
+                teacher_logprobs: vec![-0.1, -0.2],
+                topk: Some(TeacherTopK {
+                    k: 2,
+                    ids: vec![3, 9, 4, 8],
+                    logprobs: vec![-0.1, -3.0, -0.2, -2.0],
+                }),
+            }),
+        };
+        let bytes = crate::rpc::encode(&sample);
+        assert_eq!(crate::rpc::decode::<TrainSample>(&bytes).unwrap(), sample);
+        let line = serde_json::to_string(&sample).unwrap();
+        assert_eq!(serde_json::from_str::<TrainSample>(&line).unwrap(), sample);
+        let old = r#"{"job":"j","session_id":"s","turn":1,"version":2,"prompt_ids":[1],
+            "response_ids":[3],"advantages":[0.0],"rollout_logprobs":null,
+            "opd":{"weight":1.0,"teacher_logprobs":[-0.3]}}"#;
+        let old: TrainSample = serde_json::from_str(old).unwrap();
+        assert_eq!(old.opd.unwrap().topk, None);
+    }
+
     #[test]
     fn teacher_topk_shapes_are_checked() {
         let t = TeacherTopK {
