@@ -31,6 +31,8 @@
 //! kind = "combined"          # binary | opd | combined | stepwise
 //! w_binary = 1.0
 //! w_opd = 1.0
+//! opd_loss = "advantage"     # or "topk": reverse KL over the teacher's top-k (opd, combined)
+//! # topk = 50                # opd_loss = "topk": the teacher's tokens per position
 //! [optim]
 //! batch_size = 16
 //! lr = 1e-6
@@ -57,6 +59,7 @@ use crate::judge::prompt::PromptOverrides;
 use crate::judge::scripted::{HintRule, ScoreRule, ScriptedConfig};
 use crate::judge::Teacher;
 use crate::rl::Aggregation;
+use crate::train::OpdLossKind;
 
 /// What kind of job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -253,6 +256,30 @@ fn one() -> f64 {
     1.0
 }
 
+/// The teacher's tokens per position of the top-k OPD loss when `method.topk` is not given.
+pub const DEFAULT_TOPK: u32 = 50;
+
+impl MethodSpec {
+    /// The teacher's `k` when the OPD term takes the top-k loss, else `None`.
+    pub fn topk(&self) -> Option<usize> {
+        (self.kind.uses_hints() && self.opd_loss == OpdLossKind::Topk)
+            .then(|| self.topk.unwrap_or(DEFAULT_TOPK) as usize)
+    }
+
+    /// Checks `method.topk` against the policy's vocabulary (known once the checkpoint is
+    /// loaded); `file` names the spec in the error.
+    pub fn check_topk(&self, vocab: usize, file: &str) -> Result<(), JobSpecError> {
+        match self.topk() {
+            Some(k) if k > vocab => Err(JobSpecError {
+                file: file.to_string(),
+                key: "method.topk".into(),
+                message: format!("{k} is more than the policy's vocabulary of {vocab} tokens"),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// The method and its weights.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -265,6 +292,14 @@ pub struct MethodSpec {
     /// Weight of the OPD term (default 1).
     #[serde(default = "one")]
     pub w_opd: f64,
+    /// The loss of the OPD term (`opd` and `combined`): `"advantage"` (the default; the
+    /// teacher-minus-old log-prob in each token's advantage) or `"topk"` (the reverse KL over the
+    /// teacher's top-k tokens plus a tail bin).
+    #[serde(default)]
+    pub opd_loss: OpdLossKind,
+    /// `opd_loss = "topk"`: the teacher's tokens per position (default [`DEFAULT_TOPK`];
+    /// `1 ≤ topk ≤` the policy's vocabulary, checked when the checkpoint is loaded).
+    pub topk: Option<u32>,
     /// Step-wise: the reward formula (`terminal`, `gui`, `swe`, `tool_call`, `general`; default
     /// from the environment kind).
     pub step_reward: Option<crate::rl::EpisodeKind>,
@@ -681,6 +716,26 @@ impl JobSpec {
                 ),
             );
         }
+        let m = &self.method;
+        if m.opd_loss == OpdLossKind::Topk && !m.kind.uses_hints() {
+            return bad(
+                "method.opd_loss",
+                format!(
+                    "\"topk\" with method `{}`, which has no OPD term (opd or combined have one)",
+                    m.kind.name()
+                ),
+            );
+        }
+        match m.topk {
+            Some(_) if m.opd_loss != OpdLossKind::Topk => {
+                return bad(
+                    "method.topk",
+                    "only read when method.opd_loss = \"topk\"".into(),
+                )
+            }
+            Some(0) => return bad("method.topk", "must be at least 1".into()),
+            _ => {}
+        }
         let o = &self.optim;
         if o.batch_size == 0 {
             return bad("optim.batch_size", "must be at least 1".into());
@@ -970,6 +1025,43 @@ max_steps = 100
             (n.name.as_str(), n.env_kind.as_str(), n.env_parallelism),
             ("demo", "terminal", 4)
         );
+    }
+
+    #[test]
+    fn opd_loss_and_topk_are_checked() {
+        let s = JobSpec::parse(GOOD, "x.toml").unwrap();
+        assert_eq!(s.method.opd_loss, OpdLossKind::Advantage);
+        assert_eq!(s.method.topk(), None);
+        let topk = |extra: &str| {
+            GOOD.replace(
+                r#"kind = "combined""#,
+                &format!("kind = \"combined\"\nopd_loss = \"topk\"\n{extra}"),
+            )
+        };
+        let s = JobSpec::parse(&topk(""), "x.toml").unwrap();
+        assert_eq!(s.method.topk(), Some(50));
+        let s = JobSpec::parse(&topk("topk = 7"), "x.toml").unwrap();
+        assert_eq!(s.method.topk(), Some(7));
+        assert!(s.method.check_topk(7, "x.toml").is_ok());
+        let e = s.method.check_topk(6, "x.toml").unwrap_err().to_string();
+        assert!(
+            e.contains("method.topk") && e.contains("vocabulary of 6"),
+            "{e}"
+        );
+        let e = err(&topk("topk = 0"));
+        assert!(e.contains("method.topk") && e.contains("at least 1"), "{e}");
+        let e = err(&topk("topk = -3"));
+        assert!(e.contains("method.topk"), "{e}");
+        // topk without the top-k loss, the loss without an OPD term, an unknown loss.
+        let e = err(&GOOD.replace(r#"kind = "combined""#, "kind = \"combined\"\ntopk = 5"));
+        assert!(e.contains("method.topk") && e.contains("only read"), "{e}");
+        let e = err(&topk("").replace(r#"kind = "combined""#, r#"kind = "binary""#));
+        assert!(e.contains("method.opd_loss") && e.contains("binary"), "{e}");
+        let e = err(&GOOD.replace(
+            r#"kind = "combined""#,
+            "kind = \"combined\"\nopd_loss = \"sdpo\"",
+        ));
+        assert!(e.contains("method.opd_loss"), "{e}");
     }
 
     #[test]

@@ -37,6 +37,6 @@ pub use engine::{
 pub use kv_cache::{KvCache, KvCacheError};
 pub use qwen3::Qwen3;
 pub use sampling::SamplingParams;
-pub use score::{score_batch, score_response, token_logprobs};
+pub use score::{score_batch, score_response, score_response_topk, token_logprobs, ScoredTopK};
 pub use tool_call::{parse_tool_calls, ParsedResponse, ToolCall, ToolCallError};
 pub use weights::{model_from_safetensors, model_to_safetensors, SaveError};

@@ -101,11 +101,13 @@ fn actor_err<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> RunError
 }
 
 /// The OPD teacher of a job whose method uses hints (`None` otherwise): a rollout worker whose
-/// "generation" scores the original response under the hint-enhanced prompt. With
-/// `teacher = current_policy` it installs every published version (a subscriber is added);
-/// with `frozen_initial` only the first.
+/// "generation" scores the original response under the hint-enhanced prompt (and gives its
+/// top-k with `method.opd_loss = "topk"`, after checking `method.topk` against the policy's
+/// vocabulary; `file` names the spec). With `teacher = current_policy` it installs every
+/// published version (a subscriber is added); with `frozen_initial` only the first.
 pub(crate) async fn spawn_teacher(
     spec: &JobSpec,
+    file: &str,
     model_config: &crate::model::Qwen3Config,
     template: &Arc<crate::model::ChatTemplate>,
     tokenizer: &Arc<tokenizers::Tokenizer>,
@@ -114,8 +116,13 @@ pub(crate) async fn spawn_teacher(
     if !spec.method.kind.uses_hints() {
         return Ok(None);
     }
-    let scorer =
-        samples::TeacherScorer::new(model_config.clone(), template.clone(), tokenizer.clone());
+    spec.method.check_topk(model_config.vocab_size, file)?;
+    let scorer = samples::TeacherScorer::new(
+        model_config.clone(),
+        template.clone(),
+        tokenizer.clone(),
+        spec.method.topk(),
+    );
     let (w, _) = Actor::spawn(
         None,
         RolloutWorker::new(),
@@ -332,6 +339,7 @@ pub fn train_config(spec: &JobSpec) -> TrainConfig {
         eps_clip_high: o.clip_high,
         kl_coef: o.kl,
         batch_size: o.batch_size as usize,
+        opd_loss: spec.method.opd_loss,
         ..TrainConfig::default()
     }
 }
@@ -582,8 +590,15 @@ pub async fn run_job(
 
     // The OPD teacher.
     let method = spec.method.kind;
-    let teacher =
-        spawn_teacher(spec, &model_config, &template, &tokenizer, &mut subscribers).await?;
+    let teacher = spawn_teacher(
+        spec,
+        file,
+        &model_config,
+        &template,
+        &tokenizer,
+        &mut subscribers,
+    )
+    .await?;
 
     // The trainer.
     let (trainer, _) = Actor::spawn(

@@ -17,8 +17,8 @@ pub use advantage::{
     BinaryTurn, CombineCase, CombinedSample,
 };
 pub use staleness::{
-    filter_stale, logprob_gap, truncated_importance_weights, StalenessError, StalenessReport,
-    Versioned, DEFAULT_IS_CAP,
+    filter_stale, truncated_importance_weights, StalenessError, StalenessReport, Versioned,
+    DEFAULT_IS_CAP,
 };
 pub use stepwise::{step_reward, zscore_buckets, EpisodeKind, StepSample, StepwiseError, ZScored};
 pub use vote::{aggregate, majority_vote, mean_vote, select_hint, Aggregation, MIN_HINT_CHARS};

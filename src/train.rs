@@ -12,6 +12,6 @@ pub mod loss;
 pub mod optim;
 pub mod samples;
 
-pub use batch::{BatchLayout, OpdTerm, Sample, SampleError};
+pub use batch::{BatchLayout, OpdLossKind, OpdTerm, Sample, SampleError, TeacherTopK};
 pub use config::{ConfigError, TrainConfig};
-pub use loss::{policy_loss, token_logprobs, LossParams, LossTerms};
+pub use loss::{policy_loss, token_logprobs, topk_reverse_kl, LossParams, LossTerms};

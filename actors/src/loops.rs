@@ -49,9 +49,10 @@ pub use session::{
 };
 pub use trainer::{
     rollout_subscriber, Delivery, ExportedWeights, Importance, ImportanceSummary, Learner,
-    LocalPublisher, OpdTerm, PublishFailed, RelayPublisher, SampleLimits, StalenessMode, StepEvent,
-    StepReport, Subscriber, TrainSample, Trainer, TrainerArgs, TrainerConfig, TrainerEvent,
-    TrainerMsg, TrainerStartError, TrainerStats, WeightPublisher,
+    LocalPublisher, LogprobGap, OpdLossKind, OpdTerm, PublishFailed, RelayPublisher, SampleLimits,
+    StalenessMode, StepEvent, StepReport, Subscriber, TeacherTopK, TrainSample, Trainer,
+    TrainerArgs, TrainerConfig, TrainerEvent, TrainerMsg, TrainerStartError, TrainerStats,
+    WeightPublisher,
 };
 pub use voter::{JudgedTurn, Judgement, PrmVoter, TurnJudge, VoterArgs, VoterMsg, VoterStats};
 

@@ -352,6 +352,7 @@ impl TrainingTask for StepParity<'_> {
             kl_coef: h("kl_coef")?,
             grad_clip: h("grad_clip_norm")?,
             batch_size: 2,
+            ..TrainConfig::default()
         };
         let f32s = |v: &Value, k: &str| -> anyhow::Result<Vec<f32>> {
             Ok(floats(v, k)?.into_iter().map(|x| x as f32).collect())

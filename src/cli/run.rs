@@ -15,7 +15,7 @@ use clawrl::pipeline::gateway_job::{run_gateway_job, GatewayJobOptions, GatewayJ
 use clawrl::pipeline::{run_job, RunOptions, RunReport};
 use clawrl_actors::config::{JudgeAccess, NodeConfig};
 use clawrl_actors::control::{ControlReply, ControlRequest};
-use clawrl_actors::loops::{JobCounts, JobPhase, ProgressReport};
+use clawrl_actors::loops::{JobCounts, JobPhase, ProgressReport, TrainerStats};
 use clawrl_actors::node::{Node, NodeOptions};
 use clawrl_actors::worker::EnvSpec;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -461,6 +461,7 @@ fn print_personal_table(r: &GatewayJobReport, out: &Path, balanced: bool) {
             "trainer",
             format!("{} steps, version {}", t.steps, t.version),
         ),
+        ("train/serve gap", gap_line(t)),
         (
             "records",
             format!(
@@ -622,6 +623,18 @@ fn run_rl(
     })
 }
 
+/// The summary's train/serve gap: rollout log-probs against the trainer's own before each
+/// update, over every trained token that had them.
+fn gap_line(t: &TrainerStats) -> String {
+    match &t.logprob_gap {
+        Some(g) => format!(
+            "rollout vs trainer log-probs: mean |Δ| {:.4}, max |Δ| {:.4}, mean Δ {:+.4} over {} tokens",
+            g.mean_abs, g.max_abs, g.mean, g.tokens
+        ),
+        None => "not measured (no trained sample carried rollout log-probs)".into(),
+    }
+}
+
 fn print_table(r: &RunReport, out: &Path, balanced: bool) {
     let c = &r.counts;
     let t = &r.trainer;
@@ -701,6 +714,7 @@ fn print_table(r: &RunReport, out: &Path, balanced: bool) {
                     .unwrap_or_default()
             ),
         ),
+        ("train/serve gap", gap_line(t)),
         (
             "replicas",
             r.replicas

@@ -6,15 +6,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
+use clawrl_actors::loops::TeacherTopK;
 use futures::future::BoxFuture;
 use minijinja::Value;
 use thiserror::Error;
 
 use super::backend::{ChatGenerator, ChatMessage, GenerateError, Generated, SamplingParams};
 use super::opd::{enhance_messages, OpdError};
+
 use crate::model::{
-    load_checkpoint, score_response, spawn_engine, ChatError, ChatTemplate, EngineHandle,
-    EngineOptions, GenerationRequest, LoadError, Qwen3,
+    load_checkpoint, score_response, score_response_topk, spawn_engine, ChatError, ChatTemplate,
+    EngineHandle, EngineOptions, GenerationRequest, LoadError, Qwen3,
 };
 use crate::rl::{combine, AdvantageError, AdvantageWeights, CombinedSample};
 
@@ -128,9 +130,26 @@ pub enum TeacherError {
         /// The vocabulary size.
         vocab: usize,
     },
+    /// The top-k asked for does not fit the teacher's vocabulary.
+    #[error("OPD: method.topk {k} must be in 1..={vocab} (the teacher's vocabulary)")]
+    TopK {
+        /// The k asked for.
+        k: usize,
+        /// The vocabulary size.
+        vocab: usize,
+    },
     /// The advantages could not be combined.
     #[error(transparent)]
     Advantage(#[from] AdvantageError),
+}
+
+/// What the teacher says about a response under `s_enhanced`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TeacherScore {
+    /// `log π_teacher(a_k | s_enhanced)`, one per response token.
+    pub logprobs: Vec<f32>,
+    /// The teacher's top-k at every response position, when asked for.
+    pub topk: Option<TeacherTopK>,
 }
 
 /// A teacher: the policy (current or frozen) with the chat template and tokenizer it renders with.
@@ -154,6 +173,51 @@ impl<B: Backend> TeacherModel<'_, B> {
         hint: &str,
         response_ids: &[u32],
     ) -> Result<Vec<f32>, TeacherError> {
+        let prompt = self.enhanced_prompt(messages, tools, hint, response_ids)?;
+        Ok(score_response(self.model, &prompt, response_ids))
+    }
+
+    /// [`TeacherModel::logprobs`] and, with `topk = Some(k)`, the teacher's `k` most likely
+    /// tokens and their log-probs at every response position under `s_enhanced` (one forward
+    /// pass for both). `k` must be in `1..=vocab`.
+    pub fn score(
+        &self,
+        messages: &Value,
+        tools: Option<&Value>,
+        hint: &str,
+        response_ids: &[u32],
+        topk: Option<usize>,
+    ) -> Result<TeacherScore, TeacherError> {
+        let Some(k) = topk else {
+            return Ok(TeacherScore {
+                logprobs: self.logprobs(messages, tools, hint, response_ids)?,
+                topk: None,
+            });
+        };
+        let vocab = self.model.vocab_size();
+        if !(1..=vocab).contains(&k) {
+            return Err(TeacherError::TopK { k, vocab });
+        }
+        let prompt = self.enhanced_prompt(messages, tools, hint, response_ids)?;
+        let s = score_response_topk(self.model, &prompt, response_ids, k);
+        Ok(TeacherScore {
+            logprobs: s.logprobs,
+            topk: Some(TeacherTopK {
+                k: k as u32,
+                ids: s.ids,
+                logprobs: s.topk_logprobs,
+            }),
+        })
+    }
+
+    /// `s_enhanced` as token ids, after checking the response against the teacher's vocabulary.
+    fn enhanced_prompt(
+        &self,
+        messages: &Value,
+        tools: Option<&Value>,
+        hint: &str,
+        response_ids: &[u32],
+    ) -> Result<Vec<u32>, TeacherError> {
         if response_ids.is_empty() {
             return Err(TeacherError::EmptyResponse);
         }
@@ -170,8 +234,7 @@ impl<B: Backend> TeacherModel<'_, B> {
             });
         }
         let enhanced = enhance_messages(messages, hint)?;
-        let prompt = self.template.encode(self.tokenizer, &enhanced, tools)?;
-        Ok(score_response(self.model, &prompt.ids, response_ids))
+        Ok(self.template.encode(self.tokenizer, &enhanced, tools)?.ids)
     }
 
     /// The combined training sample of one turn (docs/design.md §1's four cases): with a hint, the

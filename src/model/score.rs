@@ -1,6 +1,7 @@
 //! Scoring: per-token log-probabilities of given responses under the model, in one forward pass
 //! per batch. The trainer uses this for old, reference and teacher log-probs; for the same
-//! weights it equals what generation reports at temperature 1.
+//! weights it equals what generation reports at temperature 1. [`score_response_topk`] also
+//! gives the `k` most likely tokens at every response position (the OPD teacher's top-k).
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
@@ -26,6 +27,74 @@ pub fn score_response<B: Backend>(model: &Qwen3<B>, prompt: &[u32], response: &[
     score_batch(model, &[(prompt, response)])
         .pop()
         .unwrap_or_default()
+}
+
+/// A response scored with the top-k at every response position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoredTopK {
+    /// `log p(response[i] | prompt, response[..i])`, one per response token.
+    pub logprobs: Vec<f32>,
+    /// `k`.
+    pub k: usize,
+    /// The `k` most likely token ids at each response position, row-major `[tokens, k]`, most
+    /// likely first.
+    pub ids: Vec<u32>,
+    /// Their log-probs, `[tokens, k]`.
+    pub topk_logprobs: Vec<f32>,
+}
+
+/// [`score_response`] plus the `k` most likely tokens (`1 ≤ k ≤ vocab`) at each response
+/// position, from the same forward pass.
+///
+/// # Panics
+/// If `prompt` is empty or `k` is 0 or more than the vocabulary.
+pub fn score_response_topk<B: Backend>(
+    model: &Qwen3<B>,
+    prompt: &[u32],
+    response: &[u32],
+    k: usize,
+) -> ScoredTopK {
+    assert!(!prompt.is_empty(), "score_response_topk: empty prompt");
+    assert!(
+        (1..=model.vocab_size()).contains(&k),
+        "score_response_topk: k {k} outside 1..={}",
+        model.vocab_size()
+    );
+    let (p, n) = (prompt.len(), response.len());
+    if n == 0 {
+        return ScoredTopK {
+            logprobs: Vec::new(),
+            k,
+            ids: Vec::new(),
+            topk_logprobs: Vec::new(),
+        };
+    }
+    let device = model.device();
+    // Positions p - 1 .. p + n - 1 predict the response tokens.
+    let seq: Vec<i64> = prompt.iter().chain(response).map(|&t| t as i64).collect();
+    let width = seq.len() - 1;
+    let inputs =
+        Tensor::<B, 2, Int>::from_data(TensorData::new(seq[..width].to_vec(), [1, width]), &device);
+    let logits = model.forward(inputs); // [1, width, vocab]
+    let vocab = logits.dims()[2];
+    let logp = log_softmax(logits.slice([0..1, p - 1..p - 1 + n, 0..vocab]), 2); // [1, n, vocab]
+    let targets =
+        Tensor::<B, 2, Int>::from_data(TensorData::new(seq[p..].to_vec(), [1, n]), &device);
+    let (top, top_ids) = logp.clone().topk_with_indices(k, 2); // [1, n, k] each
+    let chosen = logp.gather(2, targets.reshape([1, n, 1])).reshape([n]);
+    ScoredTopK {
+        logprobs: chosen.into_data().convert::<f32>().to_vec().expect("f32"),
+        k,
+        ids: top_ids
+            .into_data()
+            .convert::<i64>()
+            .to_vec::<i64>()
+            .expect("int")
+            .into_iter()
+            .map(|i| i as u32)
+            .collect(),
+        topk_logprobs: top.into_data().convert::<f32>().to_vec().expect("f32"),
+    }
 }
 
 /// Scores several `(prompt, response)` pairs in one right-padded forward pass.

@@ -738,7 +738,7 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
                 log.loss = m.loss;
                 log.kl = m.kl;
                 log.grad_norm = m.grad_norm;
-                log.rollout_gap = m.rollout_gap.map(|g| g.mean_abs);
+                log.rollout_gap = m.logprob_gap.map(|g| g.mean_abs);
             }
             tracing::info!(
                 method = method.name(),

@@ -490,8 +490,15 @@ where
         prefix_cache_bytes: (spec.policy.prefix_cache_mib as usize) << 20,
     };
     let mut subscribers: Vec<Subscriber> = vec![gateway_policy.trainer_subscriber()];
-    let teacher =
-        super::spawn_teacher(spec, &model_config, &template, &tokenizer, &mut subscribers).await?;
+    let teacher = super::spawn_teacher(
+        spec,
+        file,
+        &model_config,
+        &template,
+        &tokenizer,
+        &mut subscribers,
+    )
+    .await?;
 
     // The trainer; its steps go to the records.
     let (trainer, _) = Actor::spawn(

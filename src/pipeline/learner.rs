@@ -9,7 +9,7 @@
 //! multiply the token's policy-gradient term; since `w ≥ 0` that is exactly the unweighted term
 //! with advantage `w_k·A_k` ([`crate::train::loss::policy_loss_weighted`] documents and tests the
 //! identity), which is how they reach [`crate::train::learner::Learner::step`]. The KL term is
-//! not weighted.
+//! not weighted, nor is an OPD term of the top-k form (a loss of its own, not an advantage).
 //!
 //! Replicas must load the exported weights with [`PolicyLearner::model_config`] (the learner's
 //! float32 config), not the checkpoint's original config.
@@ -113,7 +113,7 @@ impl<B: AutodiffBackend> PolicyLearner<B> {
     }
 
     /// The batch as the learner's samples, with their importance weights (which multiply the
-    /// whole advantage, the OPD term included); also the weights' summary.
+    /// whole advantage, an OPD term of the advantage form included); also the weights' summary.
     fn samples(
         &self,
         batch: &[TrainSample],
@@ -220,7 +220,10 @@ where
             skipped: m.skipped,
             loss: m.loss,
             grad_norm: m.grad_norm,
-            logprob_gap: m.rollout_gap.map(|g| g.mean_abs),
+            opd_loss: m.opd_loss,
+            opd_samples: m.opd_samples,
+            old_recomputed: m.old_recomputed,
+            logprob_gap: m.logprob_gap,
             tokens: m.tokens,
             importance: summary,
         })

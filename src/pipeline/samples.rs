@@ -20,7 +20,10 @@
 //! a frozen teacher keeps version 0. `old_k` is the trainer's own log-prob before the update (at
 //! temperature 1, like the teacher), so a sample carries the teacher's log-probs
 //! ([`OpdTerm`]) and the trainer computes the term; the rollout's log-probs are tempered and
-//! maybe from an older version. Every sample carries the version of its tokens.
+//! maybe from an older version. With `method.opd_loss = "topk"` the teacher also returns its
+//! top-k tokens and log-probs at every response position, and the sample carries them
+//! ([`clawrl_actors::loops::TeacherTopK`], `k × 2` numbers per token) for the trainer's top-k loss. Every sample
+//! carries the version of its tokens.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -33,7 +36,7 @@ use clawrl_actors::loops::{
 use ractor::ActorRef;
 
 use crate::job::MethodKind;
-use crate::judge::{TeacherError, TeacherModel};
+use crate::judge::{TeacherError, TeacherModel, TeacherScore};
 use crate::model::{model_from_safetensors, ChatTemplate, LoadError, Qwen3, Qwen3Config};
 use crate::rl::{
     binary_samples, step_reward, zscore_buckets, AdvantageWeights, BinaryTurn, CombineCase,
@@ -65,31 +68,36 @@ pub enum TeacherScoreError {
     Task(String),
 }
 
-/// The OPD teacher as a policy replica: versions load like the policy's, "generation" scores.
+/// The OPD teacher as a policy replica: versions load like the policy's, "generation" scores
+/// (with the top-k at every response position when `topk` is set).
 pub struct TeacherScorer {
     config: Qwen3Config,
     template: Arc<ChatTemplate>,
     tokenizer: Arc<tokenizers::Tokenizer>,
+    topk: Option<usize>,
 }
 
 impl TeacherScorer {
-    /// A teacher reading weight blobs under `config` (the learner's export config).
+    /// A teacher reading weight blobs under `config` (the learner's export config); with
+    /// `topk = Some(k)` each score also carries the teacher's top-k (`1 ≤ k ≤ vocab`).
     pub fn new(
         config: Qwen3Config,
         template: Arc<ChatTemplate>,
         tokenizer: Arc<tokenizers::Tokenizer>,
+        topk: Option<usize>,
     ) -> Self {
         TeacherScorer {
             config,
             template,
             tokenizer,
+            topk,
         }
     }
 }
 
 impl PolicyReplica for TeacherScorer {
     type Request = TeacherRequest;
-    type Output = Vec<f32>;
+    type Output = TeacherScore;
     type GenerateError = TeacherScoreError;
     type Loaded = Qwen3<CpuBackend>;
     type LoadError = LoadError;
@@ -102,9 +110,10 @@ impl PolicyReplica for TeacherScorer {
         &self,
         loaded: Arc<Qwen3<CpuBackend>>,
         request: TeacherRequest,
-    ) -> Result<Vec<f32>, TeacherScoreError> {
+    ) -> Result<TeacherScore, TeacherScoreError> {
         let template = self.template.clone();
         let tokenizer = self.tokenizer.clone();
+        let topk = self.topk;
         tokio::task::spawn_blocking(move || {
             let teacher = TeacherModel {
                 model: &loaded,
@@ -115,11 +124,12 @@ impl PolicyReplica for TeacherScorer {
             let tools = (!request.tools.is_empty())
                 .then(|| minijinja::Value::from_serialize(&request.tools));
             teacher
-                .logprobs(
+                .score(
                     &messages,
                     tools.as_ref(),
                     &request.hint,
                     &request.response_ids,
+                    topk,
                 )
                 .map_err(TeacherScoreError::from)
         })
@@ -198,12 +208,12 @@ fn reward_of(jt: &clawrl_actors::loops::JudgedTurn) -> i8 {
     }
 }
 
-async fn teacher_logprobs(
+async fn teacher_score(
     teacher: &TeacherWorker,
     jt: &clawrl_actors::loops::JudgedTurn,
     hint: &str,
     timeout: Duration,
-) -> Result<(u64, Vec<f32>), String> {
+) -> Result<(u64, TeacherScore), String> {
     let t = &jt.turn;
     let request = TeacherRequest {
         messages: t.observation.messages.clone(),
@@ -266,13 +276,13 @@ impl MethodBuilder {
                         } else {
                             0
                         };
-                        let teacher_lp = match jt.judgement.hint.as_deref() {
+                        let teacher_score = match jt.judgement.hint.as_deref() {
                             Some(h) => {
-                                let (v, lp) =
-                                    teacher_logprobs(teacher, jt, h, self.timeout).await?;
+                                let (v, score) =
+                                    teacher_score(teacher, jt, h, self.timeout).await?;
                                 teacher_versions
                                     .insert((jt.turn.session_id.clone(), jt.turn.turn), v);
-                                Some(lp)
+                                Some(score)
                             }
                             None => None,
                         };
@@ -283,22 +293,28 @@ impl MethodBuilder {
                         };
                         // The binary term is known here; the OPD term needs the trainer's old
                         // log-probs, so it travels as the teacher's log-probs.
-                        if CombineCase::of(reward, teacher_lp.is_some()) == CombineCase::Neither {
+                        if CombineCase::of(reward, teacher_score.is_some()) == CombineCase::Neither
+                        {
                             continue;
                         }
-                        if let Some(t) = &teacher_lp {
-                            if t.len() != n {
+                        if let Some(t) = &teacher_score {
+                            let who =
+                                format!("session {} turn {}", jt.turn.session_id, jt.turn.turn);
+                            if t.logprobs.len() != n {
                                 return Err(format!(
-                                    "session {} turn {}: the teacher scored {} tokens of {n}",
-                                    jt.turn.session_id,
-                                    jt.turn.turn,
-                                    t.len()
+                                    "{who}: the teacher scored {} tokens of {n}",
+                                    t.logprobs.len()
                                 ));
                             }
+                            if let Some(top) = &t.topk {
+                                top.check(n)
+                                    .map_err(|e| format!("{who}: the teacher's top-k: {e}"))?;
+                            }
                         }
-                        let opd = teacher_lp.map(|teacher_logprobs| OpdTerm {
+                        let opd = teacher_score.map(|t| OpdTerm {
                             weight: self.weights.w_opd,
-                            teacher_logprobs,
+                            teacher_logprobs: t.logprobs,
+                            topk: t.topk,
                         });
                         let base = vec![w_binary * reward as f32; n];
                         samples.push(with_opd(&self.job, jt, base, opd));

@@ -1,5 +1,6 @@
-//! Off-policy bookkeeping: the staleness bound in weight versions, truncated importance weights
-//! between the trainer's and the rollout's log-probs, and the train/serve log-prob gap.
+//! Off-policy bookkeeping: the staleness bound in weight versions and truncated importance
+//! weights between the trainer's and the rollout's log-probs. (The train/serve log-prob gap is
+//! measured once, by the learner: `clawrl_actors::loops::LogprobGap`.)
 
 use thiserror::Error;
 
@@ -119,21 +120,6 @@ pub fn truncated_importance_weights(
         .collect())
 }
 
-/// The rollout-vs-trainer log-prob gap: the mean absolute difference per token (`0` for no
-/// tokens).
-pub fn logprob_gap(trainer: &[f32], rollout: &[f32]) -> Result<f64, StalenessError> {
-    check_pair(trainer, rollout)?;
-    if trainer.is_empty() {
-        return Ok(0.0);
-    }
-    let sum: f64 = trainer
-        .iter()
-        .zip(rollout)
-        .map(|(t, r)| (*t as f64 - *r as f64).abs())
-        .sum();
-    Ok(sum / trainer.len() as f64)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -201,11 +187,5 @@ mod tests {
                 ..
             })
         ));
-    }
-
-    #[test]
-    fn logprob_gap_is_mean_absolute_difference() {
-        assert_eq!(logprob_gap(&[-1.0, -2.0], &[-1.5, -1.0]).unwrap(), 0.75);
-        assert_eq!(logprob_gap(&[], &[]).unwrap(), 0.0);
     }
 }

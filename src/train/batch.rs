@@ -39,7 +39,7 @@ pub struct Sample {
     pub importance: Option<Vec<f32>>,
 }
 
-pub use clawrl_actors::loops::OpdTerm;
+pub use clawrl_actors::loops::{OpdLossKind, OpdTerm, TeacherTopK};
 
 /// Why a sample was refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -70,6 +70,9 @@ pub enum SampleError {
         /// The value.
         value: f32,
     },
+    /// The teacher's top-k data does not fit the response.
+    #[error("{0}")]
+    TopK(String),
     /// A token id is outside the model's vocabulary.
     #[error(
         "field `{field}` holds token id {id} at index {index}, outside the vocabulary of {vocab}"
@@ -138,11 +141,17 @@ impl Sample {
                 });
             }
         }
+        let topk = self.opd.as_ref().and_then(|o| o.topk.as_ref());
+        if let Some(t) = topk {
+            t.check(expected).map_err(SampleError::TopK)?;
+        }
         if let Some(vocab) = vocab {
             for (field, ids) in [
-                ("prompt_ids", &self.prompt_ids),
-                ("response_ids", &self.response_ids),
+                ("prompt_ids", Some(&self.prompt_ids)),
+                ("response_ids", Some(&self.response_ids)),
+                ("opd.topk.ids", topk.map(|t| &t.ids)),
             ] {
+                let Some(ids) = ids else { continue };
                 if let Some((index, &id)) =
                     ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab)
                 {
@@ -159,10 +168,12 @@ impl Sample {
     }
 
     /// The advantage the loss uses per response token, given the old log-probs `old` (one per
-    /// response token): `(advantages[k] + w_opd · (teacher[k] − old[k])) · importance[k]`.
+    /// response token): `(advantages[k] + w_opd · (teacher[k] − old[k])) · importance[k]`, the
+    /// OPD part only for an OPD term of the advantage form (the top-k form is a loss of its own,
+    /// [`crate::train::loss::topk_reverse_kl`]).
     pub fn effective_advantages(&self, old: &[f32]) -> Vec<f32> {
         let mut a = self.advantages.clone();
-        if let Some(o) = &self.opd {
+        if let Some(o) = self.opd.as_ref().filter(|o| o.topk.is_none()) {
             for ((a, t), old) in a.iter_mut().zip(&o.teacher_logprobs).zip(old) {
                 *a += o.weight * (t - old);
             }
@@ -316,6 +327,20 @@ impl BatchLayout {
         out
     }
 
+    /// Scatters `width` values per response token (row-major `[tokens, width]`) of each sample
+    /// into a `[batch, window, width]` vector; a `None` sample and every padding position hold
+    /// `fill`. `values[i]`, when given, must hold sample `i`'s response length × `width` values.
+    pub fn scatter_rows<T: Copy>(&self, values: &[Option<&[T]>], width: usize, fill: T) -> Vec<T> {
+        let mut out = vec![fill; self.batch * self.window * width];
+        for (b, (&(first, n), v)) in self.spans.iter().zip(values).enumerate() {
+            let Some(v) = v else { continue };
+            debug_assert_eq!(v.len(), n * width);
+            let at = (b * self.window + first) * width;
+            out[at..at + n * width].copy_from_slice(&v[..n * width]);
+        }
+        out
+    }
+
     /// Gathers a `[batch, window]` vector back into one per-token vector per sample.
     pub fn gather(&self, flat: &[f32]) -> Vec<Vec<f32>> {
         self.spans
@@ -370,6 +395,9 @@ mod tests {
         assert!((l.weights[4] - 1.0 / 6.0).abs() < 1e-7);
         let v = l.scatter(&[vec![0.5, 0.6], vec![1.0, 2.0, 3.0]]);
         assert_eq!(l.gather(&v), vec![vec![0.5, 0.6], vec![1.0, 2.0, 3.0]]);
+        // Two values per token; sample 1 absent.
+        let rows = l.scatter_rows(&[Some(&[1, 2, 3, 4][..]), None], 2, 9);
+        assert_eq!(rows, vec![9, 9, 9, 9, 1, 2, 3, 4, 9, 9, 9, 9, 9, 9, 9, 9]);
         assert_eq!(l.tokens(), 5);
     }
 

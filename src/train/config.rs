@@ -5,6 +5,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use super::OpdLossKind;
+
 /// Hyper-parameters of one learner: the clipped policy-gradient loss, the KL term, AdamW and the
 /// batch size. Field names are the `TRAIN.toml` keys.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -28,6 +30,9 @@ pub struct TrainConfig {
     pub grad_clip: f64,
     /// Samples per optimizer step.
     pub batch_size: usize,
+    /// The loss of the OPD term (`"advantage"`, the default, or `"topk"`); a sample whose OPD
+    /// term has the other form is refused by the step.
+    pub opd_loss: OpdLossKind,
 }
 
 impl Default for TrainConfig {
@@ -42,6 +47,7 @@ impl Default for TrainConfig {
             kl_coef: 0.02,
             grad_clip: 1.0,
             batch_size: 16,
+            opd_loss: OpdLossKind::Advantage,
         }
     }
 }

@@ -6,14 +6,15 @@
 
 use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
+use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use super::batch::{BatchLayout, LayoutError, Sample};
+use super::batch::{BatchLayout, LayoutError, OpdLossKind, Sample};
 use super::config::TrainConfig;
-use super::loss::{policy_loss, token_logprobs, LossParams};
+use super::loss::{policy_loss, target_logprobs, token_logprobs, topk_reverse_kl, LossParams};
 use super::optim::{clip_coefficient, global_grad_norm, AdamW, AdamWParams};
 use crate::model::qwen3::rope_inv_freq;
 use crate::model::{model_to_safetensors, Qwen3, Qwen3Config, SaveError};
@@ -28,6 +29,31 @@ pub enum StepError {
     /// The batch is empty or a sample is invalid.
     #[error(transparent)]
     Layout(#[from] LayoutError),
+    /// A sample's OPD term has another form than the learner's `opd_loss`.
+    #[error(
+        "sample {index} carries an OPD term of the {found} form, but this learner's opd_loss is \
+         {expected}"
+    )]
+    OpdLoss {
+        /// Position in the batch.
+        index: usize,
+        /// The learner's OPD loss.
+        expected: &'static str,
+        /// The sample's.
+        found: &'static str,
+    },
+    /// Top-k OPD terms of one batch must share `k`.
+    #[error(
+        "sample {index} has a teacher top-k of k = {k}, another sample of the batch k = {first}"
+    )]
+    TopKMismatch {
+        /// Position in the batch.
+        index: usize,
+        /// Its k.
+        k: u32,
+        /// The first top-k sample's k.
+        first: u32,
+    },
     /// A sample is longer than the model's context.
     #[error("sample {index} has {len} tokens, more than the model's {max} positions")]
     TooLong {
@@ -40,19 +66,7 @@ pub enum StepError {
     },
 }
 
-/// Statistics of `rollout_logprobs - old_logprobs` over the tokens that have rollout log-probs:
-/// the train/serve mismatch.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
-pub struct LogprobGap {
-    /// Mean of `rollout - old`.
-    pub mean: f64,
-    /// Mean of `|rollout - old|`.
-    pub mean_abs: f64,
-    /// Largest `|rollout - old|`.
-    pub max_abs: f64,
-    /// Tokens measured.
-    pub tokens: usize,
-}
+pub use clawrl_actors::loops::LogprobGap;
 
 /// What one call to [`Learner::step`] did.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -61,12 +75,21 @@ pub struct StepMetrics {
     pub step: u64,
     /// Weight version after the call.
     pub version: u64,
-    /// Total loss `pg_loss + kl_coef * kl`.
+    /// Total loss `pg_loss + kl_coef * kl + topk_kl`.
     pub loss: f64,
     /// Clipped policy-gradient term.
     pub pg_loss: f64,
     /// k3 KL estimate (0 when the KL term is off).
     pub kl: f64,
+    /// The top-k OPD term, `w_opd`-weighted and aggregated (0 without top-k OPD samples).
+    pub topk_kl: f64,
+    /// The learner's OPD loss.
+    pub opd_loss: OpdLossKind,
+    /// Samples that carried an OPD term.
+    pub opd_samples: usize,
+    /// Whether `π_old` was the learner's own recomputation for every sample (no sample brought
+    /// `old_logprobs`).
+    pub old_recomputed: bool,
     /// Fraction of response tokens where the clipped term was active.
     pub clip_fraction: f64,
     /// Global gradient L2 norm before clipping (NaN when the step was skipped before backward).
@@ -76,7 +99,7 @@ pub struct StepMetrics {
     /// Samples in the batch.
     pub samples: usize,
     /// Rollout-vs-old log-prob gap, when some sample carried rollout log-probs.
-    pub rollout_gap: Option<LogprobGap>,
+    pub logprob_gap: Option<LogprobGap>,
     /// Why the update was skipped (non-finite loss or gradient); `None` when it was applied.
     pub skipped: Option<String>,
 }
@@ -309,12 +332,19 @@ impl<B: AutodiffBackend> Learner<B> {
         pad_to: Option<usize>,
     ) -> Result<StepMetrics, StepError> {
         let layout = self.layout(samples, pad_to)?;
+        let topk_k = self.check_opd_terms(samples)?;
         let device = self.device.clone();
         let (b, w) = (layout.batch, layout.window);
         let floats = |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [b, w]), &device);
 
-        // Forward with gradient.
-        let logp_new = window_logprobs(&self.policy, &layout);
+        // Forward with gradient: the log-softmax `[b, w, vocab]` over the window, and the
+        // log-probs `[b, w]` of the sampled tokens.
+        let logp_all = log_softmax(window_logits(&self.policy, &layout), 2);
+        let targets = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(layout.targets.clone(), [b, w]),
+            &device,
+        );
+        let logp_new = target_logprobs(logp_all.clone(), targets);
         let new_host = to_vec(logp_new.clone().detach());
 
         // Old log-probs: given, else the policy's own (identical to a recomputation, since the
@@ -367,19 +397,35 @@ impl<B: AutodiffBackend> Learner<B> {
                 kl_coef: self.train.kl_coef,
             },
         );
+        // The top-k OPD term, a loss of its own beside the policy-gradient one.
+        let topk_kl = topk_k.map(|k| topk_term(samples, &layout, k, logp_all, &device));
         let scalar = |t: Tensor<B, 1>| -> f64 { t.detach().into_scalar().elem() };
-        let loss_value = scalar(terms.loss.clone());
+        let loss = match &topk_kl {
+            Some(t) => terms.loss.clone() + t.clone(),
+            None => terms.loss.clone(),
+        };
+        let loss_value = scalar(loss.clone());
         let mut metrics = StepMetrics {
             step: self.steps,
             version: self.version,
             loss: loss_value,
             pg_loss: scalar(terms.pg_loss),
             kl: scalar(terms.kl),
+            topk_kl: topk_kl.map_or(0.0, scalar),
+            opd_loss: self.train.opd_loss,
+            opd_samples: samples.iter().filter(|s| s.opd.is_some()).count(),
+            old_recomputed: samples.iter().all(|s| s.old_logprobs.is_none()),
             clip_fraction: scalar(terms.clip_fraction),
             grad_norm: f64::NAN,
             tokens: layout.tokens(),
             samples: samples.len(),
-            rollout_gap: rollout_gap(samples, &old_per_sample),
+            logprob_gap: LogprobGap::measure(samples.iter().zip(&old_per_sample).flat_map(
+                |(s, old)| {
+                    s.rollout_logprobs
+                        .iter()
+                        .flat_map(move |r| r.iter().copied().zip(old.iter().copied()))
+                },
+            )),
             skipped: None,
         };
         if !loss_value.is_finite() {
@@ -387,7 +433,7 @@ impl<B: AutodiffBackend> Learner<B> {
             return Ok(metrics);
         }
 
-        let grads = GradientsParams::from_grads(terms.loss.backward(), &self.policy);
+        let grads = GradientsParams::from_grads(loss.backward(), &self.policy);
         let norm = global_grad_norm(&self.policy, &grads);
         metrics.grad_norm = norm;
         if !norm.is_finite() {
@@ -402,6 +448,38 @@ impl<B: AutodiffBackend> Learner<B> {
         metrics.step = self.steps;
         metrics.version = self.version;
         Ok(metrics)
+    }
+
+    /// Checks that every OPD term has the form of the learner's `opd_loss`, and that top-k terms
+    /// share one `k`; returns that `k` when some sample has a top-k term.
+    fn check_opd_terms(&self, samples: &[Sample]) -> Result<Option<u32>, StepError> {
+        let expected = self.train.opd_loss;
+        let mut first = None;
+        for (index, s) in samples.iter().enumerate() {
+            let Some(o) = &s.opd else { continue };
+            let found = OpdLossKind::of(o);
+            if found != expected {
+                return Err(StepError::OpdLoss {
+                    index,
+                    expected: expected.name(),
+                    found: found.name(),
+                });
+            }
+            if let Some(t) = &o.topk {
+                match first {
+                    None => first = Some(t.k),
+                    Some(k) if k != t.k => {
+                        return Err(StepError::TopKMismatch {
+                            index,
+                            k: t.k,
+                            first: k,
+                        })
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        Ok(first)
     }
 
     /// The current weights as one safetensors blob with Hugging Face names, and their version.
@@ -428,6 +506,16 @@ pub fn sample_logprobs<B: Backend>(
 
 /// Log-probs `[batch, window]` of each window position's target under `model`.
 pub fn window_logprobs<B: Backend>(model: &Qwen3<B>, layout: &BatchLayout) -> Tensor<B, 2> {
+    let (b, w) = (layout.batch, layout.window);
+    let targets = Tensor::<B, 2, Int>::from_data(
+        TensorData::new(layout.targets.clone(), [b, w]),
+        &model.device(),
+    );
+    token_logprobs(window_logits(model, layout), targets)
+}
+
+/// Logits `[batch, window, vocab]` at the window's positions under `model`.
+pub fn window_logits<B: Backend>(model: &Qwen3<B>, layout: &BatchLayout) -> Tensor<B, 3> {
     let device = model.device();
     let (b, l, s, w) = (
         layout.batch,
@@ -437,12 +525,66 @@ pub fn window_logprobs<B: Backend>(model: &Qwen3<B>, layout: &BatchLayout) -> Te
     );
     let ids =
         Tensor::<B, 2, Int>::from_data(TensorData::new(layout.input_ids.clone(), [b, l]), &device);
-    let targets =
-        Tensor::<B, 2, Int>::from_data(TensorData::new(layout.targets.clone(), [b, w]), &device);
     let hidden = model.forward_hidden(ids);
     let h = hidden.dims()[2];
-    let logits = model.head(hidden.slice([0..b, s..s + w, 0..h]));
-    token_logprobs(logits, targets)
+    model.head(hidden.slice([0..b, s..s + w, 0..h]))
+}
+
+/// The top-k OPD term of a batch ([`topk_reverse_kl`]) from the student's log-softmax
+/// `logp_all` `[b, w, vocab]`: each top-k sample's teacher ids and log-probs laid out
+/// `[b, w, k]`, weighted `w_opd · mask / (tokens_i · batch)`; other samples weigh 0 (their
+/// positions, like padding, hold uniform log-probs `−ln(k + 1)`, finite with a finite tail).
+fn topk_term<B: Backend>(
+    samples: &[Sample],
+    layout: &BatchLayout,
+    k: u32,
+    logp_all: Tensor<B, 3>,
+    device: &B::Device,
+) -> Tensor<B, 1> {
+    let (b, w, k) = (layout.batch, layout.window, k as usize);
+    let topk: Vec<_> = samples
+        .iter()
+        .map(|s| {
+            s.opd
+                .as_ref()
+                .and_then(|o| o.topk.as_ref().map(|t| (o.weight, t)))
+        })
+        .collect();
+    let ids: Vec<Vec<i64>> = topk
+        .iter()
+        .map(|t| {
+            t.map_or(Vec::new(), |(_, t)| {
+                t.ids.iter().map(|&i| i as i64).collect()
+            })
+        })
+        .collect();
+    let ids = layout.scatter_rows(
+        &ids.iter()
+            .zip(&topk)
+            .map(|(v, t)| t.map(|_| v.as_slice()))
+            .collect::<Vec<_>>(),
+        k,
+        0,
+    );
+    let logp = layout.scatter_rows(
+        &topk
+            .iter()
+            .map(|t| t.map(|(_, t)| t.logprobs.as_slice()))
+            .collect::<Vec<_>>(),
+        k,
+        -((k + 1) as f32).ln(),
+    );
+    let mut weights = layout.weights.clone();
+    for (row, t) in weights.chunks_mut(w).zip(&topk) {
+        let wt = t.map_or(0.0, |(weight, _)| weight);
+        row.iter_mut().for_each(|x| *x *= wt);
+    }
+    topk_reverse_kl(
+        logp_all,
+        Tensor::<B, 3, Int>::from_data(TensorData::new(ids, [b, w, k]), device),
+        Tensor::<B, 3>::from_data(TensorData::new(logp, [b, w, k]), device),
+        Tensor::<B, 2>::from_data(TensorData::new(weights, [b, w]), device),
+    )
 }
 
 fn to_vec<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
@@ -450,25 +592,4 @@ fn to_vec<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
         .convert::<f32>()
         .to_vec()
         .expect("float tensor converts to f32")
-}
-
-fn rollout_gap(samples: &[Sample], old: &[Vec<f32>]) -> Option<LogprobGap> {
-    let (mut sum, mut sum_abs, mut max_abs, mut n) = (0f64, 0f64, 0f64, 0usize);
-    for (s, old) in samples.iter().zip(old) {
-        if let Some(r) = &s.rollout_logprobs {
-            for (r, o) in r.iter().zip(old) {
-                let d = (*r - *o) as f64;
-                sum += d;
-                sum_abs += d.abs();
-                max_abs = max_abs.max(d.abs());
-                n += 1;
-            }
-        }
-    }
-    (n > 0).then(|| LogprobGap {
-        mean: sum / n as f64,
-        mean_abs: sum_abs / n as f64,
-        max_abs,
-        tokens: n,
-    })
 }

@@ -1,8 +1,9 @@
 //! The OpenClaw-RL objective of docs/design.md §1 on tensors: per-token log-probabilities gathered from
 //! logits, the asymmetric clipped policy-gradient term, the k3 KL term, and their aggregation
 //! (mean over each sample's response tokens, then over samples), with optional per-token
-//! truncated importance weights on the policy-gradient term. Generic over the backend, so the
-//! same code runs differentiably under `Autodiff` and plainly for scoring.
+//! truncated importance weights on the policy-gradient term; and the second OPD loss, the reverse
+//! KL over the teacher's top-k tokens plus a tail bin ([`topk_reverse_kl`]). Generic over the
+//! backend, so the same code runs differentiably under `Autodiff` and plainly for scoring.
 
 use burn::tensor::{activation::log_softmax, backend::Backend, Int, Tensor};
 
@@ -14,8 +15,60 @@ pub fn token_logprobs<B: Backend>(
     logits: Tensor<B, 3>,
     targets: Tensor<B, 2, Int>,
 ) -> Tensor<B, 2> {
-    let logp = log_softmax(logits, 2);
+    target_logprobs(log_softmax(logits, 2), targets)
+}
+
+/// `logp[b, t, targets[b, t]]`: `logp` `[batch, window, vocab]` (a log-softmax), `targets`
+/// `[batch, window]` → `[batch, window]`.
+pub fn target_logprobs<B: Backend>(logp: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 2> {
     logp.gather(2, targets.unsqueeze_dim(2)).squeeze_dim(2)
+}
+
+/// The largest log-sum [`tail_logprob`] takes: the tail keeps at least about 1e-7 of the mass,
+/// so its log stays finite when the top-k ids hold all of it (or more, through rounding).
+pub const TAIL_MAX_LOG_SUM: f64 = -1e-7;
+
+/// The log of the probability mass outside `k` ids: `lp` `[batch, window, k]` log-probs →
+/// `[batch, window, 1]` `log(1 − Σ_j exp(lp_j))`.
+///
+/// The log-sum `x = logsumexp(lp)` is clamped to at most [`TAIL_MAX_LOG_SUM`], then
+/// `log(−expm1(x))` is evaluated as `ln(−2τ) − ln(1 − τ)` with `τ = tanh(x / 2)`: the identity
+/// `−expm1(x) = −2τ / (1 − τ)` holds for every `x`, and unlike `1 − exp(x)` it keeps full
+/// relative precision as `x → 0⁻` (Burn has no `expm1`).
+pub fn tail_logprob<B: Backend>(lp: Tensor<B, 3>) -> Tensor<B, 3> {
+    // logsumexp over the last dim, shifted by the (constant) row maximum.
+    let m = lp.clone().max_dim(2).detach();
+    let log_sum = (lp - m.clone()).exp().sum_dim(2).log() + m;
+    let tau = (log_sum.clamp_max(TAIL_MAX_LOG_SUM) / 2.0).tanh();
+    (tau.clone() * -2.0).log() - (-tau).log1p()
+}
+
+/// The top-k distillation loss: per response token, the reverse KL from the student to the
+/// teacher over the teacher's `k` most likely ids plus one tail bin for the rest of the mass,
+/// summed with `weights`.
+///
+/// Shapes: `student_logp` `[batch, window, vocab]`, the student's log-softmax under `s`
+/// (differentiable); `teacher_ids` `[batch, window, k]` and `teacher_logp` `[batch, window, k]`,
+/// the teacher's top-k under `s_enhanced` (constants); `weights` `[batch, window]`.
+///
+/// Per token: `s_j = student_logp[teacher_ids_j]`, bins `S = [s_1..s_k, tail(s)]` and
+/// `T = [t_1..t_k, tail(t)]` ([`tail_logprob`]; each side's bins are log-probs summing to 1), and
+/// `kl = Σ_bins exp(S) · (S − T)`. Returns `Σ weights · kl`, one element: with
+/// `weights = w_opd · mask / (tokens_i · batch)` the mean over each sample's response tokens,
+/// then over the samples. Positions of weight 0 need finite `teacher_logp` (any log-probs
+/// summing to less than 1) and give no gradient. The gradient reaches `student_logp` only.
+pub fn topk_reverse_kl<B: Backend>(
+    student_logp: Tensor<B, 3>,
+    teacher_ids: Tensor<B, 3, Int>,
+    teacher_logp: Tensor<B, 3>,
+    weights: Tensor<B, 2>,
+) -> Tensor<B, 1> {
+    let student = student_logp.gather(2, teacher_ids);
+    let teacher = teacher_logp.detach();
+    let s = Tensor::cat(vec![student.clone(), tail_logprob(student)], 2);
+    let t = Tensor::cat(vec![teacher.clone(), tail_logprob(teacher)], 2);
+    let kl: Tensor<B, 2> = (s.clone().exp() * (s - t)).sum_dim(2).squeeze_dim(2);
+    (kl * weights).sum()
 }
 
 /// The loss's hyper-parameters.
@@ -299,6 +352,120 @@ mod tests {
         // A zero weight removes the token's policy gradient (only the KL part is left).
         let kl_only = 0.3 * 0.5 * (1.0 - (refl[2] - new[2]).exp()) as f64;
         assert!((g[2] as f64 - kl_only).abs() < 1e-6, "{}", g[2]);
+    }
+
+    /// The fixture of `tests/fixtures/topk_distill` (PyTorch autograd in float64 on the same
+    /// float32 inputs): the loss and the gradient norm with respect to the student's logits.
+    #[test]
+    fn topk_reverse_kl_matches_pytorch() {
+        use burn::backend::Autodiff;
+        type AD = Autodiff<B>;
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/topk_distill/expected.json"
+        );
+        let f: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let n = |k: &str| f[k].as_u64().unwrap() as usize;
+        let (b, w, v, k) = (n("batch"), n("window"), n("vocab"), n("k"));
+        let floats = |key: &str| -> Vec<f32> {
+            f[key]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect()
+        };
+        let dev = Default::default();
+        let logits: Tensor<AD, 3> =
+            Tensor::from_data(TensorData::new(floats("student_logits"), [b, w, v]), &dev)
+                .require_grad();
+        let ids: Vec<i64> = f["teacher_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_i64().unwrap())
+            .collect();
+        let ids: Tensor<AD, 3, Int> = Tensor::from_data(TensorData::new(ids, [b, w, k]), &dev);
+        let teacher: Tensor<AD, 3> =
+            Tensor::from_data(TensorData::new(floats("teacher_logprobs"), [b, w, k]), &dev);
+        // weights = mask / (tokens_i · batch)
+        let mask = floats("mask");
+        let mut weights = vec![0f32; b * w];
+        for i in 0..b {
+            let row = &mask[i * w..(i + 1) * w];
+            let tokens: f32 = row.iter().sum();
+            for t in 0..w {
+                weights[i * w + t] = row[t] / (tokens * b as f32);
+            }
+        }
+        let weights: Tensor<AD, 2> = Tensor::from_data(TensorData::new(weights, [b, w]), &dev);
+        let loss = topk_reverse_kl(log_softmax(logits.clone(), 2), ids, teacher, weights);
+        let value: f32 = loss.clone().into_scalar();
+        let grads = loss.backward();
+        let g: Vec<f32> = logits.grad(&grads).unwrap().into_data().to_vec().unwrap();
+        let grad_norm = g.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+        let (want_loss, want_norm) = (
+            f["loss"].as_f64().unwrap(),
+            f["grad_norm"].as_f64().unwrap(),
+        );
+        let loss_err = (value as f64 - want_loss).abs() / want_loss.abs();
+        let norm_err = (grad_norm - want_norm).abs() / want_norm.abs();
+        eprintln!(
+            "top-k loss {value} vs {want_loss} (rel {loss_err:.2e}); grad norm {grad_norm} vs \
+             {want_norm} (rel {norm_err:.2e})"
+        );
+        assert!(
+            loss_err < 1e-4,
+            "loss {value} vs {want_loss}: {loss_err:.2e}"
+        );
+        assert!(
+            norm_err < 1e-4,
+            "grad norm {grad_norm} vs {want_norm}: {norm_err:.2e}"
+        );
+    }
+
+    /// Hand-computed: two ids holding 0.5 and 0.25 of the student's mass and 0.25 and 0.25 of
+    /// the teacher's give tail bins 0.25 and 0.5; the KL is Σ p_s ln(p_s / p_t) over the three.
+    /// A teacher whose ids hold all the mass gets the clamped tail ln(1e-7) (finite).
+    #[test]
+    fn topk_reverse_kl_by_hand_and_the_clamped_tail() {
+        let dev = Default::default();
+        // Student logits over 4 tokens giving probabilities [0.5, 0.25, 0.125, 0.125].
+        let p_s = [0.5f32, 0.25, 0.125, 0.125];
+        let logp: Vec<f32> = p_s.iter().map(|p| p.ln()).collect();
+        let student: Tensor<B, 3> = Tensor::from_data(TensorData::new(logp, [1, 1, 4]), &dev);
+        let ids: Tensor<B, 3, Int> =
+            Tensor::from_data(TensorData::new(vec![0i64, 1], [1, 1, 2]), &dev);
+        let teacher: Tensor<B, 3> = Tensor::from_data(
+            TensorData::new(vec![0.25f32.ln(), 0.25f32.ln()], [1, 1, 2]),
+            &dev,
+        );
+        let kl = topk_reverse_kl(student.clone(), ids.clone(), teacher, t2(&[1.0], 1));
+        let want =
+            0.5 * (0.5f64 / 0.25).ln() + 0.25 * (0.25f64 / 0.25).ln() + 0.25 * (0.25f64 / 0.5).ln();
+        assert!((scalar(kl) as f64 - want).abs() < 1e-6);
+
+        // The teacher's two ids hold all of its mass (rounded): its tail is ln(1e-7).
+        let sure: Tensor<B, 3> =
+            Tensor::from_data(TensorData::new(vec![0.0f32, -40.0], [1, 1, 2]), &dev);
+        let tail: f32 = tail_logprob(sure).into_scalar();
+        assert!((tail as f64 - 1e-7f64.ln()).abs() < 1e-3, "{tail}");
+        // One id holding all but 1e-5 of the mass (log-prob −1e-5): `1 − exp(x)` in float32
+        // would be off by about 0.5 %; the tail is ln(−expm1(−1e-5)) to float32 precision.
+        let near: Tensor<B, 3> =
+            Tensor::from_data(TensorData::new(vec![-1e-5f32], [1, 1, 1]), &dev);
+        let tail: f32 = tail_logprob(near).into_scalar();
+        let want = (-(-1e-5f64).exp_m1()).ln();
+        assert!((tail as f64 - want).abs() < 1e-5, "{tail} vs {want}");
+        // Weight 0 removes a token.
+        let kl = topk_reverse_kl(
+            student,
+            ids,
+            Tensor::from_data(TensorData::new(vec![-1.0f32, -2.0], [1, 1, 2]), &dev),
+            t2(&[0.0], 1),
+        );
+        assert_eq!(scalar(kl), 0.0);
     }
 
     /// Without weights the weighted loss is the plain one.

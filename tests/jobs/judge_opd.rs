@@ -67,6 +67,51 @@ fn teacher_scores_the_original_response_under_s_enhanced() {
     assert_eq!(t, score_response(&ck.model, &prompt.ids, &response));
     assert_eq!(t.len(), response.len());
 
+    // With a top-k: the same log-probs, and at every response position the k most likely ids of
+    // the teacher under s_enhanced, most likely first (against the full distribution).
+    let k = 5;
+    let scored = teacher
+        .score(&original, Some(&tools), hint, &response, Some(k))
+        .unwrap();
+    assert_eq!(scored.logprobs, t);
+    let top = scored.topk.expect("top-k asked for");
+    assert_eq!((top.k as usize, top.ids.len()), (k, k * response.len()));
+    let seq: Vec<i64> = prompt
+        .ids
+        .iter()
+        .chain(&response)
+        .map(|&i| i as i64)
+        .collect();
+    let n = seq.len() - 1;
+    let logits = ck.model.forward(burn::tensor::Tensor::from_data(
+        burn::tensor::TensorData::new(seq[..n].to_vec(), [1, n]),
+        &Default::default(),
+    ));
+    let full: Vec<f32> = burn::tensor::activation::log_softmax(logits, 2)
+        .into_data()
+        .to_vec()
+        .unwrap();
+    let vocab = ck.model.vocab_size();
+    for i in 0..response.len() {
+        let row = &full[(prompt.ids.len() - 1 + i) * vocab..][..vocab];
+        let mut best: Vec<usize> = (0..vocab).collect();
+        best.sort_by(|a, b| row[*b].total_cmp(&row[*a]));
+        for j in 0..k {
+            let (id, lp) = (top.ids[i * k + j] as usize, top.logprobs[i * k + j]);
+            assert!(
+                (lp - row[id]).abs() < 1e-5,
+                "position {i}: {lp} vs {}",
+                row[id]
+            );
+            assert!((lp - row[best[j]]).abs() < 1e-5, "position {i} rank {j}");
+        }
+    }
+    assert!(teacher
+        .score(&original, Some(&tools), hint, &response, Some(vocab + 1))
+        .unwrap_err()
+        .to_string()
+        .contains("method.topk"));
+
     // The old policy under s_t sees no hint, and the hint changes the conditioning.
     let old_prompt = ck.encode_chat(&original, Some(&tools)).unwrap();
     let old = score_response(&ck.model, &old_prompt.ids, &response);

@@ -17,6 +17,11 @@ const TASKS: &str = r#"{"id": "greet", "instruction": "Say hello.", "replies": [
 "#;
 
 fn spec_text(method: &str) -> String {
+    spec_with(method, "")
+}
+
+/// The spec of `method` with more `[method]` keys.
+fn spec_with(method: &str, method_keys: &str) -> String {
     let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3-tiny");
     // Step-wise jobs: GRPO groups of 4 episodes of one task, and a judge whose votes are
     // flipped at random (per response), so that a group's step rewards differ.
@@ -48,6 +53,7 @@ hint = {{ pattern = "(?i)hint: (.*)" }}
 {noise}
 [method]
 kind = "{method}"
+{method_keys}
 [optim]
 batch_size = 4
 lr = 1e-3
@@ -106,10 +112,14 @@ impl Records {
 }
 
 async fn run(method: &str) -> (RunReport, Records) {
+    run_spec(method, &spec_text(method)).await
+}
+
+async fn run_spec(method: &str, spec: &str) -> (RunReport, Records) {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("tasks.jsonl"), TASKS).unwrap();
     let file = dir.path().join("job.toml");
-    std::fs::write(&file, spec_text(method)).unwrap();
+    std::fs::write(&file, spec).unwrap();
     let spec = JobSpec::load(&file).unwrap();
     let out = dir.path().join("run");
     let report = tokio::time::timeout(
@@ -253,10 +263,51 @@ async fn opd_job_runs_end_to_end() {
     }
 }
 
+/// A recorded rollout-vs-old gap: mean and max |Δ| (max ≥ mean ≥ 0) over some tokens.
+pub(crate) fn check_gap(gap: &Value, what: &str) {
+    let (mean_abs, max_abs) = (gap["mean_abs"].as_f64(), gap["max_abs"].as_f64());
+    assert!(
+        matches!((mean_abs, max_abs), (Some(m), Some(x)) if m >= 0.0 && x >= m),
+        "{what}: gap {gap}"
+    );
+    assert!(gap["mean"].as_f64().is_some(), "{what}: gap {gap}");
+    assert!(gap["tokens"].as_u64().unwrap_or(0) > 0, "{what}: gap {gap}");
+}
+
+/// Every trainer step record says which OPD loss the learner applied, that `π_old` was its own
+/// recomputation, and the rollout-vs-old gap (mean and max |Δ|); the job's trainer counters
+/// carry the gap over all steps. Returns the step records.
+fn check_step_records<'a>(
+    method: &str,
+    opd_loss: &str,
+    r: &RunReport,
+    rec: &'a Records,
+) -> Vec<&'a Value> {
+    let steps: Vec<&Value> = rec.of("trainer_step").into_iter().map(|l| &l.2).collect();
+    for s in &steps {
+        assert_eq!(s["opd_loss"], opd_loss, "{method}: {s}");
+        assert_eq!(s["old_recomputed"], true, "{method}: {s}");
+        check_gap(&s["logprob_gap"], &format!("{method}: {s}"));
+    }
+    let job_gap = r.trainer.logprob_gap.expect("the job's gap");
+    let tokens: u64 = steps
+        .iter()
+        .map(|s| s["logprob_gap"]["tokens"].as_u64().unwrap())
+        .sum();
+    assert_eq!(job_gap.tokens as u64, tokens, "{method}");
+    let max = steps
+        .iter()
+        .map(|s| s["logprob_gap"]["max_abs"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    assert_eq!(job_gap.max_abs, max, "{method}");
+    steps
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn combined_job_runs_end_to_end() {
     let (r, rec) = run("combined").await;
     check_common("combined", &r, &rec);
+    check_step_records("combined", "advantage", &r, &rec);
     // Four cases: a sample for every turn with a hint or a non-zero reward.
     let expected = rec
         .of("judge")
@@ -323,4 +374,47 @@ async fn stepwise_job_runs_end_to_end() {
     for (_, _, j) in rec.of("judge") {
         assert_eq!(j["hint_accepted"], false);
     }
+}
+
+/// `method.opd_loss = "topk"`: the teacher's top-k travels with each OPD sample and the trainer
+/// applies the top-k loss beside the binary term's; the step records say so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn combined_job_with_the_topk_loss_trains() {
+    let spec = spec_with("combined", "opd_loss = \"topk\"\ntopk = 8");
+    let (r, rec) = run_spec("combined", &spec).await;
+    check_common("combined-topk", &r, &rec);
+    let steps = check_step_records("combined-topk", "topk", &r, &rec);
+    assert!(
+        steps.iter().any(|s| s["opd_samples"].as_u64().unwrap() > 0),
+        "no step trained an OPD sample: {steps:?}"
+    );
+    assert!(rec.of("sample").iter().any(|(_, _, s)| s["opd"] == true));
+}
+
+/// A `method.topk` beyond the policy's vocabulary is refused when the checkpoint is loaded,
+/// naming the key, before any session starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_topk_beyond_the_vocabulary_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tasks.jsonl"), TASKS).unwrap();
+    let file = dir.path().join("job.toml");
+    std::fs::write(&file, spec_with("opd", "opd_loss = \"topk\"\ntopk = 513")).unwrap();
+    let spec = JobSpec::load(&file).unwrap();
+    let e = run_job(
+        &spec,
+        &file.display().to_string(),
+        RunOptions {
+            out: dir.path().join("run"),
+            job_id: "e2e-topk-vocab".into(),
+            progress: None,
+            poll: Duration::from_millis(50),
+        },
+    )
+    .await
+    .expect_err("refused")
+    .to_string();
+    assert!(
+        e.contains("method.topk") && e.contains("513") && e.contains("512"),
+        "{e}"
+    );
 }

@@ -48,6 +48,8 @@ fn demo_runs_with_a_json_summary_and_control_keeps_the_counts() {
         .map(|k| t[*k].as_u64().unwrap())
         .sum();
     assert_eq!(produced, sum, "{t}");
+    // The train/serve gap over the job: the rollout's log-probs against the trainer's own.
+    crate::pipeline_e2e::check_gap(&t["logprob_gap"], "the job's summary");
     let turns = s["counts"]["turns"].as_u64().unwrap();
     assert!(turns > 0);
     assert!(Path::new(s["records_dir"].as_str().unwrap()).is_dir());
@@ -76,6 +78,42 @@ fn demo_runs_with_a_json_summary_and_control_keeps_the_counts() {
     assert!(std::fs::read_to_string(out.join("node.toml"))
         .unwrap()
         .contains("[node]"));
+}
+
+/// The summary table prints the job's train/serve gap on a line of its own.
+#[test]
+fn the_summary_table_prints_the_train_serve_gap() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = clawrl()
+        .args(["run", "examples/demo.toml", "--out"])
+        .arg(dir.path().join("run"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "clawrl run failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("train/serve gap"))
+        .unwrap_or_else(|| panic!("no gap line in the summary:\n{stdout}"));
+    let number_after = |label: &str| -> f64 {
+        let rest = &line[line
+            .find(label)
+            .unwrap_or_else(|| panic!("{label}: {line}"))
+            + label.len()..];
+        rest.trim_start()
+            .split(|c: char| c == ',' || c.is_whitespace())
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap_or_else(|e| panic!("{label} in {line}: {e}"))
+    };
+    let (mean_abs, max_abs) = (number_after("mean |Δ|"), number_after("max |Δ|"));
+    assert!(mean_abs >= 0.0 && max_abs >= mean_abs, "{line}");
+    assert!(line.contains("tokens"), "{line}");
 }
 
 fn bad_spec(edit: impl Fn(&str) -> String, key: &str) {
@@ -115,6 +153,24 @@ fn bad_specs_are_refused_naming_the_key_and_file() {
         "optim.batch_size",
     );
     bad_spec(|d| d.replace("max_steps = 3", ""), "stop");
+    // The OPD loss keys: a top-k of 0, an unknown loss, and a top-k beyond the policy's
+    // vocabulary (the fixture has 512 tokens), refused once the checkpoint is loaded: that spec's
+    // paths are made absolute so that it loads from the temporary directory.
+    let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/");
+    for (keys, key) in [
+        ("opd_loss = \"topk\"\ntopk = 0", "method.topk"),
+        ("opd_loss = \"top\"", "method.opd_loss"),
+        ("opd_loss = \"topk\"\ntopk = 513", "method.topk"),
+    ] {
+        bad_spec(
+            |d| {
+                d.replace("w_opd = 1.0", &format!("w_opd = 1.0\n{keys}"))
+                    .replace("\"../tests/", &format!("\"{examples}../tests/"))
+                    .replace("\"demo/", &format!("\"{examples}demo/"))
+            },
+            key,
+        );
+    }
     bad_spec(
         |d| d.replace("tasks = \"demo/tasks.jsonl\"", "tasks = \"missing.jsonl\""),
         "missing.jsonl",

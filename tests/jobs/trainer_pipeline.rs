@@ -210,7 +210,7 @@ async fn replica_serves_the_trainers_versions_and_a_restart_counts_on() {
         .unwrap()
         .iter()
         .filter_map(|e| match e {
-            TrainerEvent::Step(s) => Some(s.logprob_gap.unwrap()),
+            TrainerEvent::Step(s) => Some(s.logprob_gap.unwrap().mean_abs),
             _ => None,
         })
         .collect();

@@ -6,19 +6,24 @@ use std::path::Path;
 use clawrl::model::{load_model, model_from_safetensors};
 use clawrl::train::checkpoint;
 use clawrl::train::learner::{sample_logprobs, Learner};
-use clawrl::train::{Sample, TrainConfig};
+use clawrl::train::{OpdLossKind, Sample, TrainConfig};
 use clawrl::{CpuAutodiff, CpuBackend};
 use rand::Rng;
 
 const DIR: &str = "tests/fixtures/qwen3-tiny";
 
 fn learner(kl_coef: f64) -> Learner {
+    learner_with(kl_coef, OpdLossKind::Advantage)
+}
+
+fn learner_with(kl_coef: f64, opd_loss: OpdLossKind) -> Learner {
     let device = Default::default();
     let (cfg, model) = load_model::<CpuAutodiff>(Path::new(DIR), &device).unwrap();
     let train = TrainConfig {
         lr: 1e-3,
         kl_coef,
         batch_size: 3,
+        opd_loss,
         ..TrainConfig::default()
     };
     Learner::new(cfg, model, train, device, 7)
@@ -212,12 +217,15 @@ fn missing_old_logprobs_are_the_policys_own_and_rollout_gap_is_reported() {
         -mean_adv
     );
     assert_eq!(m.kl, 0.0);
-    let gap = m.rollout_gap.unwrap();
+    let gap = m.logprob_gap.unwrap();
     assert_eq!(gap.tokens, 13);
     assert!(
-        (gap.mean + 0.25).abs() < 1e-5 && (gap.mean_abs - 0.25).abs() < 1e-5,
+        (gap.mean + 0.25).abs() < 1e-5
+            && (gap.mean_abs - 0.25).abs() < 1e-5
+            && (gap.max_abs - 0.25).abs() < 1e-5,
         "{gap:?}"
     );
+    assert!(m.old_recomputed, "no sample brought old log-probs");
     assert!(m.grad_norm > 0.0 && m.tokens == 13);
 }
 
@@ -320,6 +328,7 @@ fn the_opd_term_uses_the_trainers_old_logprobs_not_the_rollouts() {
     sample.opd = Some(OpdTerm {
         weight: 1.0,
         teacher_logprobs: teacher,
+        topk: None,
     });
 
     let old = l.logprobs(std::slice::from_ref(&sample)).unwrap();
@@ -329,4 +338,87 @@ fn the_opd_term_uses_the_trainers_old_logprobs_not_the_rollouts() {
     let m = l.step(&[sample]).unwrap();
     assert!(m.skipped.is_none(), "{m:?}");
     assert!(m.grad_norm < 1e-4, "no advantage, no gradient: {m:?}");
+}
+
+/// The top-k OPD loss in a learner step (`opd_loss = "topk"`): a teacher that is the policy
+/// itself on the same prompt gives a zero KL and no gradient, whatever the window offsets of the
+/// samples; a teacher on another prompt gives a positive KL whose value the step adds to the
+/// loss, weighted by `w_opd`, beside the policy-gradient term; samples of the other form, or
+/// top-k data of another `k`, are refused.
+#[test]
+fn the_topk_opd_loss_is_a_term_of_its_own() {
+    use burn::module::AutodiffModule;
+    use clawrl::model::score_response_topk;
+    use clawrl::train::learner::StepError;
+    use clawrl::train::{OpdTerm, TeacherTopK};
+
+    let topk_learner = || learner_with(0.0, OpdLossKind::Topk);
+    let k = 8;
+    // The teacher's top-k of each sample's response, scored by the learner's own policy on
+    // `prompt_of(sample)`.
+    let with_teacher = |l: &Learner, prompt_of: &dyn Fn(&Sample) -> Vec<u32>, weight: f32| {
+        let policy = l.policy().valid();
+        let mut s = samples();
+        for s in &mut s {
+            s.advantages.iter_mut().for_each(|a| *a = 0.0);
+            let t = score_response_topk(&policy, &prompt_of(s), &s.response_ids, k);
+            s.opd = Some(OpdTerm {
+                weight,
+                teacher_logprobs: t.logprobs,
+                topk: Some(TeacherTopK {
+                    k: k as u32,
+                    ids: t.ids,
+                    logprobs: t.topk_logprobs,
+                }),
+            });
+        }
+        s
+    };
+
+    // Teacher = student: KL 0, no gradient.
+    let mut l = topk_learner();
+    let same = with_teacher(&l, &|s| s.prompt_ids.clone(), 1.0);
+    let m = l.step(&same).unwrap();
+    assert_eq!((m.opd_loss, m.opd_samples), (OpdLossKind::Topk, 3));
+    assert!(m.topk_kl.abs() < 1e-5, "{m:?}");
+    assert!(m.grad_norm < 1e-4, "{m:?}");
+
+    // A teacher that saw another prompt: a positive KL, in the loss with weight w_opd.
+    let other = |s: &Sample| {
+        let mut p = vec![1, 300, 301];
+        p.extend_from_slice(&s.prompt_ids[1..]);
+        p
+    };
+    let (mut a, mut b) = (topk_learner(), topk_learner());
+    let m1 = a.step(&with_teacher(&a, &other, 1.0)).unwrap();
+    let m2 = b.step(&with_teacher(&b, &other, 0.5)).unwrap();
+    assert!(m1.topk_kl > 1e-3, "{m1:?}");
+    assert!((m2.topk_kl - 0.5 * m1.topk_kl).abs() < 1e-5 * m1.topk_kl.max(1.0));
+    assert!((m1.loss - (m1.pg_loss + m1.topk_kl)).abs() < 1e-6, "{m1:?}");
+    assert!(m1.grad_norm > 1e-4, "{m1:?}");
+
+    // The advantage form under a top-k learner, and mixed k in one batch, are refused.
+    let mut l = topk_learner();
+    let mut mixed = with_teacher(&l, &other, 1.0);
+    mixed[2].opd.as_mut().unwrap().topk = None;
+    assert!(matches!(
+        l.step(&mixed),
+        Err(StepError::OpdLoss { index: 2, .. })
+    ));
+    let mut uneven = with_teacher(&l, &other, 1.0);
+    let n = uneven[1].response_ids.len();
+    let t = uneven[1].opd.as_mut().unwrap().topk.as_mut().unwrap();
+    t.k = 1;
+    t.ids.truncate(n);
+    t.logprobs.truncate(n);
+    assert!(matches!(
+        l.step(&uneven),
+        Err(StepError::TopKMismatch { index: 1, .. })
+    ));
+    // And a top-k sample under an advantage learner.
+    let mut plain = learner(0.0);
+    assert!(matches!(
+        plain.step(&with_teacher(&plain, &other, 1.0)),
+        Err(StepError::OpdLoss { index: 0, .. })
+    ));
 }

@@ -58,6 +58,7 @@ fn one_step_matches_pytorch_reference() {
         kl_coef: h("kl_coef"),
         grad_clip: h("grad_clip_norm"),
         batch_size: 2,
+        ..TrainConfig::default()
     };
     let samples: Vec<Sample> = exp["samples"]
         .as_array()

@@ -81,16 +81,148 @@ pub struct TrainSample {
     pub opd: Option<OpdTerm>,
 }
 
-/// The on-policy distillation part of a sample's advantage. Per response token `a_k` it is
-/// `weight · (teacher_logprobs[k] − log π_old(a_k | s))`, where `π_old` is the trainer's own
-/// policy before the update at temperature 1, like the teacher. The rollout's log-probs cannot
-/// stand in for it: they come from a tempered distribution and maybe an older version.
+/// The on-policy distillation term of a sample, in one of the two forms of [`OpdLossKind`].
+///
+/// - Without `topk` (the advantage form): per response token `a_k` the term adds
+///   `weight · (teacher_logprobs[k] − log π_old(a_k | s))` to the advantage, where `π_old` is the
+///   trainer's own policy before the update at temperature 1, like the teacher. The rollout's
+///   log-probs cannot stand in for it: they come from a tempered distribution and maybe an older
+///   version.
+/// - With `topk` (the top-k form): the term is `weight ×` the reverse KL from the student under
+///   `s` to the teacher under `s_enhanced` over the teacher's top-k ids plus a tail bin, a loss
+///   of its own beside the policy-gradient one; `teacher_logprobs` is then only carried along.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OpdTerm {
     /// `w_opd`.
     pub weight: f32,
     /// `log π_teacher(a_k | s_enhanced)`, one per response token.
     pub teacher_logprobs: Vec<f32>,
+    /// The teacher's top-k distribution per response token, for the top-k form.
+    #[serde(default)]
+    pub topk: Option<TeacherTopK>,
+}
+
+/// The teacher's `k` most likely tokens under `s_enhanced` at every response position, row-major
+/// `[response tokens, k]`, most likely first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TeacherTopK {
+    /// `k` (≥ 1).
+    pub k: u32,
+    /// Token ids, `[tokens, k]`.
+    pub ids: Vec<u32>,
+    /// `log π_teacher(id | s_enhanced, a_<k)`, `[tokens, k]`.
+    pub logprobs: Vec<f32>,
+}
+
+impl TeacherTopK {
+    /// Checks the shape against `tokens` response tokens: `k ≥ 1`, `k` ids and `k` finite
+    /// log-probs `≤ 0` per token. Says what is wrong, naming the field.
+    pub fn check(&self, tokens: usize) -> Result<(), String> {
+        if self.k == 0 {
+            return Err("`opd.topk.k` is 0".into());
+        }
+        let expected = tokens * self.k as usize;
+        for (field, len) in [
+            ("opd.topk.ids", self.ids.len()),
+            ("opd.topk.logprobs", self.logprobs.len()),
+        ] {
+            if len != expected {
+                return Err(format!(
+                    "`{field}` has {len} values for {tokens} response tokens × k {}",
+                    self.k
+                ));
+            }
+        }
+        if let Some(i) = self
+            .logprobs
+            .iter()
+            .position(|v| !(v.is_finite() && *v <= 0.0))
+        {
+            return Err(format!(
+                "`opd.topk.logprobs` holds {} at index {i} (a log-prob is finite and <= 0)",
+                self.logprobs[i]
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Which loss a trainer applies to the OPD term of its samples.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OpdLossKind {
+    /// The teacher-minus-old log-prob added to each token's advantage, under the clipped
+    /// policy-gradient loss.
+    #[default]
+    Advantage,
+    /// The reverse KL over the teacher's top-k tokens plus a tail bin.
+    Topk,
+}
+
+impl OpdLossKind {
+    /// The name as written in specs and records.
+    pub fn name(self) -> &'static str {
+        match self {
+            OpdLossKind::Advantage => "advantage",
+            OpdLossKind::Topk => "topk",
+        }
+    }
+
+    /// The form an OPD term takes under this loss.
+    pub fn of(term: &OpdTerm) -> Self {
+        if term.topk.is_some() {
+            OpdLossKind::Topk
+        } else {
+            OpdLossKind::Advantage
+        }
+    }
+}
+
+/// The train/serve mismatch: statistics of `rollout − old` log-probs over the response tokens
+/// whose rollout log-probs are known, `old` being the trainer's log-probs before the update.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LogprobGap {
+    /// Mean of `rollout − old`.
+    pub mean: f64,
+    /// Mean of `|rollout − old|`.
+    pub mean_abs: f64,
+    /// Largest `|rollout − old|`.
+    pub max_abs: f64,
+    /// Tokens measured.
+    pub tokens: usize,
+}
+
+impl LogprobGap {
+    /// The gap over `(rollout, old)` log-prob pairs; `None` without any pair.
+    pub fn measure(pairs: impl IntoIterator<Item = (f32, f32)>) -> Option<Self> {
+        let (mut sum, mut sum_abs, mut max_abs, mut tokens) = (0f64, 0f64, 0f64, 0usize);
+        for (rollout, old) in pairs {
+            let d = (rollout - old) as f64;
+            sum += d;
+            sum_abs += d.abs();
+            max_abs = max_abs.max(d.abs());
+            tokens += 1;
+        }
+        (tokens > 0).then(|| LogprobGap {
+            mean: sum / tokens as f64,
+            mean_abs: sum_abs / tokens as f64,
+            max_abs,
+            tokens,
+        })
+    }
+
+    /// The gap over the tokens of both (means weighted by tokens, the larger maximum).
+    pub fn merge(self, other: LogprobGap) -> LogprobGap {
+        let tokens = self.tokens + other.tokens;
+        let n = tokens.max(1) as f64;
+        let (a, b) = (self.tokens as f64, other.tokens as f64);
+        LogprobGap {
+            mean: (self.mean * a + other.mean * b) / n,
+            mean_abs: (self.mean_abs * a + other.mean_abs * b) / n,
+            max_abs: self.max_abs.max(other.max_abs),
+            tokens,
+        }
+    }
 }
 
 /// How a sample of a batch is corrected for being off-policy.
@@ -130,8 +262,15 @@ pub struct StepReport {
     pub loss: f64,
     /// Global gradient norm before clipping (NaN when not computed).
     pub grad_norm: f64,
-    /// Mean |rollout − trainer| log-prob per token over tokens with rollout log-probs.
-    pub logprob_gap: Option<f64>,
+    /// The OPD loss the learner applies.
+    pub opd_loss: OpdLossKind,
+    /// Samples of the batch that carried an OPD term.
+    pub opd_samples: usize,
+    /// Whether `π_old` was the learner's own recomputation before the update for every sample
+    /// (else some sample brought its own old log-probs).
+    pub old_recomputed: bool,
+    /// Rollout-vs-old log-prob gap, when some sample carried rollout log-probs.
+    pub logprob_gap: Option<LogprobGap>,
     /// Response tokens in the batch.
     pub tokens: usize,
     /// Importance weights applied, when any sample was weighted.
@@ -452,6 +591,8 @@ pub struct TrainerStats {
     pub checkpoint_version: Option<u64>,
     /// The version resumed from at start, if any.
     pub resumed_from: Option<u64>,
+    /// Rollout-vs-old log-prob gap over every applied step of this incarnation.
+    pub logprob_gap: Option<LogprobGap>,
     /// The last step, publish or checkpoint error.
     pub last_error: Option<String>,
     /// Why the last refused sample was refused.
@@ -478,8 +619,14 @@ pub struct StepEvent {
     pub loss: f64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
-    /// Mean |rollout − trainer| log-prob per token, when samples carried rollout log-probs.
-    pub logprob_gap: Option<f64>,
+    /// The OPD loss the learner applied ([`StepReport::opd_loss`]).
+    pub opd_loss: OpdLossKind,
+    /// Samples of the batch that carried an OPD term.
+    pub opd_samples: usize,
+    /// Whether `π_old` was the learner's own recomputation for every sample.
+    pub old_recomputed: bool,
+    /// Rollout-vs-old log-prob gap, when samples carried rollout log-probs.
+    pub logprob_gap: Option<LogprobGap>,
     /// Samples trained in this step.
     pub kept: usize,
     /// Of those, samples trained with importance weights.
@@ -1022,11 +1169,19 @@ impl TrainerState {
                 return Some(format!("{who}: `{field}` holds {} at index {i}", values[i]));
             }
         }
+        if let Some(t) = s.opd.as_ref().and_then(|o| o.topk.as_ref()) {
+            if let Err(why) = t.check(n) {
+                return Some(format!("{who}: {why}"));
+            }
+        }
+        let topk_ids = s.opd.as_ref().and_then(|o| o.topk.as_ref()).map(|t| &t.ids);
         if let Some(vocab) = self.limits.vocab {
             for (field, ids) in [
-                ("prompt_ids", &s.prompt_ids),
-                ("response_ids", &s.response_ids),
+                ("prompt_ids", Some(&s.prompt_ids)),
+                ("response_ids", Some(&s.response_ids)),
+                ("opd.topk.ids", topk_ids),
             ] {
+                let Some(ids) = ids else { continue };
                 if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
                     return Some(format!(
                         "{who}: `{field}` holds token id {id}, outside the vocabulary of {vocab}"
@@ -1172,6 +1327,10 @@ impl TrainerState {
                 self.stats.importance_weighted += weighted as u64;
                 self.stats.version = report.version;
                 self.stats.steps = report.steps;
+                if let Some(gap) = report.logprob_gap {
+                    self.stats.logprob_gap =
+                        Some(self.stats.logprob_gap.map_or(gap, |g| g.merge(gap)));
+                }
                 self.steps_since_checkpoint += 1;
                 if self.config.checkpoint_every > 0
                     && self.steps_since_checkpoint >= self.config.checkpoint_every
@@ -1186,6 +1345,9 @@ impl TrainerState {
                     version: report.version,
                     loss: report.loss,
                     grad_norm: report.grad_norm,
+                    opd_loss: report.opd_loss,
+                    opd_samples: report.opd_samples,
+                    old_recomputed: report.old_recomputed,
                     logprob_gap: report.logprob_gap,
                     kept: n,
                     importance_weighted: weighted,
@@ -1481,5 +1643,75 @@ pub fn exported_weights(version: u64, bytes: Bytes) -> ExportedWeights {
         version,
         bytes,
         hash,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logprob_gaps_measure_and_merge_by_tokens() {
+        let a = LogprobGap::measure([(-1.0, -1.5), (-2.0, -1.0)]).unwrap();
+        assert_eq!(
+            (a.mean, a.mean_abs, a.max_abs, a.tokens),
+            (-0.25, 0.75, 1.0, 2)
+        );
+        assert_eq!(LogprobGap::measure(std::iter::empty()), None);
+        let b = LogprobGap::measure([(0.0, -2.0)]).unwrap();
+        let m = a.merge(b);
+        assert_eq!(m.tokens, 3);
+        assert!((m.mean - 1.5 / 3.0).abs() < 1e-12 && (m.mean_abs - 3.5 / 3.0).abs() < 1e-12);
+        assert_eq!(m.max_abs, 2.0);
+    }
+
+    /// A sample with a top-k OPD term survives the actor wire (bincode) and the pending-sample
+    /// journal (JSON); a journal line written before top-k terms existed still reads.
+    #[test]
+    fn topk_terms_travel_on_the_wire_and_in_the_journal() {
+        let sample = TrainSample {
+            job: "j".into(),
+            session_id: "s".into(),
+            turn: 1,
+            version: 2,
+            prompt_ids: vec![1, 2],
+            response_ids: vec![3, 4],
+            advantages: vec![1.0, 1.0],
+            rollout_logprobs: Some(vec![-0.5, -0.25]),
+            opd: Some(OpdTerm {
+                weight: 0.5,
+                teacher_logprobs: vec![-0.1, -0.2],
+                topk: Some(TeacherTopK {
+                    k: 2,
+                    ids: vec![3, 9, 4, 8],
+                    logprobs: vec![-0.1, -3.0, -0.2, -2.0],
+                }),
+            }),
+        };
+        let bytes = crate::rpc::encode(&sample);
+        assert_eq!(crate::rpc::decode::<TrainSample>(&bytes).unwrap(), sample);
+        let line = serde_json::to_string(&sample).unwrap();
+        assert_eq!(serde_json::from_str::<TrainSample>(&line).unwrap(), sample);
+        let old = r#"{"job":"j","session_id":"s","turn":1,"version":2,"prompt_ids":[1],
+            "response_ids":[3],"advantages":[0.0],"rollout_logprobs":null,
+            "opd":{"weight":1.0,"teacher_logprobs":[-0.3]}}"#;
+        let old: TrainSample = serde_json::from_str(old).unwrap();
+        assert_eq!(old.opd.unwrap().topk, None);
+    }
+
+    #[test]
+    fn teacher_topk_shapes_are_checked() {
+        let t = TeacherTopK {
+            k: 2,
+            ids: vec![1, 2, 3, 4],
+            logprobs: vec![-0.1, -2.0, -0.5, -1.0],
+        };
+        assert!(t.check(2).is_ok());
+        assert!(t.check(3).unwrap_err().contains("opd.topk.ids"));
+        let mut bad = t.clone();
+        bad.logprobs[3] = 0.5;
+        assert!(bad.check(2).unwrap_err().contains("opd.topk.logprobs"));
+        let zero = TeacherTopK { k: 0, ..t };
+        assert!(zero.check(2).unwrap_err().contains("opd.topk.k"));
     }
 }

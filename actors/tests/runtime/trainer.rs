@@ -16,9 +16,9 @@ use clawrl_actors::bulk::BulkConfig;
 use clawrl_actors::loops::trainer::exported_weights;
 use clawrl_actors::loops::{
     content_hash, rollout_subscriber, Delivery, ExportedWeights, Importance, ImportanceSummary,
-    Learner, LocalPublisher, PolicyReplica, RelayPublisher, RolloutArgs, RolloutMsg, RolloutWorker,
-    SampleLimits, StalenessMode, StepReport, TrainSample, Trainer, TrainerArgs, TrainerConfig,
-    TrainerEvent, TrainerMsg, TrainerStats, WeightPublisher,
+    Learner, LocalPublisher, LogprobGap, OpdLossKind, PolicyReplica, RelayPublisher, RolloutArgs,
+    RolloutMsg, RolloutWorker, SampleLimits, StalenessMode, StepReport, TrainSample, Trainer,
+    TrainerArgs, TrainerConfig, TrainerEvent, TrainerMsg, TrainerStats, WeightPublisher,
 };
 use ractor::{Actor, ActorRef};
 
@@ -114,7 +114,7 @@ impl Learner for Unigram {
         let p: Vec<f32> = logp.iter().map(|l| l.exp()).collect();
         let mut grad = vec![0f32; VOCAB];
         let mut loss = 0f64;
-        let (mut gap, mut gap_n) = (0f64, 0usize);
+        let mut gap_pairs = Vec::new();
         let (mut w_sum, mut w_n, mut truncated) = (0f64, 0usize, 0usize);
         let n = batch.len() as f32;
         for (s, imp) in batch.iter().zip(importance) {
@@ -122,8 +122,7 @@ impl Learner for Unigram {
             for (k, &y) in s.response_ids.iter().enumerate() {
                 let lp = logp[y as usize];
                 if let Some(r) = &s.rollout_logprobs {
-                    gap += (r[k] - lp).abs() as f64;
-                    gap_n += 1;
+                    gap_pairs.push((r[k], lp));
                 }
                 let w = match imp {
                     Importance::None => 1.0,
@@ -167,7 +166,10 @@ impl Learner for Unigram {
             skipped,
             loss,
             grad_norm,
-            logprob_gap: (gap_n > 0).then(|| gap / gap_n as f64),
+            opd_loss: OpdLossKind::Advantage,
+            opd_samples: 0,
+            old_recomputed: true,
+            logprob_gap: LogprobGap::measure(gap_pairs),
             tokens: batch.iter().map(|s| s.response_ids.len()).sum(),
             importance: summary,
         })

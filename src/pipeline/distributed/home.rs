@@ -150,6 +150,7 @@ pub async fn run_placed_job(
     let mut subscribers = vec![pool.subscriber()];
     let teacher = spawn_teacher(
         &spec,
+        &file,
         &model_config,
         &template,
         &tokenizer,
