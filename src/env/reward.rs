@@ -318,7 +318,7 @@ mod tests {
     #[test]
     fn advantages_are_normalised_per_group_and_step_index() {
         // Group g: two episodes, outcomes +1 and -1.
-        //   step 0 votes: +1 / +1   → rewards 2, 0   → z = ±1/(√2+eps)
+        //   step 0 votes: +1 / +1   → rewards 2, 0   → population std 1, z = ±1/(1+eps)
         //   step 1 votes: -1 / +1   → rewards 0, 0   → zero variance, dropped
         //   step 2: only the first episode has it → keeps its raw reward 1 (no votes)
         // Group h: one episode, one step → raw reward.
@@ -334,7 +334,7 @@ mod tests {
             &eps,
         )
         .unwrap();
-        let s = 2f64.sqrt() + ZSCORE_EPS;
+        let s = 1.0 + ZSCORE_EPS;
         let got: Vec<(usize, u32, f64, f64)> = a
             .iter()
             .map(|x| (x.episode, x.step, x.reward, x.advantage))
