@@ -128,6 +128,12 @@ pub struct StepReport {
     pub skipped: Option<String>,
     /// The loss.
     pub loss: f64,
+    /// The clipped policy-gradient term of the loss.
+    pub pg_loss: f64,
+    /// The KL estimate (0 when the KL term is off).
+    pub kl: f64,
+    /// Fraction of response tokens where the clipped term was active.
+    pub clip_fraction: f64,
     /// Global gradient norm before clipping (NaN when not computed).
     pub grad_norm: f64,
     /// Mean |rollout − trainer| log-prob per token over tokens with rollout log-probs.
@@ -476,6 +482,16 @@ pub struct StepEvent {
     pub version: u64,
     /// The loss.
     pub loss: f64,
+    /// The clipped policy-gradient term of the loss (records older than this field read 0).
+    #[serde(default)]
+    pub pg_loss: f64,
+    /// The KL estimate (records older than this field read 0).
+    #[serde(default)]
+    pub kl: f64,
+    /// Fraction of response tokens where the clipped term was active (records older than this
+    /// field read 0).
+    #[serde(default)]
+    pub clip_fraction: f64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     /// Mean |rollout − trainer| log-prob per token, when samples carried rollout log-probs.
@@ -498,6 +514,10 @@ pub struct StepEvent {
     pub export_ms: f64,
     /// Milliseconds publishing them.
     pub publish_ms: f64,
+    /// When the step ended, in seconds since the Unix epoch (records older than this field
+    /// read 0).
+    #[serde(default)]
+    pub wall_time: f64,
     /// Counters after the step.
     pub stats: TrainerStats,
 }
@@ -1185,6 +1205,9 @@ impl TrainerState {
                     step: report.steps,
                     version: report.version,
                     loss: report.loss,
+                    pg_loss: report.pg_loss,
+                    kl: report.kl,
+                    clip_fraction: report.clip_fraction,
                     grad_norm: report.grad_norm,
                     logprob_gap: report.logprob_gap,
                     kept: n,
@@ -1196,6 +1219,9 @@ impl TrainerState {
                     step_ms: done.step_ms,
                     export_ms: done.export_ms,
                     publish_ms: done.publish_ms,
+                    wall_time: std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0.0, |d| d.as_secs_f64()),
                     stats: self.snapshot(),
                 };
                 tracing::info!(
