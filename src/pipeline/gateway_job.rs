@@ -481,6 +481,9 @@ where
         .map_err(actor_err("recorder"))?;
     let rec =
         ractor::call_t!(recorder, RecorderMsg::Handle, 10_000).map_err(actor_err("recorder"))?;
+    crate::watch::scalars::tap_recorder(&rec, &out)
+        .await
+        .map_err(RunError::from)?;
 
     // The OPD teacher.
     let engine = EngineOptions {
