@@ -562,6 +562,7 @@ where
             addr: listen,
             source,
         })?;
+    gateway.dashboard_run(&out);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(gateway.serve(listener, async move {
         let _ = stop_rx.await;
