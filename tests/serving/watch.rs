@@ -292,6 +292,11 @@ impl ProxiedTab {
     }
 }
 
+/// The version the page shows.
+fn shown_version(state: &Value) -> Option<u64> {
+    state["version"].as_str().and_then(|v| v.parse().ok())
+}
+
 /// Python's `tensorboard` reading `dir`: tag → [(step, value)].
 fn tensorboard_scalars(dir: &Path) -> BTreeMap<String, Vec<(u64, f64)>> {
     let py = crate::venv::venv_python(
@@ -428,7 +433,7 @@ async fn a_personal_job_is_watched_in_a_browser_and_in_tensorboard() {
             (s["loss"] == steps
                 && s["kl"] == steps
                 && s["reward"] == rewards
-                && s["version"] == v.to_string())
+                && shown_version(&s) == Some(v))
             .then_some((steps, v))
         },
     )
@@ -454,7 +459,7 @@ async fn a_personal_job_is_watched_in_a_browser_and_in_tensorboard() {
         || format!("the page never showed version {v2}"),
         || async move {
             let s = t.state().await;
-            (s["version"] == v2.to_string()).then_some(s)
+            (shown_version(&s) == Some(v2)).then_some(s)
         },
     )
     .await;
