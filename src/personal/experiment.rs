@@ -745,20 +745,8 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
             if !batch.is_empty() {
                 let t0 = Instant::now();
                 let m = learner.step(&batch)?;
-                tb.step(&StepPoint {
-                    step: m.step,
-                    version: m.version,
-                    loss: m.loss,
-                    pg_loss: m.pg_loss,
-                    kl: m.kl,
-                    clip_fraction: m.clip_fraction,
-                    grad_norm: m.grad_norm,
-                    logprob_gap: m.rollout_gap.as_ref().map(|g| g.mean_abs),
-                    trained: batch.len() as u64,
-                    dropped_stale: 0,
-                    step_ms: t0.elapsed().as_secs_f64() * 1e3,
-                    wall_time: crate::watch::scalars::unix_now(),
-                });
+                let step_ms = t0.elapsed().as_secs_f64() * 1e3;
+                tb.step(&StepPoint::of_metrics(&m, batch.len(), step_ms));
                 log.loss = m.loss;
                 log.kl = m.kl;
                 log.grad_norm = m.grad_norm;

@@ -47,6 +47,55 @@ pub fn tfrecord(data: &[u8]) -> Vec<u8> {
     out
 }
 
+/// Why bytes are not a whole sequence of TFRecords.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    /// The bytes end inside the record starting at `offset`.
+    #[error("a record at byte {offset} is cut short")]
+    Truncated {
+        /// Where the record starts.
+        offset: usize,
+    },
+    /// A CRC does not match.
+    #[error("the {what} CRC of the record at byte {offset} does not match")]
+    Crc {
+        /// Where the record starts.
+        offset: usize,
+        /// `length` or `data`.
+        what: &'static str,
+    },
+}
+
+/// The data of each TFRecord in `bytes`, both CRCs checked.
+pub fn tfrecords(bytes: &[u8]) -> Result<Vec<&[u8]>, FrameError> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < bytes.len() {
+        let cut = FrameError::Truncated { offset: at };
+        let head = bytes.get(at..at + 12).ok_or(cut.clone())?;
+        let (len, crc) = head.split_at(8);
+        if u32::from_le_bytes(crc.try_into().expect("4 bytes")) != masked_crc32c(len) {
+            return Err(FrameError::Crc {
+                offset: at,
+                what: "length",
+            });
+        }
+        let n = u64::from_le_bytes(len.try_into().expect("8 bytes")) as usize;
+        let end = (at + 12).checked_add(n).ok_or(cut.clone())?;
+        let data = bytes.get(at + 12..end).ok_or(cut.clone())?;
+        let crc = bytes.get(end..end + 4).ok_or(cut)?;
+        if u32::from_le_bytes(crc.try_into().expect("4 bytes")) != masked_crc32c(data) {
+            return Err(FrameError::Crc {
+                offset: at,
+                what: "data",
+            });
+        }
+        out.push(data);
+        at = end + 4;
+    }
+    Ok(out)
+}
+
 fn varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
         out.push((v as u8) | 0x80);
@@ -221,18 +270,21 @@ mod tests {
             .unwrap()
             .contains("tfevents"));
         let bytes = std::fs::read(w.path()).unwrap();
-        let mut at = 0;
-        let mut records = 0;
-        while at < bytes.len() {
-            let len = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
-            let crc = u32::from_le_bytes(bytes[at + 8..at + 12].try_into().unwrap());
-            assert_eq!(crc, masked_crc32c(&bytes[at..at + 8]));
-            let data = &bytes[at + 12..at + 12 + len];
-            let dcrc = u32::from_le_bytes(bytes[at + 12 + len..at + 16 + len].try_into().unwrap());
-            assert_eq!(dcrc, masked_crc32c(data));
-            at += 16 + len;
-            records += 1;
-        }
-        assert_eq!((at, records), (bytes.len(), 3));
+        let records = tfrecords(&bytes).unwrap();
+        assert_eq!(records.len(), 3);
+        assert_eq!(records[0], &file_version_event(10.0)[..]);
+        assert_eq!(records[2], &scalar_event(12.0, 2, "b", -2.0)[..]);
+        // A cut file and a flipped byte are refused.
+        let cut = &bytes[..bytes.len() - 1];
+        assert!(matches!(tfrecords(cut), Err(FrameError::Truncated { .. })));
+        let mut flipped = bytes.clone();
+        flipped[20] ^= 1;
+        assert_eq!(
+            tfrecords(&flipped),
+            Err(FrameError::Crc {
+                offset: 0,
+                what: "data"
+            })
+        );
     }
 }

@@ -9,7 +9,8 @@
 //! failed-vote rate (over every vote). Turns judged after the last step wait for the next one.
 //!
 //! [`ScalarLog`] is the pure rule (records in, scalars out); [`TensorBoardTap`] feeds it from a
-//! job's [`Recorder`](clawrl_actors::loops::Recorder) and writes what it returns.
+//! job's [`Recorder`](clawrl_actors::loops::Recorder) and writes what it returns. The
+//! in-process experiment drivers, which keep no records, feed a [`ScalarWriter`] directly.
 
 use std::path::{Path, PathBuf};
 
@@ -17,6 +18,7 @@ use clawrl_actors::loops::{RecordLine, RecordTap, RecorderHandle, StepEvent};
 
 use super::events::{EventWriter, EventsError};
 use crate::judge::votes::JudgedTurnRecord;
+use crate::train::learner::StepMetrics;
 
 /// The run's TensorBoard directory: `<out>/tb`.
 pub fn tb_dir(out: &Path) -> PathBuf {
@@ -100,6 +102,28 @@ impl StepPoint {
             dropped_stale: e.dropped_stale as u64,
             step_ms: e.step_ms,
             wall_time: e.wall_time,
+        }
+    }
+}
+
+impl StepPoint {
+    /// The point of a step the in-process experiment drivers take directly on a learner:
+    /// `trained` samples, none dropped (they keep no staleness bound), `step_ms` long, ended
+    /// now.
+    pub fn of_metrics(m: &StepMetrics, trained: usize, step_ms: f64) -> Self {
+        StepPoint {
+            step: m.step,
+            version: m.version,
+            loss: m.loss,
+            pg_loss: m.pg_loss,
+            kl: m.kl,
+            clip_fraction: m.clip_fraction,
+            grad_norm: m.grad_norm,
+            logprob_gap: m.rollout_gap.as_ref().map(|g| g.mean_abs),
+            trained: trained as u64,
+            dropped_stale: 0,
+            step_ms,
+            wall_time: unix_now(),
         }
     }
 }
