@@ -9,6 +9,7 @@
 //! session id extends; pure), [`sink`] (the JSONL turn writer), [`metrics`] (Prometheus text)
 //! and [`GatewayConfig`] here.
 
+pub mod auth;
 pub mod infer;
 pub mod metrics;
 pub mod policy;

@@ -17,6 +17,7 @@ pub mod sandbox;
 pub mod serve;
 pub mod toolagent;
 pub mod train;
+pub mod watch;
 
 /// The default CPU backend (Burn's pure-Rust Flex backend).
 pub type CpuBackend = burn::backend::Flex;

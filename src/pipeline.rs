@@ -91,6 +91,9 @@ pub enum RunError {
     /// The job ended without its final counts (its supervisor died).
     #[error("the job supervisor stopped without a summary")]
     Lost,
+    /// The TensorBoard scalars could not be set up.
+    #[error(transparent)]
+    Scalars(#[from] crate::watch::scalars::TapError),
 }
 
 fn actor_err<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> RunError {
@@ -554,6 +557,7 @@ pub async fn run_job(
             what: "recorder",
             message: e.to_string(),
         })?;
+    crate::watch::scalars::tap_recorder(&rec, &out).await?;
 
     // Rollout workers (they get their first version from the trainer).
     let p = &spec.policy;

@@ -39,7 +39,10 @@ pub use job::{
     spawn_job, Built, EpisodeTurns, JobArgs, JobCounts, JobMsg, JobPhase, JobSample, JobSettings,
     JobSupervisor, ProgressReport, SampleBuilder, StopCondition, TrainerCounts, TrainerLink,
 };
-pub use recorder::{Recorder, RecorderConfig, RecorderHandle, RecorderMsg, RecorderStats};
+pub use recorder::{
+    read_records, RecordFile, RecordLine, RecordTap, Recorder, RecorderConfig, RecorderHandle,
+    RecorderMsg, RecorderStats,
+};
 pub use rollout::{
     Generated, RolloutArgs, RolloutError, RolloutMsg, RolloutStats, RolloutWorker, UpdateOutcome,
 };

@@ -1,5 +1,6 @@
 //! `clawrl` subcommands of the serving area: `serve`, the OpenAI-compatible gateway over one
-//! checkpoint (see [`clawrl::gateway`]).
+//! checkpoint (see [`clawrl::gateway`]), and `dashboard`, the live dashboard of any run
+//! directory (see [`clawrl::watch::dashboard`]).
 
 use std::path::PathBuf;
 
@@ -16,6 +17,24 @@ pub enum Commands {
     /// Serve a checkpoint behind an OpenAI-compatible API (chat completions with SSE streaming,
     /// models, healthz, Prometheus metrics), recording main-line turns for training.
     Serve(ServeArgs),
+    /// Serve the dashboard of a run directory (finished or running): GET /dashboard, its data
+    /// at GET /dashboard/data behind the API keys.
+    Dashboard(DashboardArgs),
+}
+
+/// `clawrl dashboard`.
+#[derive(Args)]
+pub struct DashboardArgs {
+    /// The run directory (a job's `--out`).
+    #[arg(long)]
+    out: PathBuf,
+    /// Address to listen on; port 0 picks a free port.
+    #[arg(long, default_value = "127.0.0.1:8100")]
+    listen: std::net::SocketAddr,
+    /// An API key the page must send (repeatable); added to the comma-separated keys of
+    /// `CLAWRL_API_KEYS`, as `clawrl serve` takes them. With none, the data is open.
+    #[arg(long = "api-key", value_name = "KEY")]
+    api_key: Vec<String>,
 }
 
 /// `clawrl serve`.
@@ -43,7 +62,54 @@ pub struct ServeArgs {
 pub fn run(cmd: Commands) -> anyhow::Result<()> {
     match cmd {
         Commands::Serve(a) => serve(a),
+        Commands::Dashboard(a) => dashboard(a),
     }
+}
+
+fn dashboard(a: DashboardArgs) -> anyhow::Result<()> {
+    use clawrl::gateway::auth::ApiKeys;
+    use clawrl::watch::dashboard::{standalone_router, DashboardSource};
+    if !a.out.is_dir() {
+        anyhow::bail!(
+            "--out {}: not a directory (give the run directory a job was started with)",
+            a.out.display()
+        );
+    }
+    let cfg = GatewayConfig {
+        api_keys: a.api_key,
+        ..GatewayConfig::default()
+    };
+    let keys = cfg.resolved_api_keys();
+    if keys.iter().any(|k| k.trim().is_empty()) {
+        anyhow::bail!("--api-key: keys must not be empty");
+    }
+    let keys = ApiKeys::new(&keys);
+    let source = std::sync::Arc::new(DashboardSource::new(Some(a.out.clone())));
+    let rt = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(a.listen)
+            .await
+            .with_context(|| format!("binding {}", a.listen))?;
+        let addr = listener.local_addr()?;
+        if keys.is_open() {
+            tracing::warn!(
+                "no API key configured (--api-key, CLAWRL_API_KEYS): anyone who reaches {addr} \
+                 sees the run's data"
+            );
+        }
+        // One machine-readable line on stdout, so scripts and tests can find the port.
+        println!(
+            "listening on http://{addr} dashboard of {}",
+            a.out.display()
+        );
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+        };
+        axum::serve(listener, standalone_router(source, keys))
+            .with_graceful_shutdown(shutdown)
+            .await?;
+        anyhow::Ok(())
+    })
 }
 
 fn serve(a: ServeArgs) -> anyhow::Result<()> {

@@ -35,6 +35,7 @@ use serde::Deserialize;
 use serde_json::{json, Value as Json_};
 use tokio::sync::mpsc;
 
+use super::auth::ApiKeys;
 use super::infer::Transcript;
 use super::metrics::Metrics;
 use super::policy::{GatewayPolicy, ServingVersion};
@@ -51,6 +52,7 @@ use crate::model::qwen3::Qwen3;
 use crate::model::sampling::SamplingParams;
 use crate::model::tool_call::ToolCall;
 use crate::model::Checkpoint;
+use crate::watch::dashboard::{self, DashboardSource};
 
 /// The gateway could not start.
 #[derive(Debug, thiserror::Error)]
@@ -69,9 +71,10 @@ pub enum GatewayError {
 struct AppState {
     cfg: GatewayConfig,
     model_name: String,
-    /// blake3 digests of the accepted API keys, in config order (a key's index is its
-    /// [`Scope`]); compared in constant time, never the keys themselves.
-    key_digests: Vec<[u8; 32]>,
+    /// The accepted API keys.
+    keys: ApiKeys,
+    /// The dashboard's data: the run's records (when a job set them) and this gateway's state.
+    dashboard: std::sync::OnceLock<Arc<DashboardSource>>,
     policy: GatewayPolicy,
     tokenizer: Arc<tokenizers::Tokenizer>,
     template: ChatTemplate,
@@ -147,11 +150,8 @@ impl Gateway {
                 .model_name
                 .clone()
                 .unwrap_or_else(|| default_name.to_string()),
-            key_digests: cfg
-                .resolved_api_keys()
-                .iter()
-                .map(|k| *blake3::hash(k.as_bytes()).as_bytes())
-                .collect(),
+            keys: ApiKeys::new(&cfg.resolved_api_keys()),
+            dashboard: std::sync::OnceLock::new(),
             policy,
             tokenizer,
             template: chat_template,
@@ -194,14 +194,27 @@ impl Gateway {
         self.state.tap.set(tx).ok().map(|()| rx)
     }
 
+    /// Makes `GET /dashboard/data` show the run in `run_dir` (its records) besides what the
+    /// gateway knows now; without it the dashboard is live only. Set once; `false` when it
+    /// was already set.
+    pub fn dashboard_run(&self, run_dir: &std::path::Path) -> bool {
+        self.state
+            .dashboard
+            .set(Arc::new(DashboardSource::new(Some(run_dir.to_path_buf()))))
+            .is_ok()
+    }
+
     /// The routes.
     pub fn router(&self) -> Router {
         let s = self.state.clone();
         let mut keyed = Router::new()
             .route("/v1/chat/completions", post(chat_completions))
             .route("/v1/models", get(list_models))
-            .route("/v1/models/{id}", get(get_model));
-        let mut open = Router::new().route("/healthz", get(healthz));
+            .route("/v1/models/{id}", get(get_model))
+            .route("/dashboard/data", get(dashboard_data));
+        let mut open = Router::new()
+            .route("/healthz", get(healthz))
+            .route("/dashboard", get(|| async { dashboard::page() }));
         if s.cfg.metrics_public {
             open = open.route("/metrics", get(metrics));
         } else {
@@ -371,40 +384,15 @@ async fn track(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Resp
     resp
 }
 
-/// The scope of the bearer key in `headers`: `Scope(0)` when no key is configured, else the
-/// index of the first configured key it matches. The given key's blake3 digest is compared with
-/// every configured key's digest in constant time, with no early exit, so the time taken tells
-/// neither which bytes of a guess were right nor how long a key is.
+/// The scope of the bearer key in `headers` ([`ApiKeys::check`]), or the 401 answer.
 fn authenticate(s: &AppState, headers: &HeaderMap) -> Result<Scope, ApiError> {
-    use subtle::{ConditionallySelectable, ConstantTimeEq};
-    if s.key_digests.is_empty() {
-        return Ok(Scope(0));
-    }
-    let given = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    let rejected = || ApiError {
+    s.keys.check(headers).ok_or_else(|| ApiError {
         status: StatusCode::UNAUTHORIZED,
         kind: "invalid_request_error",
         code: "invalid_api_key",
         param: None,
         message: "missing or invalid API key: send Authorization: Bearer <key>".into(),
-    };
-    let digest = blake3::hash(given.ok_or_else(rejected)?.as_bytes());
-    let mut found = subtle::Choice::from(0);
-    let mut index = 0u32;
-    for (i, d) in s.key_digests.iter().enumerate() {
-        let hit = digest.as_bytes()[..].ct_eq(&d[..]);
-        index.conditional_assign(&(i as u32), hit & !found);
-        found |= hit;
-    }
-    if bool::from(found) {
-        Ok(Scope(index))
-    } else {
-        Err(rejected())
-    }
+    })
 }
 
 /// Admits only requests with a valid key (when keys are configured) and hands their [`Scope`]
@@ -445,6 +433,25 @@ fn unknown_model(id: &str, s: &AppState) -> ApiError {
             s.model_name
         ),
     }
+}
+
+/// The dashboard's data: the run's records (when set) and this gateway's counters now.
+async fn dashboard_data(State(s): State<Arc<AppState>>) -> Response {
+    let (st, open) = {
+        let t = s.sessions.lock().unwrap();
+        (t.stats(), t.open_sessions())
+    };
+    let live = dashboard::Live {
+        version: s.policy.version(),
+        sessions_open: open as u64,
+        sessions_started: st.started,
+        main_turns: st.main_turns,
+    };
+    let source = s
+        .dashboard
+        .get_or_init(|| Arc::new(DashboardSource::new(None)))
+        .clone();
+    dashboard::data_response(source, Some(live)).await
 }
 
 async fn healthz(State(s): State<Arc<AppState>>) -> Response {

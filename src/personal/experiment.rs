@@ -50,6 +50,7 @@ use crate::model::{
 use crate::rl::{binary_samples, opd_advantages, AdvantageError, BinaryTurn};
 use crate::train::learner::{Learner, StepError};
 use crate::train::{Sample, TrainConfig};
+use crate::watch::scalars::{JudgedPoint, ScalarWriter, StepPoint};
 use clawrl_actors::loops::Action;
 
 /// The job kind of an experiment file.
@@ -503,6 +504,8 @@ struct Turn {
     satisfied: bool,
     reward: i8,
     hint: Option<String>,
+    /// What the turn adds to the run's judge scalars.
+    point: JudgedPoint,
 }
 
 /// Rolls out one round of conversations on `policy` and judges them.
@@ -556,6 +559,7 @@ fn round(
         .into_iter()
         .zip(judgements)
         .map(|((messages, prompt_ids, gen, satisfied), j)| Turn {
+            point: JudgedPoint::of_record(&j.record("", 0, None)),
             messages,
             prompt_ids,
             gen,
@@ -686,6 +690,10 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
             ..TrainConfig::default()
         };
         let mut learner: Learner = Learner::new(cfg, model, train, Default::default(), x.seed);
+        // Each method's scalars are a TensorBoard run of their own: `tb/<method>/`.
+        let tb_dir = crate::watch::scalars::tb_dir(run_dir).join(method.name());
+        let mut tb =
+            ScalarWriter::create(&tb_dir).map_err(|e| write_err(&tb_dir, e.to_string()))?;
         let mut rng = ChaCha8Rng::seed_from_u64(x.seed ^ 0x7a11);
         let mut measurements: Vec<Measurement> = base.iter().cloned().collect();
         let mut logs = Vec::new();
@@ -715,6 +723,7 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
                     &rt,
                 )?;
                 rollouts += turns.len();
+                turns.iter().for_each(|t| tb.log().judged(&t.point));
                 satisfied += turns.iter().filter(|t| t.satisfied).count();
                 hints += turns.iter().filter(|t| t.hint.is_some()).count();
                 pending.extend(samples(method, &turns, &teacher, &policy, weights)?);
@@ -734,7 +743,10 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
                 rollout_gap: None,
             };
             if !batch.is_empty() {
+                let t0 = Instant::now();
                 let m = learner.step(&batch)?;
+                let step_ms = t0.elapsed().as_secs_f64() * 1e3;
+                tb.step(&StepPoint::of_metrics(&m, batch.len(), step_ms));
                 log.loss = m.loss;
                 log.kl = m.kl;
                 log.grad_norm = m.grad_norm;

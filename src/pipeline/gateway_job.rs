@@ -482,6 +482,9 @@ where
         .map_err(actor_err("recorder"))?;
     let rec =
         ractor::call_t!(recorder, RecorderMsg::Handle, 10_000).map_err(actor_err("recorder"))?;
+    crate::watch::scalars::tap_recorder(&rec, &out)
+        .await
+        .map_err(RunError::from)?;
 
     // The OPD teacher.
     let engine = EngineOptions {
@@ -566,6 +569,7 @@ where
             addr: listen,
             source,
         })?;
+    gateway.dashboard_run(&out);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(gateway.serve(listener, async move {
         let _ = stop_rx.await;

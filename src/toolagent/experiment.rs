@@ -55,6 +55,7 @@ use crate::pipeline::policy::action_of;
 use crate::rl::{Aggregation, EpisodeKind};
 use crate::train::learner::{Learner, StepError};
 use crate::train::{Sample, TrainConfig};
+use crate::watch::scalars::{JudgedPoint, ScalarWriter, StepPoint};
 use clawrl_actors::loops::{Environment, Episode};
 
 /// The `[tasks]` table: the generated task sets.
@@ -764,6 +765,10 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
             ..TrainConfig::default()
         };
         let mut learner: Learner = Learner::new(cfg, model, train_cfg, Default::default(), x.seed);
+        // Each arm's scalars are a TensorBoard run of their own: `tb/<arm>/`.
+        let tb_dir = crate::watch::scalars::tb_dir(run_dir).join(arm_name(mode));
+        let mut tb =
+            ScalarWriter::create(&tb_dir).map_err(|e| write_err(&tb_dir, e.to_string()))?;
         let mut measurements: Vec<Measurement> = base.iter().cloned().collect();
         let mut logs = Vec::new();
         for update in 1..=x.updates {
@@ -775,6 +780,17 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
             let groups: Vec<String> = members.iter().map(|m| m.group.clone()).collect();
             let eps = world.rollout(policy, &train_env, &train, &plan)?;
             let batch = update_samples(mode, &eps, &groups, x.group_size)?;
+            // Each tool call's step score from the rule-based PRM is one judged step (one vote,
+            // never failed, no hint).
+            for p in eps.iter().flat_map(|e| &e.steps).filter_map(|s| s.prm) {
+                tb.log().judged(&JudgedPoint {
+                    judged: true,
+                    reward: p,
+                    hint_accepted: false,
+                    votes: 1,
+                    failed_votes: 0,
+                });
+            }
             let tool_steps = eps
                 .iter()
                 .flat_map(|e| &e.steps)
@@ -792,7 +808,10 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
                 shift: f64::NAN,
             };
             if !batch.is_empty() {
+                let t0 = Instant::now();
                 let m = learner.step(&batch)?;
+                let step_ms = t0.elapsed().as_secs_f64() * 1e3;
+                tb.step(&StepPoint::of_metrics(&m, batch.len(), step_ms));
                 log.loss = m.loss;
                 log.grad_norm = m.grad_norm;
                 let after = learner.logprobs(&batch)?;

@@ -107,4 +107,17 @@ fn shortened_run_computes_scores_and_combined_improves() {
         assert_eq!(r.updates.len(), 4);
         assert!(r.updates.iter().all(|u| u.trained > 0), "{:?}", r.method);
     }
+    // Each method's TensorBoard run: one event file, its version record and then at least the
+    // ten scalars of each of the 4 steps, every record's CRCs checked.
+    for m in ["binary", "opd", "combined"] {
+        let files: Vec<_> = std::fs::read_dir(out.path().join("tb").join(m))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(files.len(), 1, "{m}: {files:?}");
+        assert!(files[0].to_str().unwrap().contains("tfevents"), "{files:?}");
+        let bytes = std::fs::read(&files[0]).unwrap();
+        let records = clawrl::watch::events::tfrecords(&bytes).unwrap().len();
+        assert!(records > 4 * 10, "{m}: {records} records");
+    }
 }

@@ -9,44 +9,20 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::personal_run::PersonalRun;
+use crate::personal_run::{self, PersonalRun, SpecParams};
 
 const KEY: &str = "sk-personal-test";
 
 fn spec(out: &Path) -> String {
-    let ck = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3-tiny");
-    format!(
-        r#"
-kind = "personal"
-name = "personal-test"
-seed = 3
-[policy]
-checkpoint = {ck:?}
-max_new_tokens = 6
-[gateway]
-listen = "127.0.0.1:0"
-model_name = "tiny"
-api_keys = ["{KEY}"]
-data_dir = {turns:?}
-default_max_tokens = 6
-[judge]
-backend = "scripted"
-votes = 1
-rules = [{{ pattern = "(?i)thanks", score = 1 }}, {{ pattern = "(?i)wrong", score = -1 }}]
-default_score = 0
-[method]
-kind = "binary"
-[optim]
-batch_size = 2
-lr = 1e-3
-clip = 0.2
-kl = 0.0
-staleness = 8
-[stop]
-max_hours = 1.0
-"#,
-        ck = ck.display().to_string(),
-        turns = out.join("turns").display().to_string(),
+    personal_run::spec(
+        out,
+        &SpecParams {
+            name: "personal-test",
+            seed: 3,
+            key: KEY,
+            votes: 1,
+            kl: 0.0,
+        },
     )
 }
 
@@ -56,22 +32,7 @@ async fn chat(
     messages: Value,
     headers: &[(&str, &str)],
 ) -> (Value, String) {
-    let mut req = http
-        .post(format!("{base}/v1/chat/completions"))
-        .bearer_auth(KEY)
-        .json(&json!({"model": "tiny", "messages": messages, "max_tokens": 6}));
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let r = req.send().await.unwrap();
-    assert_eq!(r.status(), 200);
-    let header = r
-        .headers()
-        .get("x-clawrl-version")
-        .map(|v| v.to_str().unwrap().to_string())
-        .unwrap_or_default();
-    let body: Value = r.json().await.unwrap();
-    (body, header)
+    personal_run::chat(http, base, KEY, messages, headers).await
 }
 
 fn content(body: &Value) -> String {

@@ -82,6 +82,19 @@ fn warm_start_calls_the_interpreter_and_both_arms_train() {
         serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
     assert_eq!(results["updates"], serde_json::json!([0, 1]));
 
+    // Each arm's TensorBoard run: one event file holding the version record, the step's ten
+    // scalars and the PRM's step scores, every record's CRCs checked.
+    for name in ["integrated", "outcome_only"] {
+        let files: Vec<_> = std::fs::read_dir(out.join("tb").join(name))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(files.len(), 1, "{name}: {files:?}");
+        let bytes = std::fs::read(&files[0]).unwrap();
+        let records = clawrl::watch::events::tfrecords(&bytes).unwrap().len();
+        assert!(records > 10, "{name}: {records} records");
+    }
+
     // A second run reuses the cached warm start.
     let again = run(&file, &dir.path().join("run2")).unwrap();
     assert!(again.sft.cached);

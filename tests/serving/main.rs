@@ -13,3 +13,4 @@ mod openclaw;
 #[path = "../support/personal_run.rs"]
 mod personal_run;
 mod venv;
+mod watch;

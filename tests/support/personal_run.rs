@@ -1,12 +1,99 @@
-//! A `personal` job run by the built binary (`clawrl run --json --out OUT SPEC`): the gateway
-//! address it announces on stderr, the stderr kept for failure messages, and the JSON summary
-//! it prints after SIGTERM. Shared by the `jobs` and `serving` test binaries (`#[path]`).
+//! A `personal` job run by the built binary (`clawrl run --json --out OUT SPEC`): the spec of a
+//! small one over the fixture policy, a chat request to it, the gateway address it announces on stderr, the stderr
+//! kept for failure messages, and the JSON summary it prints after SIGTERM. Shared by the
+//! `jobs` and `serving` test binaries (`#[path]`).
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+/// What differs between the tests' `personal` jobs.
+pub struct SpecParams<'a> {
+    /// The job's name.
+    pub name: &'a str,
+    /// Its seed.
+    pub seed: u64,
+    /// The API key clients must send.
+    pub key: &'a str,
+    /// Votes per judged turn.
+    pub votes: u32,
+    /// The KL coefficient (0 turns the reference model off).
+    pub kl: f64,
+}
+
+/// A `personal` job over the fixture policy serving model `tiny` behind `p.key` (answers of 6
+/// tokens), its turns under `<out>/turns`, judged by a scripted judge that scores a next state
+/// saying "thanks" +1 and "wrong" −1, trained by binary RL in batches of 2; it runs until
+/// stopped (an hour at most).
+pub fn spec(out: &Path, p: &SpecParams<'_>) -> String {
+    let ck = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3-tiny");
+    format!(
+        r#"
+kind = "personal"
+name = "{name}"
+seed = {seed}
+[policy]
+checkpoint = {ck:?}
+max_new_tokens = 6
+[gateway]
+listen = "127.0.0.1:0"
+model_name = "tiny"
+api_keys = ["{key}"]
+data_dir = {turns:?}
+default_max_tokens = 6
+[judge]
+backend = "scripted"
+votes = {votes}
+rules = [{{ pattern = "(?i)thanks", score = 1 }}, {{ pattern = "(?i)wrong", score = -1 }}]
+default_score = 0
+[method]
+kind = "binary"
+[optim]
+batch_size = 2
+lr = 1e-3
+clip = 0.2
+kl = {kl:?}
+staleness = 8
+[stop]
+max_hours = 1.0
+"#,
+        name = p.name,
+        seed = p.seed,
+        key = p.key,
+        votes = p.votes,
+        kl = p.kl,
+        ck = ck.display().to_string(),
+        turns = out.join("turns").display().to_string(),
+    )
+}
+
+/// One chat completion of model `tiny` (at most 6 tokens) sent with `key` and `headers`,
+/// which must succeed: its body and its `X-Clawrl-Version` header.
+pub async fn chat(
+    http: &reqwest::Client,
+    base: &str,
+    key: &str,
+    messages: serde_json::Value,
+    headers: &[(&str, &str)],
+) -> (serde_json::Value, String) {
+    let mut req = http
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth(key)
+        .json(&serde_json::json!({"model": "tiny", "messages": messages, "max_tokens": 6}));
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let r = req.send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let header = r
+        .headers()
+        .get("x-clawrl-version")
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    (r.json().await.unwrap(), header)
+}
 
 /// The running job; dropped, it is killed.
 pub struct PersonalRun {

@@ -25,6 +25,11 @@
 //!   last complete line, logs it and counts it in [`RecorderStats::torn_lines_cut`], so every
 //!   line of every file parses.
 //! - **Private.** Record files are created with mode 0600.
+//! - **Taps.** A [`RecordTap`] installed with [`RecorderHandle::tap`] sees every record the
+//!   writer writes, in the order written, on the writer's thread: derived logs (training
+//!   scalars) follow the records without a second reader.
+//! - **Reading back.** [`read_records`] parses one record file; a last line without its
+//!   newline (a writer stopped mid-line) is skipped and reported, never an error.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -191,6 +196,8 @@ enum Item {
         text: String,
     },
     Flush(oneshot::Sender<()>),
+    /// A tap to install; it sees the records written after it.
+    Tap(Box<dyn RecordTap>),
     /// The sync interval's tick: fsync whatever was written since the last fsync.
     Sync,
     Close,
@@ -201,6 +208,95 @@ struct Envelope<'a, T: ?Sized> {
     version: u64,
     kind: &'a str,
     record: &'a T,
+}
+
+/// One line of a record file, read back: `{"version":V,"kind":K,"record":R}`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct RecordLine {
+    /// The weight version the record names.
+    pub version: u64,
+    /// The record's kind (`turn`, `judge`, `sample`, `trainer_step`, ...).
+    pub kind: String,
+    /// The record itself.
+    pub record: serde_json::Value,
+}
+
+/// Sees every record a [`Recorder`] writes, in order, on the writer's thread. It must not
+/// block for long: the writer waits for it.
+pub trait RecordTap: Send + 'static {
+    /// A record was written to its file.
+    fn record(&mut self, line: &RecordLine);
+    /// The files were flushed to the OS (a good time to flush derived files too).
+    fn flush(&mut self) {}
+}
+
+/// A record file read back by [`read_records`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RecordFile {
+    /// Its complete lines, in file order.
+    pub lines: Vec<RecordLine>,
+    /// A last line without its newline was skipped (a writer stopped mid-line, or is writing
+    /// it now).
+    pub torn_tail: bool,
+}
+
+/// Why a record file could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadRecordsError {
+    /// The file could not be read.
+    #[error("reading {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The IO error.
+        source: std::io::Error,
+    },
+    /// A complete line is not a record.
+    #[error("{path}:{line}: not a record: {source}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The 1-based line number.
+        line: usize,
+        /// The JSON error.
+        source: serde_json::Error,
+    },
+}
+
+/// Parses the records of `text` (the contents of `path`, named in errors). Only complete lines
+/// (ended by a newline) are records: the writer appends a line's newline last, so a tail
+/// without one is a line still being written or cut by a crash; it is skipped and reported in
+/// [`RecordFile::torn_tail`].
+pub fn parse_records(path: &Path, text: &str) -> Result<RecordFile, ReadRecordsError> {
+    let (complete, tail) = match text.rfind('\n') {
+        Some(i) => (&text[..i + 1], &text[i + 1..]),
+        None => ("", text),
+    };
+    let mut lines = Vec::new();
+    for (i, line) in complete.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let parsed = serde_json::from_str(line).map_err(|source| ReadRecordsError::Parse {
+            path: path.to_path_buf(),
+            line: i + 1,
+            source,
+        })?;
+        lines.push(parsed);
+    }
+    Ok(RecordFile {
+        lines,
+        torn_tail: !tail.is_empty(),
+    })
+}
+
+/// Reads the record file at `path` (see [`parse_records`]).
+pub fn read_records(path: &Path) -> Result<RecordFile, ReadRecordsError> {
+    let bytes = std::fs::read(path).map_err(|source| ReadRecordsError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse_records(path, &String::from_utf8_lossy(&bytes))
 }
 
 /// A cheap, cloneable sender of records to a running recorder.
@@ -305,6 +401,14 @@ impl RecorderHandle {
         rx.await.map_err(|_| RecordError::Closed)
     }
 
+    /// Installs `tap`: it sees every record accepted after this call, as it is written.
+    pub async fn tap(&self, tap: Box<dyn RecordTap>) -> Result<(), RecordError> {
+        self.tx
+            .send(Item::Tap(tap))
+            .await
+            .map_err(|_| RecordError::Closed)
+    }
+
     /// The counters now.
     pub fn stats(&self) -> RecorderStats {
         self.counters.snapshot()
@@ -322,6 +426,7 @@ struct Writer {
     /// Lines were written since the last fsync.
     dirty: bool,
     last_sync: Instant,
+    taps: Vec<Box<dyn RecordTap>>,
 }
 
 /// Cuts a torn last line (one without its newline) off `file`; returns the bytes cut (0 when
@@ -411,6 +516,12 @@ impl Writer {
             Ok(()) => {
                 self.dirty = true;
                 self.counters.written.fetch_add(1, Ordering::AcqRel);
+                if !self.taps.is_empty() {
+                    match serde_json::from_str::<RecordLine>(text) {
+                        Ok(line) => self.taps.iter_mut().for_each(|t| t.record(&line)),
+                        Err(e) => tracing::warn!("recorder: a written line does not parse: {e}"),
+                    }
+                }
             }
             Err(e) => self.fail(1, e),
         }
@@ -435,6 +546,7 @@ impl Writer {
         for e in errors {
             self.fail(0, e);
         }
+        self.taps.iter_mut().for_each(|t| t.flush());
         if sync {
             self.dirty = false;
             self.last_sync = Instant::now();
@@ -456,6 +568,7 @@ impl Writer {
                 self.flush_all(true);
                 let _ = done.send(());
             }
+            Item::Tap(tap) => self.taps.push(tap),
             Item::Sync => self.sync_due(),
             // Refuse new records; the loop still drains every one already accepted.
             Item::Close => rx.close(),
@@ -548,6 +661,7 @@ impl Actor for Recorder {
             sync_interval: config.sync_interval,
             dirty: false,
             last_sync: Instant::now(),
+            taps: Vec::new(),
         };
         let thread = std::thread::Builder::new()
             .name("clawrl-recorder".into())
@@ -597,5 +711,38 @@ impl Actor for Recorder {
                 .map_err(|_| "the recorder's writer thread panicked")?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn complete_lines_parse_and_a_torn_tail_is_skipped() {
+        let p = Path::new("job.v00000001.jsonl");
+        let text = "{\"version\":1,\"kind\":\"judge\",\"record\":{\"reward\":1}}\n\
+                    {\"version\":1,\"kind\":\"trainer_step\",\"record\":{}}\n\
+                    {\"version\":1,\"kind\":\"ju";
+        let f = parse_records(p, text).unwrap();
+        assert!(f.torn_tail);
+        assert_eq!(f.lines.len(), 2);
+        assert_eq!(f.lines[0].kind, "judge");
+        assert_eq!(f.lines[0].record["reward"], 1);
+        assert_eq!(f.lines[1].version, 1);
+
+        let whole = parse_records(p, &text[..text.rfind('\n').unwrap() + 1]).unwrap();
+        assert!(!whole.torn_tail);
+        assert_eq!(whole.lines, f.lines);
+        assert_eq!(parse_records(p, "").unwrap(), RecordFile::default());
+        assert!(parse_records(p, "{\"vers").unwrap().torn_tail);
+    }
+
+    #[test]
+    fn a_complete_line_that_is_not_a_record_is_an_error_naming_it() {
+        let p = Path::new("job.v00000002.jsonl");
+        let e = parse_records(p, "{\"version\":2,\"kind\":\"x\",\"record\":1}\nnot json\n")
+            .unwrap_err();
+        assert!(e.to_string().starts_with("job.v00000002.jsonl:2:"), "{e}");
     }
 }

@@ -260,6 +260,12 @@ pub struct StepReport {
     pub skipped: Option<String>,
     /// The loss.
     pub loss: f64,
+    /// The clipped policy-gradient term of the loss.
+    pub pg_loss: f64,
+    /// The KL estimate (0 when the KL term is off).
+    pub kl: f64,
+    /// Fraction of response tokens where the clipped term was active.
+    pub clip_fraction: f64,
     /// Global gradient norm before clipping (NaN when not computed).
     pub grad_norm: f64,
     /// The OPD loss the learner applies.
@@ -617,6 +623,16 @@ pub struct StepEvent {
     pub version: u64,
     /// The loss.
     pub loss: f64,
+    /// The clipped policy-gradient term of the loss (records older than this field read 0).
+    #[serde(default)]
+    pub pg_loss: f64,
+    /// The KL estimate (records older than this field read 0).
+    #[serde(default)]
+    pub kl: f64,
+    /// Fraction of response tokens where the clipped term was active (records older than this
+    /// field read 0).
+    #[serde(default)]
+    pub clip_fraction: f64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
     /// The OPD loss the learner applied ([`StepReport::opd_loss`]).
@@ -645,6 +661,10 @@ pub struct StepEvent {
     pub export_ms: f64,
     /// Milliseconds publishing them.
     pub publish_ms: f64,
+    /// When the step ended, in seconds since the Unix epoch (records older than this field
+    /// read 0).
+    #[serde(default)]
+    pub wall_time: f64,
     /// Counters after the step.
     pub stats: TrainerStats,
 }
@@ -1344,6 +1364,9 @@ impl TrainerState {
                     step: report.steps,
                     version: report.version,
                     loss: report.loss,
+                    pg_loss: report.pg_loss,
+                    kl: report.kl,
+                    clip_fraction: report.clip_fraction,
                     grad_norm: report.grad_norm,
                     opd_loss: report.opd_loss,
                     opd_samples: report.opd_samples,
@@ -1358,6 +1381,9 @@ impl TrainerState {
                     step_ms: done.step_ms,
                     export_ms: done.export_ms,
                     publish_ms: done.publish_ms,
+                    wall_time: std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0.0, |d| d.as_secs_f64()),
                     stats: self.snapshot(),
                 };
                 tracing::info!(

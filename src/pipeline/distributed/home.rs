@@ -134,6 +134,9 @@ pub async fn run_placed_job(
     .map_err(actor_err("recorder"))?;
     let rec =
         ractor::call_t!(recorder, RecorderMsg::Handle, 10_000).map_err(actor_err("recorder"))?;
+    crate::watch::scalars::tap_recorder(&rec, &out)
+        .await
+        .map_err(RunError::from)?;
 
     // Generation on the rollout hosts, the OPD teacher here, the trainer publishing on this
     // node's bulk plane.
