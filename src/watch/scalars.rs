@@ -14,7 +14,7 @@
 
 use std::path::{Path, PathBuf};
 
-use clawrl_actors::loops::{RecordLine, RecordTap, RecorderHandle, StepEvent};
+use clawrl_actors::loops::{LogprobGap, RecordLine, RecordTap, RecorderHandle, StepEvent};
 
 use super::events::{EventWriter, EventsError};
 use crate::judge::votes::JudgedTurnRecord;
@@ -39,6 +39,8 @@ pub mod tags {
     pub const GRAD_NORM: &str = "train/grad_norm";
     /// Mean |rollout − trainer| log-prob (only when samples carried rollout log-probs).
     pub const LOGPROB_GAP: &str = "train/logprob_gap";
+    /// Largest |rollout − trainer| log-prob of the step (likewise).
+    pub const LOGPROB_GAP_MAX: &str = "train/logprob_gap_max";
     /// Samples trained in the step.
     pub const SAMPLES_TRAINED: &str = "train/samples_trained";
     /// Samples dropped as stale while the step's batch was formed.
@@ -75,7 +77,7 @@ pub struct StepPoint {
     /// Gradient norm before clipping.
     pub grad_norm: f64,
     /// Mean |rollout − trainer| log-prob, when measured.
-    pub logprob_gap: Option<f64>,
+    pub logprob_gap: Option<LogprobGap>,
     /// Samples trained.
     pub trained: u64,
     /// Samples dropped as stale.
@@ -97,7 +99,7 @@ impl StepPoint {
             kl: e.kl,
             clip_fraction: e.clip_fraction,
             grad_norm: e.grad_norm,
-            logprob_gap: e.logprob_gap,
+            logprob_gap: e.logprob_gap.clone(),
             trained: e.kept as u64,
             dropped_stale: e.dropped_stale as u64,
             step_ms: e.step_ms,
@@ -119,7 +121,7 @@ impl StepPoint {
             kl: m.kl,
             clip_fraction: m.clip_fraction,
             grad_norm: m.grad_norm,
-            logprob_gap: m.rollout_gap.as_ref().map(|g| g.mean_abs),
+            logprob_gap: m.logprob_gap.clone(),
             trained: trained as u64,
             dropped_stale: 0,
             step_ms,
@@ -211,8 +213,9 @@ impl ScalarLog {
             at(tags::CLIP_FRACTION, p.clip_fraction),
             at(tags::GRAD_NORM, p.grad_norm),
         ];
-        if let Some(gap) = p.logprob_gap {
-            out.push(at(tags::LOGPROB_GAP, gap));
+        if let Some(gap) = &p.logprob_gap {
+            out.push(at(tags::LOGPROB_GAP, gap.mean_abs));
+            out.push(at(tags::LOGPROB_GAP_MAX, gap.max_abs));
         }
         out.extend([
             at(tags::SAMPLES_TRAINED, p.trained as f64),
@@ -393,7 +396,15 @@ mod tests {
                 kl: 0.25,
                 clip_fraction: 0.125,
                 grad_norm: 3.0,
-                logprob_gap: gap,
+                opd_loss: Default::default(),
+                opd_samples: 0,
+                old_recomputed: true,
+                logprob_gap: gap.map(|mean_abs| LogprobGap {
+                    mean: -mean_abs,
+                    mean_abs,
+                    max_abs: 2.0 * mean_abs,
+                    tokens: 10,
+                }),
                 kept: 4,
                 importance_weighted: 0,
                 importance: None,
@@ -434,6 +445,7 @@ mod tests {
         assert_eq!(value(&out, tags::CLIP_FRACTION), Some(0.125));
         assert_eq!(value(&out, tags::GRAD_NORM), Some(3.0));
         assert_eq!(value(&out, tags::LOGPROB_GAP), Some(0.5));
+        assert_eq!(value(&out, tags::LOGPROB_GAP_MAX), Some(1.0));
         assert_eq!(value(&out, tags::SAMPLES_TRAINED), Some(4.0));
         assert_eq!(value(&out, tags::SAMPLES_DROPPED_STALE), Some(2.0));
         assert_eq!(value(&out, tags::VERSION), Some(1.0));

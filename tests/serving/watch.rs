@@ -518,14 +518,18 @@ async fn a_personal_job_is_watched_in_a_browser_and_in_tensorboard() {
     ] {
         assert!(tags.contains(tag), "{tag} missing from {tags:?}");
     }
-    let field = |r: &Value, key: &str| -> Option<f64> { r[key].as_f64() };
+    // `a.b` reads a nested field.
+    let field = |r: &Value, key: &str| -> Option<f64> {
+        key.split('.').fold(r, |v, k| &v[k]).as_f64()
+    };
     for (tag, key) in [
         ("train/loss", "loss"),
         ("train/pg_loss", "pg_loss"),
         ("train/kl", "kl"),
         ("train/clip_fraction", "clip_fraction"),
         ("train/grad_norm", "grad_norm"),
-        ("train/logprob_gap", "logprob_gap"),
+        ("train/logprob_gap", "logprob_gap.mean_abs"),
+        ("train/logprob_gap_max", "logprob_gap.max_abs"),
         ("train/samples_trained", "kept"),
         ("train/samples_dropped_stale", "dropped_stale"),
         ("train/version", "version"),
