@@ -519,9 +519,8 @@ async fn a_personal_job_is_watched_in_a_browser_and_in_tensorboard() {
         assert!(tags.contains(tag), "{tag} missing from {tags:?}");
     }
     // `a.b` reads a nested field.
-    let field = |r: &Value, key: &str| -> Option<f64> {
-        key.split('.').fold(r, |v, k| &v[k]).as_f64()
-    };
+    let field =
+        |r: &Value, key: &str| -> Option<f64> { key.split('.').fold(r, |v, k| &v[k]).as_f64() };
     for (tag, key) in [
         ("train/loss", "loss"),
         ("train/pg_loss", "pg_loss"),
