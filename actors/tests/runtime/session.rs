@@ -579,8 +579,11 @@ async fn a_job_whose_sessions_all_fail_stops_with_the_error() {
 /// turn with a non-zero reward (as [`Builder`]).
 #[derive(Default)]
 struct GroupRecorder {
-    builds: Mutex<Vec<Vec<(String, Option<u64>)>>>,
+    builds: Mutex<Vec<Vec<EpisodeTag>>>,
 }
+
+/// An episode's task id and group.
+type EpisodeTag = (String, Option<u64>);
 
 impl SampleBuilder<Sample> for Arc<GroupRecorder> {
     fn build(
