@@ -582,18 +582,19 @@ struct GroupRecorder {
     builds: Mutex<Vec<Vec<EpisodeTag>>>,
 }
 
-/// An episode's task id and group.
-type EpisodeTag = (String, Option<u64>);
+/// An episode's task id, group, and whether it ended in a failure.
+type EpisodeTag = (String, Option<u64>, bool);
 
 impl SampleBuilder<Sample> for Arc<GroupRecorder> {
     fn build(
         &self,
         eps: Arc<Vec<EpisodeTurns>>,
     ) -> BoxFuture<'static, Result<Built<Sample>, String>> {
-        self.builds
-            .lock()
-            .unwrap()
-            .push(eps.iter().map(|e| (e.task_id.clone(), e.group)).collect());
+        self.builds.lock().unwrap().push(
+            eps.iter()
+                .map(|e| (e.task_id.clone(), e.group, e.reason.is_failure()))
+                .collect(),
+        );
         Builder.build(eps)
     }
 }
@@ -662,11 +663,18 @@ async fn a_job_with_groups_builds_whole_groups_of_one_task_and_drops_failed_ones
         "one build per group"
     );
     for b in builds.iter() {
-        // One group, one task; only tasks whose episodes never fail.
+        // One group, one task.
         assert!(!b.is_empty() && b.len() <= 2, "{b:?}");
-        assert!(b.iter().all(|e| e == &b[0]), "a build mixes groups: {b:?}");
-        assert!(["t0", "t3"].contains(&b[0].0.as_str()), "{b:?}");
+        assert!(
+            b.iter().all(|e| (&e.0, e.1) == (&b[0].0, b[0].1)),
+            "a build mixes groups: {b:?}"
+        );
         assert!(b[0].1.is_some(), "{b:?}");
+        // No failed attempt is ever built. Task 1 never starts; task 2's episodes fail at their
+        // second step, so one of its groups is built only when the stop ended its members
+        // before that (a drain stops episodes; stopped ones are members).
+        assert!(b.iter().all(|e| !e.2), "a failed episode was built: {b:?}");
+        assert_ne!(b[0].0, "t1", "{b:?}");
     }
     assert_eq!(
         builds.iter().filter(|b| b.len() == 2).count() as u64,
