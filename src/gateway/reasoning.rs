@@ -87,13 +87,8 @@ impl ReasoningSplitter {
                     }
                 }
                 State::Reasoning { fresh } => {
-                    if fresh {
-                        let t = self.buf.trim_start_matches('\n');
-                        if t.is_empty() {
-                            self.buf.clear();
-                            break;
-                        }
-                        self.buf = t.to_string();
+                    if fresh && !drop_leading_newlines(&mut self.buf) {
+                        break;
                     }
                     if let Some(c) = self.buf.find(CLOSE) {
                         let reasoning = self.buf[..c].trim_end_matches('\n');
@@ -118,12 +113,9 @@ impl ReasoningSplitter {
                 }
                 State::Content { fresh } => {
                     if fresh {
-                        let t = self.buf.trim_start_matches('\n');
-                        if t.is_empty() {
-                            self.buf.clear();
+                        if !drop_leading_newlines(&mut self.buf) {
                             break;
                         }
-                        self.buf = t.to_string();
                         self.state = State::Content { fresh: false };
                     }
                     if !self.buf.is_empty() {
@@ -160,6 +152,13 @@ impl ReasoningSplitter {
             State::Content { .. } => Vec::new(),
         }
     }
+}
+
+/// Drops the newlines `buf` starts with (the template's, after a tag); whether text is left.
+fn drop_leading_newlines(buf: &mut String) -> bool {
+    let n = buf.len() - buf.trim_start_matches('\n').len();
+    buf.drain(..n);
+    !buf.is_empty()
 }
 
 /// The whole answer split at once (what a non-streamed answer carries): `(reasoning, content)`
