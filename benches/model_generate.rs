@@ -59,6 +59,7 @@ fn main() {
             max_new_tokens: 128,
             ..Default::default()
         },
+        raw_logprobs: None,
     };
     let decode = |batch: usize| -> f64 {
         let t = Instant::now();

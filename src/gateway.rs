@@ -11,6 +11,7 @@
 
 pub mod auth;
 pub mod infer;
+pub mod logprobs;
 pub mod metrics;
 pub mod policy;
 pub mod reasoning;

@@ -32,11 +32,11 @@ pub use checkpoint::{
 pub use config::{ConfigError, Qwen3Config};
 pub use engine::{
     spawn_engine, EngineError, EngineHandle, EngineOptions, FinishReason, GenerationRequest,
-    GenerationResult,
+    GenerationResult, StreamEvent, MAX_TOP_LOGPROBS,
 };
 pub use kv_cache::{KvCache, KvCacheError};
 pub use qwen3::Qwen3;
-pub use sampling::SamplingParams;
+pub use sampling::{RawLogprobs, SamplingParams};
 pub use score::{score_batch, score_response, score_response_topk, token_logprobs, ScoredTopK};
 pub use tool_call::{parse_tool_calls, ParsedResponse, ToolCall, ToolCallError};
 pub use weights::{model_from_safetensors, model_to_safetensors, SaveError};

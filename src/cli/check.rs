@@ -507,6 +507,7 @@ impl InferenceTask for GenerateSpeed<'_> {
                             max_new_tokens: new,
                             ..Default::default()
                         },
+                        raw_logprobs: None,
                     })
                 })
                 .collect();

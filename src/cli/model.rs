@@ -344,6 +344,7 @@ where
     let r = engine.generate_blocking(GenerationRequest {
         prompt_ids: prompt.ids,
         params,
+        raw_logprobs: None,
     })?;
     // The text leaves out a final stop token and anything from a stop string on.
     let mut ids: &[u32] = &r.response_ids;

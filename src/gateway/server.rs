@@ -37,6 +37,7 @@ use tokio::sync::mpsc;
 
 use super::auth::ApiKeys;
 use super::infer::Transcript;
+use super::logprobs::TokenBytes;
 use super::metrics::Metrics;
 use super::policy::{GatewayPolicy, ServingVersion};
 use super::reasoning::{split_reasoning, Part, ReasoningSplitter};
@@ -46,10 +47,10 @@ use super::text::{split_all, Piece, TextStream, ToolCallSplitter};
 use super::GatewayConfig;
 use crate::model::chat::{encode_text, validate_messages, validate_tools, ChatTemplate};
 use crate::model::engine::{
-    EngineError, EngineOptions, FinishReason, GenerationRequest, StreamEvent,
+    EngineError, EngineOptions, FinishReason, GenerationRequest, StreamEvent, MAX_TOP_LOGPROBS,
 };
 use crate::model::qwen3::Qwen3;
-use crate::model::sampling::SamplingParams;
+use crate::model::sampling::{RawLogprobs, SamplingParams};
 use crate::model::tool_call::ToolCall;
 use crate::model::Checkpoint;
 use crate::watch::dashboard::{self, DashboardSource};
@@ -77,6 +78,8 @@ struct AppState {
     dashboard: std::sync::OnceLock<Arc<DashboardSource>>,
     policy: GatewayPolicy,
     tokenizer: Arc<tokenizers::Tokenizer>,
+    /// Every token's bytes, for answers with log-probs (made on first use).
+    token_bytes: std::sync::OnceLock<TokenBytes>,
     template: ChatTemplate,
     stop_ids: Vec<u32>,
     sessions: Mutex<SessionTable<TurnRecord>>,
@@ -159,6 +162,7 @@ impl Gateway {
             sessions: Mutex::new(SessionTable::new(cfg.session_config())),
             sink,
             tap: std::sync::OnceLock::new(),
+            token_bytes: std::sync::OnceLock::new(),
             metrics: Metrics::default(),
             created: unix_now(),
             cfg,
@@ -352,6 +356,9 @@ fn engine_error(e: EngineError) -> ApiError {
         }
         EngineError::EmptyPrompt | EngineError::BadToken { .. } => {
             ApiError::bad("invalid_prompt", Some("messages"), e.to_string())
+        }
+        EngineError::TooManyTopLogprobs { .. } => {
+            ApiError::bad("invalid_value", Some("top_logprobs"), e.to_string())
         }
         EngineError::NoTokenizer | EngineError::Closed => ApiError {
             status: StatusCode::INTERNAL_SERVER_ERROR,
@@ -687,10 +694,10 @@ struct ChatRequest {
     /// Accepted only as 0 (no penalty): the sampler has none.
     #[serde(default)]
     presence_penalty: Option<f32>,
-    /// Accepted only as `false`: per-token log-probs are not returned yet.
+    /// Return each answer token's log-prob under the model's own distribution.
     #[serde(default)]
     logprobs: Option<bool>,
-    /// Accepted only as 0 (see `logprobs`).
+    /// With `logprobs`, also the this-many most likely tokens at each position (0 to 20).
     #[serde(default)]
     top_logprobs: Option<u32>,
     // Informational: they name or tag the request, or ask for caching and storage that do not
@@ -766,16 +773,19 @@ fn check_unsupported_values(r: &ChatRequest) -> Result<(), ApiError> {
             ));
         }
     }
-    if r.logprobs == Some(true) || r.top_logprobs.unwrap_or(0) > 0 {
-        let name = if r.logprobs == Some(true) {
-            "logprobs"
-        } else {
-            "top_logprobs"
-        };
+    let top = r.top_logprobs.unwrap_or(0) as usize;
+    if top > MAX_TOP_LOGPROBS {
         return Err(ApiError::bad(
-            "unsupported",
-            Some(name),
-            "log-probs are not returned by this server yet",
+            "invalid_value",
+            Some("top_logprobs"),
+            format!("top_logprobs {top} is more than {MAX_TOP_LOGPROBS}"),
+        ));
+    }
+    if top > 0 && r.logprobs != Some(true) {
+        return Err(ApiError::bad(
+            "invalid_value",
+            Some("top_logprobs"),
+            "top_logprobs needs logprobs: true",
         ));
     }
     // "auto" lets the model choose and "none" hides the tools; forcing a call would need
@@ -1155,6 +1165,8 @@ struct Prepared {
     prompt_text: String,
     prompt_ids: Vec<u32>,
     params: SamplingParams,
+    /// `Some(k)`: answer each token's log-prob and its `k` most likely alternatives.
+    raw_logprobs: Option<usize>,
     stream: bool,
     include_usage: bool,
 }
@@ -1303,6 +1315,7 @@ fn prepare(
         params,
         stream: r.stream.unwrap_or(false),
         include_usage: r.stream_options.unwrap_or_default().include_usage,
+        raw_logprobs: (r.logprobs == Some(true)).then_some(r.top_logprobs.unwrap_or(0) as usize),
     })
 }
 
@@ -1327,14 +1340,39 @@ fn finish_reason(reason: FinishReason, tool_calls: bool) -> &'static str {
     }
 }
 
+/// The ids of an answer as served: a final stop token excluded.
+fn served_ids<'a>(s: &AppState, ids: &'a [u32]) -> &'a [u32] {
+    match ids.last() {
+        Some(last) if s.stop_ids.contains(last) => &ids[..ids.len() - 1],
+        _ => ids,
+    }
+}
+
 /// The decoding of `ids` as served: a final stop token excluded, special tokens kept (so
 /// `<tool_call>` tags survive).
 fn decode(s: &AppState, ids: &[u32]) -> String {
-    let ids = match ids.last() {
-        Some(last) if s.stop_ids.contains(last) => &ids[..ids.len() - 1],
-        _ => ids,
-    };
-    s.tokenizer.decode(ids, false).unwrap_or_default()
+    s.tokenizer
+        .decode(served_ids(s, ids), false)
+        .unwrap_or_default()
+}
+
+/// OpenAI's `logprobs` entries of the served ids `ids[from..]` (every sampled token but a final
+/// stop token: reasoning and tool-call tokens included).
+fn logprob_entries(s: &AppState, c: &Collected, from: usize) -> Vec<Json_> {
+    let ids = served_ids(s, &c.ids);
+    let from = from.min(ids.len());
+    let raw = &c.raw[from.min(c.raw.len())..];
+    s.token_bytes
+        .get_or_init(|| TokenBytes::new(&s.tokenizer))
+        .content(&ids[from..], raw)
+}
+
+/// A choice's `logprobs`: `null` unless the request asked for them.
+fn logprobs_object(s: &AppState, p: &Prepared, c: &Collected) -> Json_ {
+    match p.raw_logprobs {
+        None => Json_::Null,
+        Some(_) => json!({"content": logprob_entries(s, c, 0), "refusal": null}),
+    }
 }
 
 async fn chat_completions(
@@ -1423,6 +1461,7 @@ async fn chat_completions(
     let mut rx = served.engine().submit_streaming(GenerationRequest {
         prompt_ids: prepared.prompt_ids.clone(),
         params: prepared.params.clone(),
+        raw_logprobs: prepared.raw_logprobs,
     });
     // Wait for the first event so refusals are proper HTTP errors, streaming or not.
     let first = rx.recv().await;
@@ -1472,6 +1511,8 @@ async fn chat_completions(
 struct Collected {
     ids: Vec<u32>,
     logprobs: Vec<f32>,
+    /// Raw log-probs of `ids`, when the request asked for them.
+    raw: Vec<RawLogprobs>,
     reason: Option<FinishReason>,
     cached_tokens: usize,
 }
@@ -1481,6 +1522,7 @@ impl Collected {
         Self {
             ids: Vec::new(),
             logprobs: Vec::new(),
+            raw: Vec::new(),
             reason: None,
             cached_tokens: 0,
         }
@@ -1489,15 +1531,17 @@ impl Collected {
     /// Applies one event; `Err` when the request failed.
     fn apply(&mut self, ev: StreamEvent) -> Result<(), EngineError> {
         match ev {
-            StreamEvent::Token { id, logprob } => {
+            StreamEvent::Token { id, logprob, raw } => {
                 self.ids.push(id);
                 self.logprobs.push(logprob);
+                self.raw.extend(raw);
             }
             StreamEvent::Finished(r) => {
                 // The result repeats the streamed tokens; it is the authority.
                 debug_assert_eq!(r.response_ids, self.ids);
                 self.ids = r.response_ids;
                 self.logprobs = r.logprobs;
+                self.raw = r.raw_logprobs;
                 self.reason = Some(r.finish_reason);
                 self.cached_tokens = r.cached_tokens;
             }
@@ -1620,7 +1664,8 @@ async fn complete_response(
         "object": "chat.completion",
         "created": unix_now(),
         "model": s.model_name,
-        "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": null}],
+        "choices": [{"index": 0, "message": message, "finish_reason": reason,
+                     "logprobs": logprobs_object(s, &p, &c)}],
         "usage": usage(p.prompt_ids.len(), c.ids.len(), c.cached_tokens),
         "session_id": p.session_id,
         "turn_type": p.turn_type,
@@ -1643,13 +1688,25 @@ fn stream_response(
     tokio::spawn(async move {
         let created = unix_now();
         let version = served.version();
-        let chunk = |delta: Json_, finish: Option<&str>| {
+        let chunk = |delta: Json_, finish: Option<&str>, logprobs: Json_| {
             let v = json!({
                 "id": id, "object": "chat.completion.chunk", "created": created,
                 "model": s.model_name, "session_id": p.session_id, "version": version,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}],
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
             });
             Event::default().data(v.to_string())
+        };
+        // With log-probs asked for, a chunk carries the entries of the tokens sampled since the
+        // last chunk that carried some (text held back waits with its tokens); the finishing
+        // chunk carries the rest.
+        let mut logprobs_sent = 0usize;
+        let mut pending_logprobs = |c: &Collected| -> Json_ {
+            if p.raw_logprobs.is_none() {
+                return Json_::Null;
+            }
+            let entries = logprob_entries(&s, c, logprobs_sent);
+            logprobs_sent += entries.len();
+            json!({"content": entries, "refusal": null})
         };
         let mut c = Collected::new();
         let mut text = TextStream::new(p.params.stop_strings.clone());
@@ -1659,7 +1716,11 @@ fn stream_response(
         let mut content = String::new();
         let mut calls: Vec<Json_> = Vec::new();
         let mut ok = tx
-            .send(chunk(json!({"role": "assistant", "content": ""}), None))
+            .send(chunk(
+                json!({"role": "assistant", "content": ""}),
+                None,
+                Json_::Null,
+            ))
             .await
             .is_ok();
         let mut ev = Some(first);
@@ -1713,7 +1774,8 @@ fn stream_response(
                         json!({"tool_calls": [j]})
                     }
                 };
-                if tx.send(chunk(delta, None)).await.is_err() {
+                let logprobs = pending_logprobs(&c);
+                if tx.send(chunk(delta, None, logprobs)).await.is_err() {
                     ok = false;
                     break;
                 }
@@ -1732,7 +1794,8 @@ fn stream_response(
             return;
         }
         let reason = finish_reason(c.reason.expect("loop ends on a reason"), !calls.is_empty());
-        let _ = tx.send(chunk(json!({}), Some(reason))).await;
+        let logprobs = pending_logprobs(&c);
+        let _ = tx.send(chunk(json!({}), Some(reason), logprobs)).await;
         if p.include_usage {
             let v = json!({
                 "id": id, "object": "chat.completion.chunk", "created": created,

@@ -92,6 +92,7 @@ impl ChatGenerator for EngineGenerator {
                     stop_strings: Vec::new(),
                     seed,
                 },
+                raw_logprobs: None,
             };
             let out = self.engine.generate(request).await?;
             let text = self

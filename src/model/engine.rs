@@ -7,7 +7,8 @@
 //!
 //! Each request has its own seeded RNG, so its output does not depend on what it is batched with
 //! (up to floating-point differences between batch shapes). Log-probs are those of
-//! [`super::sampling`]: under `softmax(logits / T)`, before top-k/top-p truncation.
+//! [`super::sampling`]: under `softmax(logits / T)`, before top-k/top-p truncation; a request
+//! may also ask for raw log-probs (under `softmax(logits)`) with the most likely alternatives.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -22,7 +23,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::kv_cache::{KvCache, LayerKv};
 use super::prefix_cache::PrefixIndex;
 use super::qwen3::Qwen3;
-use super::sampling::{sample_token, SamplingError, SamplingParams};
+use super::sampling::{raw_logprobs, sample_token, RawLogprobs, SamplingError, SamplingParams};
 
 /// Engine-wide limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +64,23 @@ pub struct GenerationRequest {
     pub prompt_ids: Vec<u32>,
     /// Sampling and stopping.
     pub params: SamplingParams,
+    /// `Some(k)`: also report each sampled token's [`RawLogprobs`] with its `k` most likely
+    /// alternatives (`k` ≤ [`MAX_TOP_LOGPROBS`]); `None`: only the sampling log-probs.
+    pub raw_logprobs: Option<usize>,
+}
+
+/// The most alternatives a request may ask for per token (as OpenAI's `top_logprobs`).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+impl GenerationRequest {
+    /// A request for `prompt_ids` sampled with `params`, reporting no raw log-probs.
+    pub fn new(prompt_ids: Vec<u32>, params: SamplingParams) -> Self {
+        Self {
+            prompt_ids,
+            params,
+            raw_logprobs: None,
+        }
+    }
 }
 
 /// Why generation ended.
@@ -91,6 +109,8 @@ pub struct GenerationResult {
     pub finish_reason: FinishReason,
     /// Prompt tokens whose keys and values came from the prefix cache instead of a prefill.
     pub cached_tokens: usize,
+    /// Per sampled id, its [`RawLogprobs`] when the request asked for them; empty otherwise.
+    pub raw_logprobs: Vec<RawLogprobs>,
 }
 
 /// A request the engine refused or could not finish.
@@ -120,6 +140,12 @@ pub enum EngineError {
         /// The bound.
         max: usize,
     },
+    /// More alternatives per token were asked for than [`MAX_TOP_LOGPROBS`].
+    #[error("{asked} top log-probs per token asked for; at most {MAX_TOP_LOGPROBS}")]
+    TooManyTopLogprobs {
+        /// What was asked.
+        asked: usize,
+    },
     /// Stop strings were given but the engine has no tokenizer to decode with.
     #[error("stop strings need an engine with a tokenizer")]
     NoTokenizer,
@@ -138,6 +164,8 @@ pub enum StreamEvent {
         id: u32,
         /// Its log-prob.
         logprob: f32,
+        /// Its raw log-probs, when the request asked for them.
+        raw: Option<RawLogprobs>,
     },
     /// Generation ended; the result repeats every id and log-prob sent as `Token`s.
     Finished(GenerationResult),
@@ -162,9 +190,13 @@ impl Reply {
         }
     }
 
-    fn token(&self, id: u32, logprob: f32) {
+    fn token(&self, id: u32, logprob: f32, raw: Option<&RawLogprobs>) {
         if let Reply::Stream(tx) = self {
-            let _ = tx.send(StreamEvent::Token { id, logprob });
+            let _ = tx.send(StreamEvent::Token {
+                id,
+                logprob,
+                raw: raw.cloned(),
+            });
         }
     }
 
@@ -264,6 +296,8 @@ where
 /// One sequence being decoded.
 struct Active<B: Backend> {
     params: SamplingParams,
+    raw_k: Option<usize>,
+    raw: Vec<RawLogprobs>,
     rng: StdRng,
     cache: KvCache<B>,
     cached_tokens: usize,
@@ -342,6 +376,9 @@ impl<B: Backend> Scheduler<B> {
         if req.prompt_ids.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
+        if let Some(asked) = req.raw_logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+            return Err(EngineError::TooManyTopLogprobs { asked });
+        }
         let vocab = self.model.vocab_size();
         if let Some((position, &token)) = req
             .prompt_ids
@@ -390,6 +427,8 @@ impl<B: Backend> Scheduler<B> {
             let mut seq = Active {
                 rng: StdRng::seed_from_u64(req.params.seed),
                 params: req.params,
+                raw_k: req.raw_logprobs,
+                raw: Vec::new(),
                 cache,
                 cached_tokens,
                 response: Vec::new(),
@@ -452,7 +491,10 @@ impl<B: Backend> Scheduler<B> {
         let (tok, lp) = sample_token(row, &seq.params, &mut seq.rng);
         seq.response.push(tok);
         seq.logprobs.push(lp);
-        seq.reply.token(tok, lp);
+        if let Some(k) = seq.raw_k {
+            seq.raw.push(raw_logprobs(row, tok, k));
+        }
+        seq.reply.token(tok, lp, seq.raw_k.and(seq.raw.last()));
         if seq.params.stop_token_ids.contains(&tok) {
             return Some(FinishReason::Stop);
         }
@@ -482,6 +524,7 @@ impl<B: Backend> Scheduler<B> {
             logprobs,
             reply,
             cached_tokens,
+            raw,
             ..
         } = seq; // the cache is dropped here, freeing its memory
         reply.send(Ok(GenerationResult {
@@ -489,6 +532,7 @@ impl<B: Backend> Scheduler<B> {
             logprobs,
             finish_reason: reason,
             cached_tokens,
+            raw_logprobs: raw,
         }));
     }
 

@@ -89,6 +89,36 @@ pub fn log_softmax_scaled(logits: &[f32], temperature: f32) -> Vec<f32> {
     scaled.iter().map(|x| (x - lse) as f32).collect()
 }
 
+/// A sampled token's log-prob under the model's own distribution, `log_softmax(logits)`: no
+/// temperature and no top-k / top-p truncation (what OpenAI-style `logprobs` report; vLLM's
+/// default "raw" mode), with the `k` most likely tokens under the same distribution.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RawLogprobs {
+    /// The sampled token's log-prob.
+    pub logprob: f32,
+    /// The `k` most likely `(token, log-prob)`, most likely first; equal log-probs keep the
+    /// lower id first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// [`RawLogprobs`] of `chosen` and the `k` most likely tokens of one row of logits.
+pub fn raw_logprobs(logits: &[f32], chosen: u32, k: usize) -> RawLogprobs {
+    let logp = log_softmax_scaled(logits, 1.0);
+    let by_rank = |a: &usize, b: &usize| logp[*b].total_cmp(&logp[*a]).then(a.cmp(b));
+    let mut ids: Vec<usize> = (0..logp.len()).collect();
+    let k = k.min(ids.len());
+    if k > 0 && k < ids.len() {
+        // Partition so the first k are the most likely, then order only those.
+        ids.select_nth_unstable_by(k - 1, by_rank);
+    }
+    ids.truncate(k);
+    ids.sort_by(by_rank);
+    RawLogprobs {
+        logprob: logp[chosen as usize],
+        top: ids.into_iter().map(|i| (i as u32, logp[i])).collect(),
+    }
+}
+
 /// Picks the next token from `logits` (one row, `[vocab]`); returns it with its log-prob (see the
 /// module docs for which distribution).
 pub fn sample_token<R: Rng + ?Sized>(
@@ -187,6 +217,18 @@ mod tests {
         }
         assert!(seen[0] > 0 && seen[1] > 0);
         assert_eq!(seen[2] + seen[3], 0);
+    }
+
+    #[test]
+    fn raw_logprobs_ignore_temperature_and_rank_the_top_with_ties_by_id() {
+        let logits = [1.0, 3.0, 3.0, -2.0, 0.5];
+        let full = log_softmax_scaled(&logits, 1.0);
+        let r = raw_logprobs(&logits, 4, 3);
+        assert_eq!(r.logprob, full[4]);
+        assert_eq!(r.top, vec![(1, full[1]), (2, full[2]), (0, full[0])]);
+        assert!((r.top.iter().map(|t| t.1.exp()).sum::<f32>() - 0.96006).abs() < 1e-4);
+        assert_eq!(raw_logprobs(&logits, 1, 0).top, vec![]);
+        assert_eq!(raw_logprobs(&logits, 1, 9).top.len(), 5);
     }
 
     #[test]

@@ -426,6 +426,7 @@ impl World {
                         stop_strings: Vec::new(),
                         seed: *seed,
                     },
+                    raw_logprobs: None,
                 })
             })
             .collect();

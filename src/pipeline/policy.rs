@@ -81,6 +81,7 @@ impl ChatPolicy {
             let request = GenerationRequest {
                 prompt_ids: prompt_ids.clone(),
                 params: params.clone(),
+                raw_logprobs: None,
             };
             match replica
                 .call(

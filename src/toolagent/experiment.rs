@@ -501,6 +501,7 @@ impl World {
                             stop_strings: Vec::new(),
                             seed: mix_seed(plan[k].1, round),
                         },
+                        raw_logprobs: None,
                     })
                 })
                 .collect();

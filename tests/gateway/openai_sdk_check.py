@@ -1,5 +1,6 @@
-"""Drives a running clawrl gateway with the official `openai` Python SDK: chat, streaming and
-tools. Usage: openai_sdk_check.py BASE_URL API_KEY MODEL. Exits non-zero on any mismatch."""
+"""Drives a running clawrl gateway with the official `openai` Python SDK: chat, streaming,
+log-probs and tools. Usage: openai_sdk_check.py BASE_URL API_KEY MODEL. Exits non-zero on any
+mismatch."""
 import sys
 
 import openai
@@ -47,6 +48,24 @@ assert "".join(pieces) == text, (pieces, text)
 assert len(pieces) > 1, pieces
 assert finish in ("stop", "length"), finish
 assert usage is not None and usage.completion_tokens == r.usage.completion_tokens, usage
+
+# Log-probs, parsed into the SDK's typed objects, streamed or not.
+r = client.chat.completions.create(
+    model=model, messages=msgs, max_tokens=8, temperature=0.7, seed=5, logprobs=True,
+    top_logprobs=2, extra_headers={"X-Turn-Type": "side"},
+)
+lps = r.choices[0].logprobs.content
+assert r.choices[0].message.content == text and len(lps) >= 1, r
+assert bytes(b for t in lps for b in t.bytes).decode("utf-8", "replace") == text, lps
+for t in lps:
+    assert t.logprob <= 0 and len(t.top_logprobs) == 2, t
+    assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob, t
+stream = client.chat.completions.create(
+    model=model, messages=msgs, max_tokens=8, temperature=0.7, seed=5, logprobs=True,
+    top_logprobs=2, stream=True, extra_headers={"X-Turn-Type": "side"},
+)
+streamed = [t for c in stream for ch in c.choices if ch.logprobs for t in ch.logprobs.content]
+assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in lps], streamed
 
 # Tools: a history with an assistant tool call (arguments as a JSON string) and a tool result.
 tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",

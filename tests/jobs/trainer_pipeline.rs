@@ -63,6 +63,7 @@ async fn rollouts(w: &ActorRef<RolloutMsg<Policy>>, round: u32) -> Vec<TrainSamp
                 seed: (round * 2 + i) as u64,
                 ..SamplingParams::default()
             },
+            raw_logprobs: None,
         };
         let g = ractor::call!(w, RolloutMsg::Generate, request)
             .unwrap()
@@ -199,6 +200,7 @@ async fn replica_serves_the_trainers_versions_and_a_restart_counts_on() {
         GenerationRequest {
             prompt_ids: vec![1, 2, 3],
             params: SamplingParams::default(),
+            raw_logprobs: None,
         }
     )
     .unwrap()

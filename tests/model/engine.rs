@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use clawrl::model::{
-    load_checkpoint, score_batch, score_response, spawn_engine, EngineError, EngineHandle,
-    EngineOptions, FinishReason, GenerationRequest, SamplingParams,
+    load_checkpoint, score_batch, score_response, score_response_topk, spawn_engine, EngineError,
+    EngineHandle, EngineOptions, FinishReason, GenerationRequest, SamplingParams, StreamEvent,
 };
 use clawrl::CpuBackend;
 
@@ -82,6 +82,7 @@ fn req(ids: &[u32], temperature: f32, max_new: usize, seed: u64) -> GenerationRe
             seed,
             ..Default::default()
         },
+        raw_logprobs: None,
     }
 }
 
@@ -183,6 +184,53 @@ fn scoring_equals_generation_logprobs() {
     for (a, b) in s.iter().zip(&c.greedy_lp) {
         assert!((*a as f64 - b).abs() < 1e-4);
     }
+}
+
+#[test]
+fn raw_logprobs_are_the_models_own_distribution_with_its_top_tokens() {
+    let (h, model) = engine(4, 1024);
+    let c = &cases()[2];
+    // Sampled at temperature 0.7 with top-k 5: the raw log-probs ignore both.
+    let mut r = req(&c.ids, 0.7, 10, 3);
+    r.params.top_k = 5;
+    r.raw_logprobs = Some(4);
+    let out = h.generate_blocking(r.clone()).unwrap();
+    assert_eq!(out.raw_logprobs.len(), out.response_ids.len());
+    let reference = score_response_topk(&model, &c.ids, &out.response_ids, 4);
+    for (i, raw) in out.raw_logprobs.iter().enumerate() {
+        assert!((raw.logprob - reference.logprobs[i]).abs() < 1e-4);
+        assert_eq!(raw.top.len(), 4);
+        for (j, &(id, lp)) in raw.top.iter().enumerate() {
+            assert_eq!(id, reference.ids[i * 4 + j], "token {i}, rank {j}");
+            assert!((lp - reference.topk_logprobs[i * 4 + j]).abs() < 1e-4);
+        }
+        // The sampled token is under its sampling distribution, tempered: not the raw one.
+        assert!((out.logprobs[i] - raw.logprob).abs() > 1e-6);
+    }
+    // Streamed, each token carries the same raw log-probs as the result.
+    let mut rx = h.submit_streaming(r);
+    let mut streamed = Vec::new();
+    let finished = loop {
+        match rx.blocking_recv().expect("a result ends the stream") {
+            StreamEvent::Token { raw, .. } => streamed.push(raw.expect("asked for")),
+            StreamEvent::Finished(f) => break f,
+            StreamEvent::Failed(e) => panic!("refused: {e}"),
+        }
+    };
+    assert_eq!(finished, out);
+    assert_eq!(streamed, out.raw_logprobs);
+    // None unless asked, and at most 20 alternatives.
+    assert!(h
+        .generate_blocking(req(&c.ids, 0.7, 3, 3))
+        .unwrap()
+        .raw_logprobs
+        .is_empty());
+    let mut r = req(&c.ids, 0.7, 3, 3);
+    r.raw_logprobs = Some(21);
+    assert!(matches!(
+        h.generate_blocking(r),
+        Err(EngineError::TooManyTopLogprobs { asked: 21 })
+    ));
 }
 
 #[test]

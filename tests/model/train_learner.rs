@@ -298,6 +298,7 @@ fn the_opd_term_uses_the_trainers_old_logprobs_not_the_rollouts() {
                 seed: 11,
                 ..Default::default()
             },
+            raw_logprobs: None,
         })
         .blocking_recv()
         .unwrap()

@@ -385,13 +385,15 @@ async fn engine_streams_each_token_then_the_result() {
             seed: 7,
             ..SamplingParams::default()
         },
+        raw_logprobs: None,
     };
     let whole = engine.generate(request.clone()).await.unwrap();
     let mut rx = engine.submit_streaming(request);
     let (mut ids, mut lps) = (Vec::new(), Vec::new());
     let finished = loop {
         match rx.recv().await.expect("the stream ends with a result") {
-            StreamEvent::Token { id, logprob } => {
+            StreamEvent::Token { id, logprob, raw } => {
+                assert_eq!(raw, None, "raw log-probs only when asked");
                 ids.push(id);
                 lps.push(logprob);
             }
@@ -406,6 +408,7 @@ async fn engine_streams_each_token_then_the_result() {
     let mut bad = engine.submit_streaming(GenerationRequest {
         prompt_ids: Vec::new(),
         params: SamplingParams::default(),
+        raw_logprobs: None,
     });
     assert_eq!(
         bad.recv().await,

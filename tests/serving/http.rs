@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clawrl::gateway::{EndPolicy, Gateway, GatewayConfig, TurnEnd, TurnRecord, TurnType};
-use clawrl::model::{load_checkpoint, ChatTemplate};
+use clawrl::model::{load_checkpoint, score_response_topk, ChatTemplate};
 use clawrl::CpuBackend;
 use serde_json::{json, Value};
 
@@ -405,6 +405,88 @@ async fn streaming_is_token_by_token_and_matches_the_full_answer() {
     assert_eq!(decode_record(streamed), text);
     let f = recs.iter().find(|r| r.session_id == "full").unwrap();
     assert_eq!(f.response_ids, streamed.response_ids);
+}
+
+/// `logprobs` / `top_logprobs`: each served token's log-prob under the model's own distribution
+/// (what scoring the answer in one forward pass gives, whatever the temperature), its most
+/// likely alternatives, and its exact bytes (read together as UTF-8, the served text); streamed,
+/// the chunks carry the same entries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_are_the_models_own_with_exact_bytes_streamed_or_not() {
+    let mut s = Server::start(GatewayConfig::default()).await;
+    let b = body(json!({"max_tokens": 16, "seed": 5, "logprobs": true, "top_logprobs": 3}));
+    let full: Value = post(&s.base, &b, &[("X-Session-Id", "lp")])
+        .await
+        .json()
+        .await
+        .unwrap();
+    let entries = full["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .expect("logprobs.content")
+        .clone();
+    let mut sb = b.clone();
+    sb["stream"] = json!(true);
+    let events = sse_events(post(&s.base, &sb, &[("X-Session-Id", "lp-stream")]).await).await;
+    let mut streamed = Vec::new();
+    for e in &events[..events.len() - 1] {
+        let c: Value = serde_json::from_str(e).unwrap();
+        if let Some(a) = c["choices"][0]["logprobs"]["content"].as_array() {
+            streamed.extend(a.iter().cloned());
+        }
+    }
+    assert_eq!(
+        streamed, entries,
+        "same seed: the same entries, streamed or not"
+    );
+    let plain: Value = post(&s.base, &body(json!({})), &[("X-Turn-Type", "side")])
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert!(plain["choices"][0]["logprobs"].is_null(), "only when asked");
+    s.shutdown().await;
+
+    let rec = s
+        .records()
+        .into_iter()
+        .find(|r| r.session_id == "lp")
+        .unwrap();
+    let served = match rec.response_ids.last() {
+        Some(2) => rec.response_ids.len() - 1,
+        _ => rec.response_ids.len(),
+    };
+    assert_eq!(entries.len(), served, "one entry per served token");
+    let bytes: Vec<u8> = entries
+        .iter()
+        .flat_map(|e| e["bytes"].as_array().unwrap().iter())
+        .map(|b| b.as_u64().unwrap() as u8)
+        .collect();
+    assert_eq!(String::from_utf8_lossy(&bytes), decode_record(&rec));
+    let ck = load_checkpoint::<CpuBackend>(Path::new(FIXTURE), &Default::default()).unwrap();
+    let reference = score_response_topk(&ck.model, &rec.prompt_ids, &rec.response_ids, 3);
+    for (i, e) in entries.iter().enumerate() {
+        let lp = e["logprob"].as_f64().unwrap() as f32;
+        assert!((lp - reference.logprobs[i]).abs() < 1e-4, "token {i}");
+        // The record keeps the sampling log-prob, at temperature 0.8: another number.
+        assert!((lp - rec.logprobs[i]).abs() > 1e-6);
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        for (j, t) in top.iter().enumerate() {
+            let want = reference.topk_logprobs[i * 3 + j];
+            assert!((t["logprob"].as_f64().unwrap() as f32 - want).abs() < 1e-4);
+            let tb: Vec<u8> = t["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8)
+                .collect();
+            let id = reference.ids[i * 3 + j];
+            assert_eq!(String::from_utf8_lossy(&tb), t["token"].as_str().unwrap());
+            if !tb.is_empty() && std::str::from_utf8(&tb).is_ok() {
+                assert_eq!(tokenizer().decode(&[id], false).unwrap().as_bytes(), tb);
+            }
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1152,8 +1234,11 @@ async fn unsupported_fields_are_refused_and_template_kwargs_reach_the_template()
         (json!({"logit_bias": {"5": 10}}), "logit_bias"),
         (json!({"frequency_penalty": 0.5}), "frequency_penalty"),
         (json!({"presence_penalty": -1.0}), "presence_penalty"),
-        (json!({"logprobs": true}), "logprobs"),
         (json!({"top_logprobs": 3}), "top_logprobs"),
+        (
+            json!({"logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
         (json!({"tool_choice": "required"}), "tool_choice"),
         (
             json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),

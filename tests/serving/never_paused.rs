@@ -97,6 +97,7 @@ async fn generation_never_pauses_while_five_weight_versions_land() {
                             seed: client as u64 * 1_000_000 + i,
                             ..SamplingParams::default()
                         },
+                        raw_logprobs: None,
                     };
                     i += 1;
                     match ractor::call!(worker, RolloutMsg::Generate, request) {

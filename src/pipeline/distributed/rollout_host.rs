@@ -137,7 +137,11 @@ impl Actor for RolloutHost {
                     return Ok(());
                 };
                 tokio::spawn(async move {
-                    let request = GenerationRequest { prompt_ids, params };
+                    let request = GenerationRequest {
+                        prompt_ids,
+                        params,
+                        raw_logprobs: None,
+                    };
                     let reply = match w
                         .call(
                             |port| RolloutMsg::Generate(request, port),
