@@ -11,6 +11,7 @@
 
 pub mod auth;
 pub mod infer;
+pub mod listen;
 pub mod logprobs;
 pub mod metrics;
 pub mod policy;
@@ -43,6 +44,12 @@ pub use sink::{TurnRecord, TurnSink};
 /// api_keys_env = "CLAWRL_API_KEYS" # also read comma-separated keys from this variable
 /// metrics_public = false           # true: GET /metrics needs no key (it does when keys are set)
 /// max_body_bytes = 4194304         # larger request bodies get 413
+/// max_header_bytes = 65536         # larger request heads get 431
+/// header_read_timeout_secs = 10.0  # a request head must arrive whole within this (also ends
+///                                  # connections idle that long between requests)
+/// body_read_timeout_secs = 30.0    # a request body must arrive whole within this (else 408)
+/// max_connections = 4096           # open connections (more wait in the listen backlog)
+/// max_in_flight_per_key = 64       # requests being answered per API key (one more: 429)
 /// default_turn_type = "main"       # for requests naming neither a session nor a turn type
 /// idle_timeout_secs = 300.0        # a session idle this long ends
 /// on_session_end = "keep"          # last turn: "keep" (no next state) or "drop"
@@ -73,6 +80,18 @@ pub struct GatewayConfig {
     pub metrics_public: bool,
     /// Request body limit in bytes.
     pub max_body_bytes: usize,
+    /// Request head (request line and headers) limit in bytes; more gets 431.
+    pub max_header_bytes: usize,
+    /// Seconds a request head may take to arrive whole, counted from when the server waits for
+    /// it (a new connection, or the end of the previous response).
+    pub header_read_timeout_secs: f64,
+    /// Seconds a request body may take to arrive whole.
+    pub body_read_timeout_secs: f64,
+    /// Most connections open at once.
+    pub max_connections: usize,
+    /// Most requests being answered at once per API key (with no key configured, all clients
+    /// together); one more gets 429 with `Retry-After`.
+    pub max_in_flight_per_key: usize,
     /// Turn type of requests that name neither a session nor a turn type.
     pub default_turn_type: TurnType,
     /// Seconds without a request after which a session ends.
@@ -113,6 +132,11 @@ impl Default for GatewayConfig {
             api_keys_env: "CLAWRL_API_KEYS".into(),
             metrics_public: false,
             max_body_bytes: 4 << 20,
+            max_header_bytes: 64 << 10,
+            header_read_timeout_secs: 10.0,
+            body_read_timeout_secs: 30.0,
+            max_connections: 4096,
+            max_in_flight_per_key: 64,
             default_turn_type: TurnType::Main,
             idle_timeout_secs: 300.0,
             on_session_end: EndPolicy::Keep,
@@ -186,6 +210,23 @@ impl GatewayConfig {
         }
         if self.max_body_bytes == 0 {
             return bad("max_body_bytes", "must be at least 1");
+        }
+        for (key, secs) in [
+            ("header_read_timeout_secs", self.header_read_timeout_secs),
+            ("body_read_timeout_secs", self.body_read_timeout_secs),
+        ] {
+            if !(secs.is_finite() && secs > 0.0 && secs <= 86_400.0) {
+                return bad(key, "must be a positive number of seconds, at most a day");
+            }
+        }
+        for (key, n) in [
+            ("max_header_bytes", self.max_header_bytes),
+            ("max_connections", self.max_connections),
+            ("max_in_flight_per_key", self.max_in_flight_per_key),
+        ] {
+            if n == 0 {
+                return bad(key, "must be at least 1");
+            }
         }
         if self.max_sessions_per_key == 0 {
             return bad("max_sessions_per_key", "must be at least 1");

@@ -65,6 +65,8 @@ pub struct Metrics {
     pub completion_tokens: AtomicU64,
     /// Streams the client abandoned before the end.
     pub streams_aborted: AtomicU64,
+    /// Main turns recorded as abandoned (their client left mid-stream).
+    pub turns_abandoned: AtomicU64,
     /// Requests being generated right now.
     pub in_flight: AtomicU64,
     /// Request latency to the response head.
@@ -129,6 +131,12 @@ impl Metrics {
                 "counter",
                 "Streams the client left before the end.",
                 self.streams_aborted.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "clawrl_gateway_turns_abandoned_total",
+                "counter",
+                "Main turns whose client left mid-stream: recorded as abandoned, never trained on.",
+                self.turns_abandoned.load(Ordering::Relaxed) as f64,
             ),
             (
                 "clawrl_gateway_requests_in_flight",

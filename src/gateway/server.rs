@@ -21,7 +21,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Path as AxPath, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
@@ -37,11 +36,14 @@ use tokio::sync::mpsc;
 
 use super::auth::ApiKeys;
 use super::infer::Transcript;
+use super::listen::{serve_http1, ConnectionLimits};
 use super::logprobs::TokenBytes;
 use super::metrics::Metrics;
 use super::policy::{GatewayPolicy, ServingVersion};
 use super::reasoning::{split_reasoning, Part, ReasoningSplitter};
-use super::session::{Admission, Finished, Inferred, Scope, SessionTable, SessionsFull, TurnType};
+use super::session::{
+    Admission, Finished, Inferred, Scope, SessionTable, SessionsFull, TurnEnd, TurnType,
+};
 use super::sink::{SinkError, TurnRecord, TurnSink};
 use super::text::{split_all, Piece, TextStream, ToolCallSplitter};
 use super::GatewayConfig;
@@ -83,6 +85,8 @@ struct AppState {
     template: ChatTemplate,
     stop_ids: Vec<u32>,
     sessions: Mutex<SessionTable<TurnRecord>>,
+    /// Requests being answered, per key ([`InFlightSlot`]).
+    in_flight_by_key: Mutex<std::collections::HashMap<Scope, usize>>,
     sink: TurnSink,
     /// Where completed main turns are also sent, when a training job taps them
     /// ([`Gateway::tap_turns`]).
@@ -163,6 +167,7 @@ impl Gateway {
             sink,
             tap: std::sync::OnceLock::new(),
             token_bytes: std::sync::OnceLock::new(),
+            in_flight_by_key: Mutex::default(),
             metrics: Metrics::default(),
             created: unix_now(),
             cfg,
@@ -256,9 +261,14 @@ impl Gateway {
                 }
             })
         };
-        let result = axum::serve(listener, router)
-            .with_graceful_shutdown(shutdown)
-            .await;
+        let limits = ConnectionLimits {
+            max_connections: self.state.cfg.max_connections,
+            header_read_timeout: std::time::Duration::from_secs_f64(
+                self.state.cfg.header_read_timeout_secs,
+            ),
+            max_header_bytes: self.state.cfg.max_header_bytes,
+        };
+        let result = serve_http1(listener, router, limits, shutdown).await;
         sweeper.abort();
         let _ = sweeper.await;
         let out = self.state.sessions.lock().unwrap().end_all();
@@ -340,6 +350,13 @@ impl IntoResponse for ApiError {
             "code": self.code,
         }});
         let mut r = (self.status, Json(body)).into_response();
+        if self.status == StatusCode::REQUEST_TIMEOUT {
+            // The rest of a body that stalled may never come: the connection is not reused.
+            r.headers_mut().insert(
+                axum::http::header::CONNECTION,
+                HeaderValue::from_static("close"),
+            );
+        }
         r.extensions_mut().insert(ErrorCode(self.code));
         r
     }
@@ -1197,6 +1214,105 @@ impl Drop for Hold {
 
 /// 429 for a main request whose key has `max_sessions_per_key` sessions, with `Retry-After`
 /// (whole seconds until the key's first session times out).
+/// One request being answered, counted against its key's `max_in_flight_per_key` until dropped.
+struct InFlightSlot {
+    state: Arc<AppState>,
+    scope: Scope,
+}
+
+impl InFlightSlot {
+    /// A slot for `scope`, or `None` when its key already has as many requests in flight as
+    /// allowed.
+    fn take(s: &Arc<AppState>, scope: Scope) -> Option<Self> {
+        let mut counts = s.in_flight_by_key.lock().unwrap();
+        let n = counts.entry(scope).or_default();
+        if *n >= s.cfg.max_in_flight_per_key {
+            return None;
+        }
+        *n += 1;
+        Some(Self {
+            state: s.clone(),
+            scope,
+        })
+    }
+}
+
+impl Drop for InFlightSlot {
+    fn drop(&mut self) {
+        let mut counts = self
+            .state
+            .in_flight_by_key
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = counts.get_mut(&self.scope) {
+            *n -= 1;
+            if *n == 0 {
+                counts.remove(&self.scope);
+            }
+        }
+    }
+}
+
+/// 429 for a key with `max_in_flight_per_key` requests being answered.
+fn too_many_in_flight(s: &AppState) -> Response {
+    let mut r = ApiError {
+        status: StatusCode::TOO_MANY_REQUESTS,
+        kind: "rate_limit_error",
+        code: "too_many_requests_in_flight",
+        param: None,
+        message: format!(
+            "this key already has {} requests being answered; retry after 1 s",
+            s.cfg.max_in_flight_per_key
+        ),
+    }
+    .into_response();
+    r.headers_mut()
+        .insert(axum::http::header::RETRY_AFTER, HeaderValue::from(1u64));
+    r
+}
+
+/// Reads a request body whole, within `max_body_bytes` (413) and `body_read_timeout_secs` (408,
+/// and the connection is closed).
+async fn read_body(s: &AppState, body: axum::body::Body) -> Result<Bytes, ApiError> {
+    let secs = s.cfg.body_read_timeout_secs;
+    let read = axum::body::to_bytes(body, s.cfg.max_body_bytes);
+    match tokio::time::timeout(std::time::Duration::from_secs_f64(secs), read).await {
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(e)) => {
+            let too_large =
+                std::iter::successors(Some(&e as &(dyn std::error::Error + 'static)), |x| {
+                    x.source()
+                })
+                .any(|x| x.is::<http_body_util::LengthLimitError>());
+            Err(if too_large {
+                ApiError {
+                    status: StatusCode::PAYLOAD_TOO_LARGE,
+                    kind: "invalid_request_error",
+                    code: "payload_too_large",
+                    param: None,
+                    message: format!(
+                        "request body exceeds the limit of {} bytes",
+                        s.cfg.max_body_bytes
+                    ),
+                }
+            } else {
+                ApiError::bad(
+                    "invalid_body",
+                    None,
+                    format!("cannot read the request body: {e}"),
+                )
+            })
+        }
+        Err(_) => Err(ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            kind: "invalid_request_error",
+            code: "body_timeout",
+            param: None,
+            message: format!("the request body did not arrive whole within {secs} s"),
+        }),
+    }
+}
+
 fn sessions_full(full: SessionsFull) -> Response {
     let secs = full.retry_after.as_secs_f64().ceil().max(1.0) as u64;
     let mut r = ApiError {
@@ -1379,33 +1495,15 @@ async fn chat_completions(
     State(s): State<Arc<AppState>>,
     Extension(scope): Extension<Scope>,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: axum::body::Body,
 ) -> Response {
-    let body = match body {
+    // The slot is held until the answer is complete (for a stream, by its task).
+    let Some(slot) = InFlightSlot::take(&s, scope) else {
+        return too_many_in_flight(&s);
+    };
+    let body = match read_body(&s, body).await {
         Ok(b) => b,
-        Err(rej) => {
-            let status = rej.status();
-            let (code, kind) = if status == StatusCode::PAYLOAD_TOO_LARGE {
-                ("payload_too_large", "invalid_request_error")
-            } else {
-                ("invalid_body", "invalid_request_error")
-            };
-            return ApiError {
-                status,
-                kind,
-                code,
-                param: None,
-                message: if status == StatusCode::PAYLOAD_TOO_LARGE {
-                    format!(
-                        "request body exceeds the limit of {} bytes",
-                        s.cfg.max_body_bytes
-                    )
-                } else {
-                    rej.body_text()
-                },
-            }
-            .into_response();
-        }
+        Err(e) => return e.into_response(),
     };
     let t0 = Instant::now();
     let mut prepared = match parse_request(&body).and_then(|r| prepare(&s, scope, &headers, r)) {
@@ -1494,11 +1592,11 @@ async fn chat_completions(
     let sid = HeaderValue::from_str(&prepared.session_id).ok();
     let version = HeaderValue::from(served.version());
     let mut resp = if prepared.stream {
-        stream_response(s.clone(), prepared, served, rx, first, id, t0).into_response()
+        stream_response(s.clone(), prepared, served, rx, first, id, t0, slot).into_response()
     } else {
-        complete_response(&s, prepared, served, rx, first, id, t0)
-            .await
-            .into_response()
+        let r = complete_response(&s, prepared, served, rx, first, id, t0).await;
+        drop(slot);
+        r.into_response()
     };
     if let Some(v) = sid {
         resp.headers_mut().insert("x-session-id", v);
@@ -1607,6 +1705,52 @@ async fn finish_turn(
     record_all(s, out).await;
 }
 
+/// Records a main turn whose client left mid-stream, as far as it was sampled, with
+/// [`TurnEnd::Abandoned`]: it goes to the turn file only, never to training, and its admission
+/// is released (a session it would have opened is not opened).
+async fn abandon_turn(
+    s: &AppState,
+    p: Prepared,
+    version: u64,
+    c: Collected,
+    reasoning: &str,
+    content: &str,
+) {
+    let Some(Hold {
+        admission: Some(_), ..
+    }) = &p.hold
+    else {
+        return; // a side turn: nothing is recorded
+    };
+    s.metrics.turns_abandoned.fetch_add(1, Ordering::Relaxed);
+    let mut message = json!({"role": "assistant", "content": content});
+    if !reasoning.is_empty() {
+        message["reasoning_content"] = Json_::String(reasoning.to_string());
+    }
+    let record = TurnRecord {
+        session_id: p.session_id.clone(),
+        version,
+        model: s.model_name.clone(),
+        messages: p.messages.clone(),
+        tools: p.tools.clone(),
+        prompt_text: p.prompt_text.clone(),
+        prompt_ids: p.prompt_ids.clone(),
+        response_ids: c.ids,
+        logprobs: c.logprobs,
+        response: message,
+        finish_reason: "abandoned".into(),
+        created: unix_now(),
+        next_state: None,
+        next_messages: Vec::new(),
+        end: Some(TurnEnd::Abandoned),
+    };
+    if let Err(e) = s.sink.send(record).await {
+        tracing::error!(error = %e, "abandoned turn not recorded");
+        s.metrics.count_error("record_failed");
+    }
+    // `p` (and its hold) is dropped here: the admission is released.
+}
+
 /// OpenAI's usage object; `cached` prompt tokens came from the engine's prefix cache.
 fn usage(prompt: usize, completion: usize, cached: usize) -> Json_ {
     json!({
@@ -1675,6 +1819,7 @@ async fn complete_response(
     Json(body).into_response()
 }
 
+#[allow(clippy::too_many_arguments)]
 fn stream_response(
     s: Arc<AppState>,
     p: Prepared,
@@ -1683,6 +1828,7 @@ fn stream_response(
     first: StreamEvent,
     id: String,
     t0: Instant,
+    slot: InFlightSlot,
 ) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
     let (tx, out) = mpsc::channel::<Event>(64);
     tokio::spawn(async move {
@@ -1782,15 +1928,17 @@ fn stream_response(
             }
         }
         if !ok || failed {
-            // The client left (or the engine died): the turn was not served whole; it is
-            // neither recorded nor counted as served.
+            // The client left (or the engine died): the turn was not served whole. Dropping
+            // the receiver frees its sequence at the engine's next decode step.
             drop(rx);
-            s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
             if failed {
                 s.metrics.count_error("generation_failed");
             } else {
                 s.metrics.streams_aborted.fetch_add(1, Ordering::Relaxed);
+                abandon_turn(&s, p, version, c, &reasoning, &content).await;
             }
+            // Counted last, so a request no longer in flight is already accounted for.
+            s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
             return;
         }
         let reason = finish_reason(c.reason.expect("loop ends on a reason"), !calls.is_empty());
@@ -1822,6 +1970,7 @@ fn stream_response(
         finish_turn(&s, p, version, c, message, reason, t0).await;
         // The version is let go of only now: its engine stops after its last request.
         drop(served);
+        drop(slot);
     });
     let stream = futures::stream::unfold(out, |mut out| async move {
         out.recv().await.map(|e| (Ok::<_, Infallible>(e), out))

@@ -91,6 +91,9 @@ pub enum TurnEnd {
     IdleTimeout,
     /// A request extended an older turn of the session (an edit or a regeneration).
     Superseded,
+    /// The client left before the answer was whole: recorded as far as it went, never
+    /// trained on.
+    Abandoned,
 }
 
 /// Whose sessions: the API key a request authenticated with, as its index among the gateway's

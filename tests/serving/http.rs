@@ -14,8 +14,8 @@ use serde_json::{json, Value};
 
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3-tiny");
 
-struct Server {
-    base: String,
+pub(crate) struct Server {
+    pub(crate) base: String,
     turns: PathBuf,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
@@ -23,7 +23,7 @@ struct Server {
 }
 
 impl Server {
-    async fn start(cfg: GatewayConfig) -> Self {
+    pub(crate) async fn start(cfg: GatewayConfig) -> Self {
         Self::start_with_template(cfg, None).await
     }
 
@@ -58,12 +58,12 @@ impl Server {
     }
 
     /// Stops the server; every open session ends and every record is written.
-    async fn shutdown(&mut self) {
+    pub(crate) async fn shutdown(&mut self) {
         let _ = self.stop.take().unwrap().send(());
         self.task.take().unwrap().await.unwrap();
     }
 
-    fn records(&self) -> Vec<TurnRecord> {
+    pub(crate) fn records(&self) -> Vec<TurnRecord> {
         match std::fs::read_to_string(&self.turns) {
             Ok(t) => t
                 .lines()
@@ -99,7 +99,7 @@ fn decode_record(r: &TurnRecord) -> String {
     tokenizer().decode(ids, false).unwrap()
 }
 
-fn body(extra: Value) -> Value {
+pub(crate) fn body(extra: Value) -> Value {
     let mut b = json!({
         "model": "qwen3-tiny",
         "messages": [{"role": "user", "content": "Hello there"}],
@@ -113,7 +113,7 @@ fn body(extra: Value) -> Value {
     b
 }
 
-async fn post(base: &str, b: &Value, headers: &[(&str, &str)]) -> reqwest::Response {
+pub(crate) async fn post(base: &str, b: &Value, headers: &[(&str, &str)]) -> reqwest::Response {
     let mut rq = reqwest::Client::new()
         .post(format!("{base}/v1/chat/completions"))
         .json(b);
@@ -799,7 +799,12 @@ async fn two_keys(cfg: GatewayConfig) -> Server {
     .await
 }
 
-async fn post_as(base: &str, key: &str, b: &Value, headers: &[(&str, &str)]) -> reqwest::Response {
+pub(crate) async fn post_as(
+    base: &str,
+    key: &str,
+    b: &Value,
+    headers: &[(&str, &str)],
+) -> reqwest::Response {
     let mut rq = reqwest::Client::new()
         .post(format!("{base}/v1/chat/completions"))
         .bearer_auth(key)
@@ -810,7 +815,7 @@ async fn post_as(base: &str, key: &str, b: &Value, headers: &[(&str, &str)]) -> 
     rq.send().await.unwrap()
 }
 
-async fn metrics_as(base: &str, key: &str) -> String {
+pub(crate) async fn metrics_as(base: &str, key: &str) -> String {
     let r = reqwest::Client::new()
         .get(format!("{base}/metrics"))
         .bearer_auth(key)

@@ -3,6 +3,7 @@
 //! One test binary of modules: every module here shares one build and link of the
 //! crates it tests.
 
+mod abuse;
 mod crash;
 mod hot_swap;
 mod http;
