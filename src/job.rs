@@ -129,6 +129,11 @@ pub struct PolicySpec {
     /// judge model stay on the CPU.
     #[serde(default)]
     pub device: Device,
+    /// A low-rank adapter to train instead of the whole policy: `lora = { r, alpha, targets }`
+    /// (see [`crate::model::LoraConfig`]). Parsed and checked; jobs do not train adapters yet
+    /// (`clawrl train-offline --lora` does), so a job that sets it is refused.
+    #[serde(default)]
+    pub lora: Option<crate::model::LoraConfig>,
 }
 
 /// Where judge votes come from.
@@ -614,6 +619,14 @@ impl JobSpec {
         if p.max_context < 2 {
             return bad("policy.max_context", "must be at least 2".into());
         }
+        if p.lora.is_some() {
+            return bad(
+                "policy.lora",
+                "jobs do not train adapters yet: only the whole policy; `clawrl train-offline \
+                 --lora` trains an adapter offline"
+                    .into(),
+            );
+        }
         if p.device != Device::Cpu && self.kind != JobKind::Personal {
             return bad(
                 "policy.device",
@@ -1098,6 +1111,23 @@ max_steps = 100
             err(&GOOD.replace(r#"kind = "terminal""#, r#"kind = "moon""#)).contains("env.kind")
         );
         assert!(err(&GOOD.replace("max_steps = 100", "")).contains("`stop`"));
+        let lora = |l: &str| {
+            err(&GOOD.replace(
+                "checkpoint = \"tests/fixtures/qwen3-tiny\"",
+                &format!("checkpoint = \"tests/fixtures/qwen3-tiny\"\nlora = {l}"),
+            ))
+        };
+        let e = lora("{ r = 0, alpha = 8, targets = [\"q_proj\"] }");
+        assert!(e.contains("lora.r"), "{e}");
+        let e = lora("{ r = 4, alpha = 8, targets = [\"x_proj\"] }");
+        assert!(e.contains("lora.targets") && e.contains("x_proj"), "{e}");
+        let e = lora("{ r = 4, alpha = 8, targets = [\"q_proj\"], dropout = 0.1 }");
+        assert!(e.contains("dropout"), "{e}");
+        let e = lora("{ r = 4, alpha = 8, targets = [\"q_proj\"] }");
+        assert!(
+            e.contains("policy.lora") && e.contains("not train adapters"),
+            "{e}"
+        );
         assert!(
             err(&GOOD.replace(r#"backend = "scripted""#, r#"backend = "openai""#))
                 .contains("judge.endpoint")

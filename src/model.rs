@@ -4,6 +4,8 @@
 //! Layout: [`config`] (the `config.json` schema), [`qwen3`] (the module and its forward passes),
 //! [`attention`] (tiled causal attention with its own backward), [`matmul`] (float32-exact
 //! products on GPUs that round to TF32),
+//! [`lora`] (low-rank adapters on the linear layers: attach, read back, merge), [`peft`] (the
+//! PEFT adapter directory in and out),
 //! [`kv_cache`] (per-sequence cache outside the model), [`prefix_cache`] (which prompt blocks
 //! the engine keeps for reuse), [`weights`] (safetensors in and out),
 //! [`checkpoint`] (the directory layout), [`chat`] (templates and tokenization), [`score`]
@@ -16,7 +18,9 @@ pub mod checkpoint;
 pub mod config;
 pub mod engine;
 pub mod kv_cache;
+pub mod lora;
 pub mod matmul;
+pub mod peft;
 pub mod prefix_cache;
 pub mod qwen3;
 pub mod sampling;
@@ -35,6 +39,8 @@ pub use engine::{
     GenerationResult, StreamEvent, MAX_TOP_LOGPROBS,
 };
 pub use kv_cache::{KvCache, KvCacheError};
+pub use lora::{LoraConfig, LoraConfigError, LoraError, LoraTarget, LoraWeights};
+pub use peft::{apply_adapter, load_adapter, save_adapter, AdapterLoadError, AdapterSaveError};
 pub use qwen3::Qwen3;
 pub use sampling::{RawLogprobs, SamplingParams};
 pub use score::{score_batch, score_response, score_response_topk, token_logprobs, ScoredTopK};

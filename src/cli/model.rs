@@ -1,7 +1,9 @@
 //! `clawrl` subcommands of the model area: `model inspect` (config summary and parameter
 //! count), `model init` (random weights of a given shape), `model logits` (prompt text, ids and last-position logits for a message list) and
-//! `generate` (one reply through the generation engine), for anyone checking a checkpoint.
-//! `logits` and `generate` run on the `--device` they are given (CPU by default).
+//! `generate` (one reply through the generation engine), for anyone checking a checkpoint, and
+//! `lora merge` (a checkpoint with a PEFT adapter folded into its weights).
+//! `logits` and `generate` run on the `--device` they are given (CPU by default), with the PEFT
+//! adapter of `--adapter` when given.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -17,8 +19,8 @@ use clawrl::device::{Device, InferenceTask};
 use clawrl::model::chat::{parse_json_value, validate_messages, validate_tools};
 use clawrl::model::checkpoint::load_tokenizer_files;
 use clawrl::model::{
-    load_checkpoint, load_model, save_checkpoint_dir, spawn_engine, Checkpoint, EngineOptions,
-    FinishReason, GenerationRequest, Qwen3, Qwen3Config, SamplingParams,
+    apply_adapter, load_adapter, load_checkpoint, load_model, save_checkpoint_dir, spawn_engine,
+    Checkpoint, EngineOptions, FinishReason, GenerationRequest, Qwen3, Qwen3Config, SamplingParams,
 };
 use clawrl::CpuBackend;
 
@@ -32,6 +34,29 @@ pub enum Commands {
     },
     /// Generate one assistant reply for a message list (temperature 0 = greedy).
     Generate(GenerateArgs),
+    /// LoRA adapters in Hugging Face PEFT's format.
+    Lora {
+        #[command(subcommand)]
+        cmd: LoraCommand,
+    },
+}
+
+/// `clawrl lora ...`.
+#[derive(Subcommand)]
+pub enum LoraCommand {
+    /// Write a checkpoint whose weights are the base's with the adapter folded in
+    /// (`W + alpha / r · B A`), loadable without PEFT.
+    Merge {
+        /// The base checkpoint directory.
+        #[arg(long)]
+        base: PathBuf,
+        /// The PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`).
+        #[arg(long)]
+        adapter: PathBuf,
+        /// The checkpoint directory to write; it must not exist yet.
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 /// `clawrl model ...`.
@@ -78,6 +103,9 @@ pub enum ModelCommand {
         /// Compute device: `cpu` or `cuda:N` (needs a build with `--features cuda`).
         #[arg(long, default_value_t = Device::Cpu)]
         device: Device,
+        /// A PEFT LoRA adapter directory to apply to the checkpoint.
+        #[arg(long)]
+        adapter: Option<PathBuf>,
     },
 }
 
@@ -116,6 +144,9 @@ pub struct GenerateArgs {
     /// Compute device: `cpu` or `cuda:N` (needs a build with `--features cuda`).
     #[arg(long, default_value_t = Device::Cpu)]
     device: Device,
+    /// A PEFT LoRA adapter directory to apply to the checkpoint.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
 }
 
 /// Runs one subcommand of this area.
@@ -141,14 +172,19 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
                     tools,
                     json,
                     device,
+                    adapter,
                 },
         } => device.run_inference(LogitsTask {
             dir: &dir,
             messages: &messages,
             tools: tools.as_deref(),
+            adapter: adapter.as_deref(),
             json,
         })?,
         Commands::Generate(args) => args.device.run_inference(GenerateTask(args))?,
+        Commands::Lora {
+            cmd: LoraCommand::Merge { base, adapter, out },
+        } => merge(&base, &adapter, &out),
     }
 }
 
@@ -157,6 +193,7 @@ struct LogitsTask<'a> {
     dir: &'a Path,
     messages: &'a Path,
     tools: Option<&'a Path>,
+    adapter: Option<&'a Path>,
     json: bool,
 }
 
@@ -166,7 +203,7 @@ impl InferenceTask for LogitsTask<'_> {
     where
         Qwen3<B>: Send + Sync,
     {
-        logits::<B>(self.dir, self.messages, self.tools, self.json, &device)
+        logits::<B>(&self, &device)
     }
 }
 
@@ -181,6 +218,31 @@ impl InferenceTask for GenerateTask {
     {
         generate::<B>(self.0, &device)
     }
+}
+
+fn merge(base: &Path, adapter: &Path, out: &Path) -> anyhow::Result<()> {
+    if out.exists() {
+        bail!(
+            "{} exists; lora merge writes a new directory only",
+            out.display()
+        );
+    }
+    let ck = load_checkpoint::<CpuBackend>(base, &Default::default())
+        .with_context(|| format!("loading {}", base.display()))?;
+    let peft = load_adapter(adapter, &ck.config)?;
+    let model = ck
+        .model
+        .with_lora(&peft.weights)
+        .with_context(|| format!("applying {}", adapter.display()))?
+        .merge_lora();
+    save_checkpoint_dir(out, &ck.config, &model, &ck.files)?;
+    let c = &peft.weights.config;
+    println!(
+        "{}",
+        json!({"out": out.display().to_string(), "r": c.r, "lora_alpha": c.alpha,
+               "targets": c.targets.iter().map(|t| t.name()).collect::<Vec<_>>()})
+    );
+    Ok(())
 }
 
 fn init(config: &Path, tokenizer: &Path, out: &Path, seed: u64) -> anyhow::Result<()> {
@@ -248,15 +310,20 @@ fn inspect(dir: &Path, as_json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Loads the checkpoint and renders + tokenizes the messages (and tools) files.
+/// Loads the checkpoint (with the adapter of `adapter` applied) and renders + tokenizes the
+/// messages (and tools) files.
 fn load_and_encode<B: Backend>(
     dir: &Path,
+    adapter: Option<&Path>,
     messages: &Path,
     tools: Option<&Path>,
     device: &B::Device,
 ) -> anyhow::Result<(Checkpoint<B>, clawrl::model::Prompt)> {
-    let ck =
+    let mut ck =
         load_checkpoint::<B>(dir, device).with_context(|| format!("loading {}", dir.display()))?;
+    if let Some(a) = adapter {
+        ck.model = apply_adapter(ck.model, &ck.config, a)?;
+    }
     let what = messages.display().to_string();
     let text = std::fs::read_to_string(messages).with_context(|| format!("reading {what}"))?;
     let msgs = parse_json_value(&text, &what)?;
@@ -275,14 +342,10 @@ fn load_and_encode<B: Backend>(
     Ok((ck, prompt))
 }
 
-fn logits<B: Backend>(
-    dir: &Path,
-    messages: &Path,
-    tools: Option<&Path>,
-    as_json: bool,
-    device: &B::Device,
-) -> anyhow::Result<()> {
-    let (ck, prompt) = load_and_encode::<B>(dir, messages, tools, device)?;
+fn logits<B: Backend>(task: &LogitsTask<'_>, device: &B::Device) -> anyhow::Result<()> {
+    let as_json = task.json;
+    let (ck, prompt) =
+        load_and_encode::<B>(task.dir, task.adapter, task.messages, task.tools, device)?;
     let n = prompt.ids.len();
     anyhow::ensure!(n > 0, "the rendered prompt is empty");
     let input = Tensor::<B, 2, Int>::from_data(
@@ -319,7 +382,13 @@ fn generate<B: Backend>(a: GenerateArgs, device: &B::Device) -> anyhow::Result<(
 where
     Qwen3<B>: Send + Sync,
 {
-    let (ck, prompt) = load_and_encode::<B>(&a.dir, &a.messages, a.tools.as_deref(), device)?;
+    let (ck, prompt) = load_and_encode::<B>(
+        &a.dir,
+        a.adapter.as_deref(),
+        &a.messages,
+        a.tools.as_deref(),
+        device,
+    )?;
     let stop_token_ids = ck.stop_token_ids();
     let tokenizer = Arc::new(ck.tokenizer);
     let max_context = ck.config.max_position_embeddings;

@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 
 use clawrl::gateway::{Gateway, GatewayConfig};
-use clawrl::model::load_checkpoint;
+use clawrl::model::{apply_adapter, load_checkpoint};
 use clawrl::CpuBackend;
 
 /// Subcommands of the serving area.
@@ -43,6 +43,9 @@ pub struct ServeArgs {
     /// Hugging Face Qwen3 checkpoint directory.
     #[arg(long)]
     model: PathBuf,
+    /// A PEFT LoRA adapter directory applied to the checkpoint for every request.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
     /// Address to listen on (overrides the config's `listen`); port 0 picks a free port.
     #[arg(long)]
     listen: Option<std::net::SocketAddr>,
@@ -125,8 +128,11 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     }
     cfg.api_keys.extend(a.api_key);
     cfg.validate()?;
-    let ck = load_checkpoint::<CpuBackend>(&a.model, &Default::default())
+    let mut ck = load_checkpoint::<CpuBackend>(&a.model, &Default::default())
         .with_context(|| format!("loading checkpoint {}", a.model.display()))?;
+    if let Some(dir) = &a.adapter {
+        ck.model = apply_adapter(ck.model, &ck.config, dir)?;
+    }
     let name = a
         .model
         .canonicalize()

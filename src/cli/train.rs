@@ -1,7 +1,8 @@
 //! `clawrl` subcommands of the train area: `train-offline`, which trains a Hugging Face
 //! checkpoint on recorded samples (also the way to replay a run) and writes the updated
 //! checkpoint. It trains on the device of `--device` or of the `device` key of TRAIN.toml
-//! (CPU by default).
+//! (CPU by default). With `--adapter DIR` (a PEFT adapter) or `--lora R,ALPHA,TARGETS` (a fresh
+//! one) it trains only that LoRA adapter, the base frozen, and writes a PEFT adapter directory.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -13,7 +14,8 @@ use clap::Subcommand;
 use rand::seq::SliceRandom;
 
 use clawrl::device::{take_device_key, Device, TrainingTask};
-use clawrl::model::{load_checkpoint, save_checkpoint_dir};
+use clawrl::model::{load_adapter, load_checkpoint, save_adapter, save_checkpoint_dir};
+use clawrl::model::{LoraConfig, LoraWeights};
 use clawrl::train::learner::{Learner, StepMetrics};
 use clawrl::train::samples::read_samples;
 use clawrl::train::TrainConfig;
@@ -37,9 +39,18 @@ pub enum Commands {
         /// overrides the `device` key of TRAIN.toml; `cpu` when neither is given.
         #[arg(long)]
         device: Option<Device>,
-        /// Directory for the updated Hugging Face checkpoint.
+        /// Directory for the updated Hugging Face checkpoint, or with `--adapter` / `--lora` the
+        /// trained PEFT adapter (`adapter_config.json`, `adapter_model.safetensors`).
         #[arg(long)]
         out: PathBuf,
+        /// Train only this PEFT LoRA adapter (the base stays frozen).
+        #[arg(long, conflicts_with = "lora")]
+        adapter: Option<PathBuf>,
+        /// Train only a fresh LoRA adapter `R,ALPHA,TARGET[,TARGET...]` (e.g.
+        /// `16,32,q_proj,v_proj`; `all` for every linear layer of the blocks): A drawn
+        /// Kaiming-uniform from `--seed`, B zero.
+        #[arg(long, value_parser = parse_lora)]
+        lora: Option<LoraConfig>,
         /// Passes over the samples.
         #[arg(long, default_value_t = 1)]
         epochs: usize,
@@ -68,18 +79,40 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
             seed,
             json,
             device,
-        } => train_offline(
-            &model,
-            &samples,
-            config.as_deref(),
-            &out,
-            epochs,
-            shuffle,
-            seed,
-            json,
-            device,
-        ),
+            adapter,
+            lora,
+        } => {
+            let adapter = match (adapter, lora) {
+                (Some(dir), _) => Some(AdapterSource::Dir(dir)),
+                (None, Some(cfg)) => Some(AdapterSource::Fresh(cfg)),
+                (None, None) => None,
+            };
+            train_offline(
+                &model,
+                &samples,
+                config.as_deref(),
+                &out,
+                epochs,
+                shuffle,
+                seed,
+                json,
+                device,
+                adapter,
+            )
+        }
     }
+}
+
+fn parse_lora(text: &str) -> Result<LoraConfig, String> {
+    LoraConfig::parse_cli(text).map_err(|e| e.message)
+}
+
+/// The adapter `train-offline` trains instead of the whole model.
+enum AdapterSource {
+    /// A PEFT adapter directory.
+    Dir(PathBuf),
+    /// A fresh adapter of this shape.
+    Fresh(LoraConfig),
 }
 
 fn print_step(m: &StepMetrics, json: bool) -> anyhow::Result<()> {
@@ -121,6 +154,7 @@ fn train_offline(
     seed: u64,
     json: bool,
     device: Option<Device>,
+    adapter: Option<AdapterSource>,
 ) -> anyhow::Result<()> {
     if epochs == 0 {
         bail!("--epochs must be at least 1");
@@ -139,6 +173,7 @@ fn train_offline(
         seed,
         json,
         train,
+        adapter,
     })?
 }
 
@@ -161,6 +196,7 @@ struct OfflineRun<'a> {
     seed: u64,
     json: bool,
     train: TrainConfig,
+    adapter: Option<AdapterSource>,
 }
 
 impl TrainingTask for OfflineRun<'_> {
@@ -183,9 +219,31 @@ fn train_offline_on<B: AutodiffBackend>(
         seed,
         json,
         train,
+        adapter,
     } = r;
-    let ckpt = load_checkpoint::<B>(model_dir, &device)
+    let mut ckpt = load_checkpoint::<B>(model_dir, &device)
         .with_context(|| format!("loading model {}", model_dir.display()))?;
+    let lora = match adapter {
+        None => None,
+        Some(AdapterSource::Dir(dir)) => {
+            let peft = load_adapter(&dir, &ckpt.config)?;
+            // Training here has no dropout; an adapter configured with some would be trained
+            // differently from what its config says.
+            if peft.lora_dropout != 0.0 {
+                bail!(
+                    "{}: `lora_dropout` = {}: train-offline trains without dropout; set it to 0 \
+                     to train this adapter",
+                    dir.display(),
+                    peft.lora_dropout
+                );
+            }
+            Some(peft.weights)
+        }
+        Some(AdapterSource::Fresh(cfg)) => Some(LoraWeights::fresh(&cfg, &ckpt.config, seed)),
+    };
+    if let Some(w) = &lora {
+        ckpt.model = ckpt.model.with_lora(w)?;
+    }
     let mut samples = read_samples(samples_path, Some(ckpt.config.vocab_size))?;
     let max = ckpt.config.max_position_embeddings;
     if let Some((i, s)) = samples.iter().enumerate().find(|(_, s)| s.len() > max) {
@@ -218,22 +276,37 @@ fn train_offline_on<B: AutodiffBackend>(
             print_step(&m, json)?;
         }
     }
-    write_checkpoint(out, &learner, &ckpt.files)?;
+    match &lora {
+        None => write_atomically(out, |tmp| {
+            save_checkpoint_dir(
+                tmp,
+                learner.model_config(),
+                &learner.policy().valid(),
+                &ckpt.files,
+            )
+            .with_context(|| format!("writing checkpoint to {}", tmp.display()))
+        })?,
+        Some(w) => write_atomically(out, |tmp| {
+            let trained = learner.policy().valid().lora_weights(&w.config)?;
+            save_adapter(tmp, &trained, &model_dir.display().to_string())
+                .with_context(|| format!("writing the adapter to {}", tmp.display()))
+        })?,
+    }
     tracing::info!(
         out = %out.display(),
         steps = learner.steps(),
         skipped,
         version = learner.version(),
-        "wrote updated checkpoint"
+        adapter = lora.is_some(),
+        "wrote the updated model"
     );
     Ok(())
 }
 
-/// Writes the checkpoint into a temporary sibling directory, then renames it into place.
-fn write_checkpoint<B: AutodiffBackend>(
+/// Runs `write` on a temporary sibling directory of `out`, then renames it into place.
+fn write_atomically(
     out: &Path,
-    learner: &Learner<B>,
-    files: &clawrl::model::TokenizerFiles,
+    write: impl FnOnce(&Path) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
     let name = out
         .file_name()
@@ -249,13 +322,7 @@ fn write_checkpoint<B: AutodiffBackend>(
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp)?;
     }
-    save_checkpoint_dir(
-        &tmp,
-        learner.model_config(),
-        &learner.policy().valid(),
-        files,
-    )
-    .with_context(|| format!("writing checkpoint to {}", tmp.display()))?;
+    write(&tmp)?;
     if out.exists() {
         let trash = parent.join(format!(".{name}.old-{}", std::process::id()));
         std::fs::rename(out, &trash).with_context(|| format!("moving aside {}", out.display()))?;

@@ -9,6 +9,9 @@
 //! Two ways in: [`Qwen3::forward`] runs full causal attention over a batch from position 0 (for
 //! training and scoring), and [`Qwen3::prefill`] / [`Qwen3::decode_step`] run against a
 //! [`KvCache`] kept outside the model (for generation), so many sequences share one set of weights.
+//!
+//! Each of a block's seven linear layers may carry a low-rank adapter ([`super::lora`]) beside
+//! its base weight; without one, the layer is the plain product.
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::silu;
@@ -20,6 +23,7 @@ use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use super::attention::{cached_attention, causal_attention};
 use super::config::Qwen3Config;
 use super::kv_cache::{KvCache, KvCacheError};
+use super::lora::Lora;
 use super::matmul::{matmul, native_matmul_is_inexact};
 
 /// Root-mean-square layer norm over the last dimension (no bias, no mean subtraction).
@@ -40,12 +44,22 @@ impl<B: Backend> RmsNorm<B> {
     }
 }
 
-/// `[b, s, in]` × `[in, out]` → `[b, s, out]`.
-fn linear<B: Backend>(x: Tensor<B, 3>, w: &Param<Tensor<B, 2>>) -> Tensor<B, 3> {
+/// `[b, s, in]` × `[in, out]` → `[b, s, out]`, plus the low-rank adapter's `[b, s, out]` when
+/// the layer has one (`W x + (alpha / r) · B (A x)`, see [`Lora::forward`]).
+fn linear<B: Backend>(
+    x: Tensor<B, 3>,
+    w: &Param<Tensor<B, 2>>,
+    lora: Option<&Lora<B>>,
+) -> Tensor<B, 3> {
     let [b, s, i] = x.dims();
     let w = w.val();
     let o = w.dims()[1];
-    matmul(x.reshape([b * s, i]), w).reshape([b, s, o])
+    let x = x.reshape([b * s, i]);
+    let y = match lora {
+        None => matmul(x, w),
+        Some(lora) => matmul(x.clone(), w) + lora.forward(x),
+    };
+    y.reshape([b, s, o])
 }
 
 /// RoPE inverse frequencies `1 / theta^(2i / head_dim)` for `i < head_dim / 2`, computed in f32
@@ -105,6 +119,14 @@ pub struct Attention<B: Backend> {
     pub v_proj: Param<Tensor<B, 2>>,
     /// `[heads * head_dim, hidden]`.
     pub o_proj: Param<Tensor<B, 2>>,
+    /// Low-rank adapter on `q_proj` (`None`: the base weight alone).
+    pub q_lora: Option<Lora<B>>,
+    /// Low-rank adapter on `k_proj`.
+    pub k_lora: Option<Lora<B>>,
+    /// Low-rank adapter on `v_proj`.
+    pub v_lora: Option<Lora<B>>,
+    /// Low-rank adapter on `o_proj`.
+    pub o_lora: Option<Lora<B>>,
     /// RMSNorm over each query head.
     pub q_norm: RmsNorm<B>,
     /// RMSNorm over each key head.
@@ -129,9 +151,9 @@ impl<B: Backend> Attention<B> {
     ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
         let [b, s, _] = x.dims();
         let (nq, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let q = linear(x.clone(), &self.q_proj).reshape([b, s, nq, d]);
-        let k = linear(x.clone(), &self.k_proj).reshape([b, s, nkv, d]);
-        let v = linear(x, &self.v_proj).reshape([b, s, nkv, d]);
+        let q = linear(x.clone(), &self.q_proj, self.q_lora.as_ref()).reshape([b, s, nq, d]);
+        let k = linear(x.clone(), &self.k_proj, self.k_lora.as_ref()).reshape([b, s, nkv, d]);
+        let v = linear(x, &self.v_proj, self.v_lora.as_ref()).reshape([b, s, nkv, d]);
         let q = self.q_norm.forward(q).swap_dims(1, 2);
         let k = self.k_norm.forward(k).swap_dims(1, 2);
         let q = apply_rope(q, cos.clone(), sin.clone());
@@ -154,7 +176,11 @@ impl<B: Backend> Attention<B> {
     /// `[b, heads, s, d]` → `[b, s, hidden]` through `o_proj`.
     fn output(&self, o: Tensor<B, 4>) -> Tensor<B, 3> {
         let [b, h, s, d] = o.dims();
-        linear(o.swap_dims(1, 2).reshape([b, s, h * d]), &self.o_proj)
+        linear(
+            o.swap_dims(1, 2).reshape([b, s, h * d]),
+            &self.o_proj,
+            self.o_lora.as_ref(),
+        )
     }
 
     /// Full causal self-attention from position 0: `x [b, s, hidden]` → `[b, s, hidden]`.
@@ -182,14 +208,20 @@ pub struct Mlp<B: Backend> {
     pub up_proj: Param<Tensor<B, 2>>,
     /// `[intermediate, hidden]`.
     pub down_proj: Param<Tensor<B, 2>>,
+    /// Low-rank adapter on `gate_proj` (`None`: the base weight alone).
+    pub gate_lora: Option<Lora<B>>,
+    /// Low-rank adapter on `up_proj`.
+    pub up_lora: Option<Lora<B>>,
+    /// Low-rank adapter on `down_proj`.
+    pub down_lora: Option<Lora<B>>,
 }
 
 impl<B: Backend> Mlp<B> {
     /// `[b, s, hidden]` → `[b, s, hidden]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let gate = silu(linear(x.clone(), &self.gate_proj));
-        let up = linear(x, &self.up_proj);
-        linear(gate * up, &self.down_proj)
+        let gate = silu(linear(x.clone(), &self.gate_proj, self.gate_lora.as_ref()));
+        let up = linear(x, &self.up_proj, self.up_lora.as_ref());
+        linear(gate * up, &self.down_proj, self.down_lora.as_ref())
     }
 }
 
@@ -334,6 +366,10 @@ impl<B: Backend> Qwen3<B> {
                     k_proj: matrix(&format!("{p}.self_attn.k_proj.weight"), nkv * d, h)?,
                     v_proj: matrix(&format!("{p}.self_attn.v_proj.weight"), nkv * d, h)?,
                     o_proj: matrix(&format!("{p}.self_attn.o_proj.weight"), h, nq * d)?,
+                    q_lora: None,
+                    k_lora: None,
+                    v_lora: None,
+                    o_lora: None,
                     q_norm: RmsNorm {
                         weight: q_norm,
                         eps,
@@ -354,6 +390,9 @@ impl<B: Backend> Qwen3<B> {
                     gate_proj: matrix(&format!("{p}.mlp.gate_proj.weight"), i, h)?,
                     up_proj: matrix(&format!("{p}.mlp.up_proj.weight"), i, h)?,
                     down_proj: matrix(&format!("{p}.mlp.down_proj.weight"), h, i)?,
+                    gate_lora: None,
+                    up_lora: None,
+                    down_lora: None,
                 },
             });
         }
@@ -419,7 +458,7 @@ impl<B: Backend> Qwen3<B> {
     pub fn head(&self, hidden: Tensor<B, 3>) -> Tensor<B, 3> {
         let x = self.norm.forward(hidden);
         match &self.lm_head {
-            Some(w) => linear(x, w),
+            Some(w) => linear(x, w, None),
             None => {
                 let [b, s, h] = x.dims();
                 let w = self.embed_tokens.val();

@@ -10,6 +10,7 @@ use safetensors::{Dtype, SafeTensors};
 
 use super::checkpoint::LoadError;
 use super::config::Qwen3Config;
+use super::lora::{base_and_adapter, effective_weight, LoraTarget};
 use super::qwen3::{hf_weight_shapes, transpose, Qwen3};
 
 /// Errors while serializing a model.
@@ -158,7 +159,8 @@ fn tensor_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
 /// A named f32 tensor: `(Hugging Face name, shape, row-major data)`.
 pub type HfTensor = (String, Vec<usize>, Vec<f32>);
 
-/// Every weight of `model` in Hugging Face names and layout (`[out, in]` for linear layers), f32.
+/// Every weight of `model` in Hugging Face names and layout (`[out, in]` for linear layers), f32;
+/// adapters are merged into the weights they adapt.
 pub fn model_hf_tensors<B: Backend>(
     model: &Qwen3<B>,
     cfg: &Qwen3Config,
@@ -181,28 +183,16 @@ pub fn model_hf_tensors<B: Backend>(
     if let Some(w) = &model.lm_head {
         put2("lm_head.weight".into(), w.val(), true);
     }
+    // A layer with an adapter is written as the weight it applies, `W + scaling · A B`.
     for (l, layer) in model.layers.iter().enumerate() {
-        let p = format!("model.layers.{l}");
-        let a = &layer.self_attn;
-        put2(format!("{p}.self_attn.q_proj.weight"), a.q_proj.val(), true);
-        put2(format!("{p}.self_attn.k_proj.weight"), a.k_proj.val(), true);
-        put2(format!("{p}.self_attn.v_proj.weight"), a.v_proj.val(), true);
-        put2(format!("{p}.self_attn.o_proj.weight"), a.o_proj.val(), true);
-        put2(
-            format!("{p}.mlp.gate_proj.weight"),
-            layer.mlp.gate_proj.val(),
-            true,
-        );
-        put2(
-            format!("{p}.mlp.up_proj.weight"),
-            layer.mlp.up_proj.val(),
-            true,
-        );
-        put2(
-            format!("{p}.mlp.down_proj.weight"),
-            layer.mlp.down_proj.val(),
-            true,
-        );
+        for t in LoraTarget::ALL {
+            let (w, lora) = base_and_adapter(layer, t);
+            put2(
+                format!("model.layers.{l}.{}.weight", t.hf_path()),
+                effective_weight(w, lora),
+                true,
+            );
+        }
     }
     let mut put1 = |name: String, w: Tensor<B, 1>| {
         let n = w.dims()[0];
@@ -259,7 +249,12 @@ pub fn model_to_safetensors<B: Backend>(
     model: &Qwen3<B>,
     cfg: &Qwen3Config,
 ) -> Result<Vec<u8>, SaveError> {
-    let tensors = model_hf_tensors(model, cfg)?;
+    Ok(f32_safetensors(model_hf_tensors(model, cfg)?)?)
+}
+
+/// Serializes named f32 tensors as one safetensors buffer, with the `format = pt` metadata
+/// PyTorch loaders expect.
+pub fn f32_safetensors(tensors: Vec<HfTensor>) -> Result<Vec<u8>, safetensors::SafeTensorError> {
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
         .into_iter()
         .map(|(n, s, d)| {
@@ -275,5 +270,5 @@ pub fn model_to_safetensors<B: Backend>(
         ));
     }
     let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-    Ok(safetensors::serialize(views, Some(meta))?)
+    safetensors::serialize(views, Some(meta))
 }

@@ -10,7 +10,8 @@ fn fixture_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3-tiny")
 }
 
-fn clawrl(args: &[&str]) -> (bool, String, String) {
+/// Runs the built binary: `(success, stdout, stderr)`.
+pub(crate) fn clawrl(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_clawrl"))
         .args(args)
         .env("RUST_LOG", "warn")
@@ -24,7 +25,7 @@ fn clawrl(args: &[&str]) -> (bool, String, String) {
 }
 
 /// Case `i` of expected.json (key order kept) and its messages/tools written to files.
-fn case_files(i: usize, dir: &Path) -> (serde_json::Value, PathBuf, Option<PathBuf>) {
+pub(crate) fn case_files(i: usize, dir: &Path) -> (serde_json::Value, PathBuf, Option<PathBuf>) {
     let text = std::fs::read_to_string(fixture_dir().join("expected.json")).unwrap();
     let ordered: Value = serde_json::from_str(&text).unwrap();
     let case = ordered

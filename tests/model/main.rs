@@ -7,6 +7,7 @@ mod checkpoint;
 mod cli;
 mod device_cli;
 mod engine;
+mod lora;
 mod parity;
 mod train_learner;
 mod train_offline_cli;

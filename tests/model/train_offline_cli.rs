@@ -24,7 +24,8 @@ fn run(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
-fn write_train_toml(path: &Path, extra: &str) {
+/// TRAIN.toml with the reference step's hyper-parameters, then `extra`.
+pub(crate) fn write_train_toml(path: &Path, extra: &str) {
     let h = &fixture("train_step_expected.json")["hyper"];
     let text = format!(
         "lr = {}\nbetas = [{}, {}]\nadam_eps = {}\nweight_decay = {}\neps_clip = {}\neps_clip_high = {}\nkl_coef = {}\ngrad_clip = {}\nbatch_size = 2\n{extra}",
@@ -34,11 +35,9 @@ fn write_train_toml(path: &Path, extra: &str) {
     std::fs::write(path, text).unwrap();
 }
 
-#[test]
-fn offline_step_reproduces_the_reference_and_writes_the_checkpoint() {
-    let tmp = tempfile::tempdir().unwrap();
-    let exp = fixture("train_step_expected.json");
-    let lines: Vec<String> = exp["samples"]
+/// The reference step's samples as `dir/s.jsonl`, with their old and reference log-probs.
+pub(crate) fn write_reference_samples(dir: &Path) -> std::path::PathBuf {
+    let lines: Vec<String> = fixture("train_step_expected.json")["samples"]
         .as_array()
         .unwrap()
         .iter()
@@ -51,8 +50,16 @@ fn offline_step_reproduces_the_reference_and_writes_the_checkpoint() {
             .to_string()
         })
         .collect();
-    let samples = tmp.path().join("s.jsonl");
+    let samples = dir.join("s.jsonl");
     std::fs::write(&samples, lines.join("\n") + "\n").unwrap();
+    samples
+}
+
+#[test]
+fn offline_step_reproduces_the_reference_and_writes_the_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exp = fixture("train_step_expected.json");
+    let samples = write_reference_samples(tmp.path());
     let cfg = tmp.path().join("TRAIN.toml");
     write_train_toml(&cfg, "");
     let out = tmp.path().join("out");

@@ -17,7 +17,8 @@ fn json(name: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(Path::new(DIR).join(name)).unwrap()).unwrap()
 }
 
-fn f32s(v: &Value) -> Vec<f32> {
+/// A JSON list of numbers as f32s.
+pub(crate) fn f32s(v: &Value) -> Vec<f32> {
     v.as_array()
         .unwrap()
         .iter()
@@ -25,7 +26,8 @@ fn f32s(v: &Value) -> Vec<f32> {
         .collect()
 }
 
-fn u32s(v: &Value) -> Vec<u32> {
+/// A JSON list of token ids.
+pub(crate) fn u32s(v: &Value) -> Vec<u32> {
     v.as_array()
         .unwrap()
         .iter()
@@ -37,20 +39,12 @@ fn rel(got: f64, want: f64) -> f64 {
     (got - want).abs() / want.abs().max(1e-12)
 }
 
-#[test]
-fn one_step_matches_pytorch_reference() {
-    let exp = json("train_step_expected.json");
-    let hyper = &exp["hyper"];
+/// The reference step's hyper-parameters (`hyper` of a training fixture) as a learner config.
+pub(crate) fn reference_train_config(hyper: &Value) -> TrainConfig {
     let h = |k: &str| hyper[k].as_f64().unwrap();
-    let betas: Vec<f64> = hyper["betas"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|b| b.as_f64().unwrap())
-        .collect();
-    let train = TrainConfig {
+    TrainConfig {
         lr: h("lr"),
-        betas: [betas[0], betas[1]],
+        betas: [0, 1].map(|i| hyper["betas"][i].as_f64().unwrap()),
         adam_eps: h("adam_eps"),
         weight_decay: h("weight_decay"),
         eps_clip: h("eps_clip"),
@@ -59,8 +53,12 @@ fn one_step_matches_pytorch_reference() {
         grad_clip: h("grad_clip_norm"),
         batch_size: 2,
         ..TrainConfig::default()
-    };
-    let samples: Vec<Sample> = exp["samples"]
+    }
+}
+
+/// The two samples of `train_step_expected.json`, with their old and reference log-probs.
+pub(crate) fn reference_samples() -> Vec<Sample> {
+    json("train_step_expected.json")["samples"]
         .as_array()
         .unwrap()
         .iter()
@@ -74,7 +72,14 @@ fn one_step_matches_pytorch_reference() {
             opd: None,
             importance: None,
         })
-        .collect();
+        .collect()
+}
+
+#[test]
+fn one_step_matches_pytorch_reference() {
+    let exp = json("train_step_expected.json");
+    let train = reference_train_config(&exp["hyper"]);
+    let samples = reference_samples();
 
     let device = Default::default();
     let (cfg, model) = load_model::<CpuAutodiff>(Path::new(DIR), &device).unwrap();

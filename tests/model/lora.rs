@@ -1,0 +1,683 @@
+//! LoRA adapters against Hugging Face PEFT on the tiny fixture
+//! (`tests/fixtures/qwen3-tiny-lora`): logits, greedy tokens and their log-probs with the adapter
+//! applied, one adapter-only training step (the base frozen and bit for bit unchanged), the PEFT
+//! directory both ways with its refusals, and the command line (`--adapter`, `--lora`,
+//! `lora merge`).
+//!
+//! PEFT computed the adapter's references from the base loaded in float32, so with RoPE
+//! frequencies computed in float32 and not rounded to bf16 (as the training fixture's and unlike
+//! `qwen3-tiny/expected.json`'s): the model here does the same, and the command-line tests run on
+//! a copy of the base whose `config.json` declares float32.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use burn::module::AutodiffModule;
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Int, Tensor, TensorData};
+use clawrl::model::qwen3::rope_inv_freq;
+use clawrl::model::{
+    load_adapter, load_checkpoint, load_model, save_adapter, LoraConfig, LoraTarget, LoraWeights,
+    Qwen3,
+};
+use clawrl::train::learner::Learner;
+use clawrl::{CpuAutodiff, CpuBackend};
+use serde_json::{json, Value};
+
+use crate::cli::{case_files, clawrl};
+use crate::train_offline_cli::{write_reference_samples, write_train_toml};
+use crate::train_parity::{f32s, reference_samples, reference_train_config, u32s};
+
+type B = CpuBackend;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+fn base_dir() -> PathBuf {
+    root().join("tests/fixtures/qwen3-tiny")
+}
+fn adapter_dir() -> PathBuf {
+    root().join("tests/fixtures/qwen3-tiny-lora")
+}
+
+fn json_file(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// The adapter fixture's `expected.json`.
+fn expected() -> Value {
+    json_file(&adapter_dir().join("expected.json"))
+}
+
+/// max |a - b| / max |b|.
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f64, |m, x| m.max(x.abs() as f64));
+    let diff = a
+        .iter()
+        .zip(b)
+        .fold(0f64, |m, (x, y)| m.max((*x as f64 - *y as f64).abs()));
+    diff / scale
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
+/// The base checkpoint with the fixture adapter applied, computing as a float32 base does.
+fn adapted<Bk: burn::tensor::backend::Backend>() -> (clawrl::model::Qwen3Config, Qwen3<Bk>) {
+    let (cfg, mut model) = load_model::<Bk>(&base_dir(), &Default::default()).unwrap();
+    model.rope_inv_freq = rope_inv_freq(cfg.head_dim(), cfg.rope_theta(), None);
+    let peft = load_adapter(&adapter_dir(), &cfg).unwrap();
+    (cfg, model.with_lora(&peft.weights).unwrap())
+}
+
+/// A copy of the base checkpoint in `dir` whose `config.json` declares float32 (the weights stay
+/// the same bf16 values), as PEFT's reference loaded it.
+fn float32_base(dir: &Path) -> PathBuf {
+    let out = dir.join("qwen3-tiny-f32");
+    std::fs::create_dir_all(&out).unwrap();
+    for entry in std::fs::read_dir(base_dir()).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, out.join(p.file_name().unwrap())).unwrap();
+    }
+    let cfg = std::fs::read_to_string(out.join("config.json")).unwrap();
+    assert!(cfg.contains("\"bfloat16\""));
+    std::fs::write(
+        out.join("config.json"),
+        cfg.replace("\"bfloat16\"", "\"float32\""),
+    )
+    .unwrap();
+    out
+}
+
+fn last_logits(model: &Qwen3<B>, ids: &[u32]) -> Vec<f32> {
+    let n = ids.len();
+    let input = Tensor::<B, 2, Int>::from_data(
+        TensorData::new(ids.iter().map(|&t| t as i64).collect::<Vec<_>>(), [1, n]),
+        &Default::default(),
+    );
+    let logits = model.forward(input);
+    let v = logits.dims()[2];
+    logits
+        .narrow(1, n - 1, 1)
+        .reshape([v])
+        .into_data()
+        .to_vec()
+        .unwrap()
+}
+
+#[test]
+fn adapted_logits_greedy_tokens_and_logprobs_match_peft() {
+    let (cfg, m) = adapted::<B>();
+    let (mut worst_logits, mut worst_lp) = (0f64, 0f64);
+    for (i, case) in expected()["cases"].as_array().unwrap().iter().enumerate() {
+        let ids = u32s(&case["input_ids"]);
+        let want = f32s(&case["last_logits"]);
+        let err = rel_err(&last_logits(&m, &ids), &want);
+        worst_logits = worst_logits.max(err);
+        assert!(err < 1e-4, "case {i}: last_logits relative error {err}");
+
+        // Greedy through the KV cache, as the engine decodes.
+        let mut cache = m.new_cache(1024);
+        let mut logits = m.prefill(&ids, &mut cache).unwrap();
+        let prefill: Vec<f32> = logits.clone().into_data().to_vec().unwrap();
+        assert!(rel_err(&prefill, &want) < 1e-4, "case {i}: prefill logits");
+        let (mut got_ids, mut got_lp) = (Vec::new(), Vec::new());
+        for _ in 0..16 {
+            let lp: Vec<f32> = log_softmax(logits, 0).into_data().to_vec().unwrap();
+            let (best, &l) = lp
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .unwrap();
+            got_ids.push(best as u32);
+            got_lp.push(l);
+            logits = m
+                .decode_step(&[best as u32], &mut [&mut cache])
+                .unwrap()
+                .reshape([cfg.vocab_size]);
+        }
+        assert_eq!(got_ids, u32s(&case["greedy_16"]), "case {i}: greedy ids");
+        let d = max_abs(&got_lp, &f32s(&case["greedy_16_logprobs"]));
+        worst_lp = worst_lp.max(d as f64);
+        assert!(d < 1e-4, "case {i}: greedy log-probs differ by {d}");
+    }
+    eprintln!(
+        "adapter parity: last_logits max relative error {worst_logits:.2e}, greedy log-probs max \
+         abs error {worst_lp:.2e}"
+    );
+}
+
+/// The base's tensors (every parameter but the adapters), row-major.
+fn base_tensors(m: &Qwen3<B>) -> Vec<Vec<f32>> {
+    let host = |t: Tensor<B, 2>| t.into_data().to_vec::<f32>().unwrap();
+    let host1 = |t: Tensor<B, 1>| t.into_data().to_vec::<f32>().unwrap();
+    let mut out = vec![host(m.embed_tokens.val()), host1(m.norm.weight.val())];
+    for l in &m.layers {
+        let (a, p) = (&l.self_attn, &l.mlp);
+        for w in [
+            &a.q_proj,
+            &a.k_proj,
+            &a.v_proj,
+            &a.o_proj,
+            &p.gate_proj,
+            &p.up_proj,
+            &p.down_proj,
+        ] {
+            out.push(host(w.val()));
+        }
+        for n in [
+            &l.input_layernorm,
+            &l.post_attention_layernorm,
+            &a.q_norm,
+            &a.k_norm,
+        ] {
+            out.push(host1(n.weight.val()));
+        }
+    }
+    out
+}
+
+/// Layer 0's `q_proj` `(A, B)` after the step, flattened, from the fixture.
+fn fixture_q_proj_after(exp: &Value) -> (Vec<f32>, Vec<f32>) {
+    let t = &exp["layer0_q_proj_adapter_after_step"];
+    let flat = |k: &str| -> Vec<f32> {
+        t[format!("base_model.model.model.layers.0.self_attn.q_proj.{k}.default.weight")]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(f32s)
+            .collect()
+    };
+    (flat("lora_A"), flat("lora_B"))
+}
+
+#[test]
+fn adapter_only_step_matches_peft_and_leaves_the_base_unchanged() {
+    let exp = expected()["train_step"].clone();
+    let samples = reference_samples();
+    let (cfg, model) = adapted::<CpuAutodiff>();
+    let lora_cfg = load_adapter(&adapter_dir(), &cfg).unwrap().weights.config;
+    let base_before = base_tensors(&model.valid());
+    let mut learner = Learner::new(
+        cfg,
+        model,
+        reference_train_config(&exp["hyper"]),
+        Default::default(),
+        0,
+    );
+    let m = learner.step(&samples).unwrap();
+    assert_eq!(m.skipped, None);
+    assert_eq!((m.step, m.tokens, m.samples), (1, 32, 2));
+    let want = |k: &str| exp[k].as_f64().unwrap();
+    for (name, got, tol) in [
+        ("loss", m.loss, 1e-4),
+        ("pg_loss", m.pg_loss, 1e-4),
+        ("kl", m.kl, 1e-4),
+        ("grad_norm_before_clip", m.grad_norm, 1e-3),
+    ] {
+        let r = (got - want(name)).abs() / want(name).abs();
+        eprintln!(
+            "lora step {name}: got {got}, want {}, rel {r:.2e}",
+            want(name)
+        );
+        assert!(r < tol, "{name}: got {got}, want {}, rel {r}", want(name));
+    }
+
+    // Only the adapters have optimizer state: two matrices per target per layer.
+    let state = learner.optimizer().export_state();
+    assert_eq!(state.len(), 2 * 7 * 2);
+    assert!(
+        state.keys().all(|k| k.contains("_lora.")),
+        "{:?}",
+        state.keys()
+    );
+
+    let after = learner.logprobs(&samples).unwrap();
+    let mut worst = 0f32;
+    for (got, want) in after
+        .iter()
+        .zip(exp["logprobs_after_step"].as_array().unwrap())
+    {
+        worst = worst.max(max_abs(got, &f32s(want)));
+    }
+    eprintln!("lora step: log-probs after the step, max abs diff {worst:.2e}");
+    assert!(worst < 2e-4, "log-probs after the step differ by {worst}");
+
+    let policy = learner.policy().valid();
+    let probe = u32s(&json_file(&base_dir().join("expected.json"))["cases"][2]["input_ids"]);
+    let d = max_abs(
+        &last_logits(&policy, &probe),
+        &f32s(&exp["probe_last_logits_after_step"]),
+    );
+    eprintln!("lora step: probe logits after the step, max abs diff {d:.2e}");
+    assert!(d < 2e-4, "probe logits after the step differ by {d}");
+
+    let trained = policy.lora_weights(&lora_cfg).unwrap();
+    let (a, b) = &trained.tensors[&(0, LoraTarget::QProj)];
+    let (want_a, want_b) = fixture_q_proj_after(&exp);
+    let (da, db) = (max_abs(a, &want_a), max_abs(b, &want_b));
+    eprintln!("lora step: layer 0 q_proj A max abs diff {da:.2e}, B {db:.2e}");
+    assert!(
+        da < 2e-4 && db < 2e-4,
+        "q_proj adapter after the step: A {da}, B {db}"
+    );
+
+    // The base is frozen: every base tensor bit for bit as before the step.
+    let base_after = base_tensors(&policy);
+    assert_eq!(base_before.len(), base_after.len());
+    for (i, (x, y)) in base_before.iter().zip(&base_after).enumerate() {
+        assert!(
+            x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
+            "base tensor {i} changed"
+        );
+    }
+}
+
+#[test]
+fn a_fresh_adapter_leaves_the_outputs_unchanged() {
+    let (cfg, base) = load_model::<B>(&base_dir(), &Default::default()).unwrap();
+    let lora = LoraConfig::parse_cli("4,8,all").unwrap();
+    let ids = u32s(&expected()["cases"][0]["input_ids"]);
+    let want = last_logits(&base, &ids);
+    let m = base.with_lora(&LoraWeights::fresh(&lora, &cfg, 3)).unwrap();
+    assert!(m.has_lora());
+    // B = 0 makes the adapter's term exactly zero.
+    assert_eq!(last_logits(&m, &ids), want);
+}
+
+#[test]
+fn a_saved_adapter_loads_back_identically_with_peft_keys() {
+    let (cfg, m) = adapted::<B>();
+    let original = load_adapter(&adapter_dir(), &cfg).unwrap();
+    let read_back = m.lora_weights(&original.weights.config).unwrap();
+    assert_eq!(read_back, original.weights);
+    let tmp = tempfile::tempdir().unwrap();
+    save_adapter(tmp.path(), &read_back, "../qwen3-tiny").unwrap();
+    let again = load_adapter(tmp.path(), &cfg).unwrap();
+    assert_eq!(again.weights, original.weights);
+    assert_eq!(
+        again.base_model_name_or_path.as_deref(),
+        Some("../qwen3-tiny")
+    );
+    let c = json_file(&tmp.path().join("adapter_config.json"));
+    for (k, v) in [
+        ("peft_type", json!("LORA")),
+        ("task_type", json!("CAUSAL_LM")),
+        ("r", json!(4)),
+        ("lora_alpha", json!(8)),
+        ("lora_dropout", json!(0.0)),
+        ("bias", json!("none")),
+        ("fan_in_fan_out", json!(false)),
+        ("use_rslora", json!(false)),
+        ("use_dora", json!(false)),
+    ] {
+        assert_eq!(c[k], v, "{k}");
+    }
+    assert_eq!(c["target_modules"].as_array().unwrap().len(), 7);
+    // The same tensor names and shapes as PEFT's own file.
+    let names = |dir: &Path| {
+        let bytes = std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut v: Vec<(String, Vec<usize>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, t)| (n, t.shape().to_vec()))
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(tmp.path()), names(&adapter_dir()));
+}
+
+/// A copy of the fixture adapter with `edit` applied to its tensors.
+fn edited_adapter(
+    dir: &Path,
+    edit: impl FnOnce(&mut Vec<(String, Vec<usize>, Vec<u8>)>),
+) -> PathBuf {
+    let bytes = std::fs::read(adapter_dir().join("adapter_model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.shape().to_vec(), t.data().to_vec()))
+        .collect();
+    let dtype = st.tensors()[0].1.dtype();
+    edit(&mut tensors);
+    let views: Vec<_> = tensors
+        .iter()
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(dtype, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(
+        dir.join("adapter_model.safetensors"),
+        safetensors::serialize(views, None).unwrap(),
+    )
+    .unwrap();
+    std::fs::copy(
+        adapter_dir().join("adapter_config.json"),
+        dir.join("adapter_config.json"),
+    )
+    .unwrap();
+    dir.to_path_buf()
+}
+
+#[test]
+fn broken_adapter_directories_are_refused_by_name() {
+    let cfg = clawrl::model::load_config(&base_dir()).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let b0 = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight";
+    let missing = edited_adapter(&tmp.path().join("missing"), |t| t.retain(|x| x.0 != b0));
+    let e = load_adapter(&missing, &cfg).unwrap_err().to_string();
+    assert!(e.contains(b0) && e.contains("missing"), "{e}");
+
+    let reshaped = edited_adapter(&tmp.path().join("shape"), |t| {
+        let x = t.iter_mut().find(|x| x.0 == b0).unwrap();
+        x.1 = vec![x.1[1], x.1[0]];
+    });
+    let e = load_adapter(&reshaped, &cfg).unwrap_err().to_string();
+    assert!(e.contains(b0) && e.contains("shape"), "{e}");
+
+    let extra = edited_adapter(&tmp.path().join("extra"), |t| {
+        let mut x = t[0].clone();
+        x.0 = "base_model.model.lm_head.lora_A.weight".into();
+        t.push(x);
+    });
+    let e = load_adapter(&extra, &cfg).unwrap_err().to_string();
+    assert!(e.contains("lm_head"), "{e}");
+
+    let dora = edited_adapter(&tmp.path().join("dora"), |_| {});
+    let mut c = json_file(&dora.join("adapter_config.json"));
+    c["use_dora"] = json!(true);
+    std::fs::write(dora.join("adapter_config.json"), c.to_string()).unwrap();
+    let e = load_adapter(&dora, &cfg).unwrap_err().to_string();
+    assert!(e.contains("`use_dora`"), "{e}");
+}
+
+/// Case `i`'s messages written under `dir`.
+fn messages_of(i: usize, dir: &Path) -> PathBuf {
+    let dir = dir.join(format!("case-{i}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    case_files(i, &dir).1
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// `clawrl generate --adapter` (the fixture adapter) on `base`: 16 greedy tokens, as JSON.
+fn greedy_16_with_adapter(base: &Path, messages: &Path) -> Value {
+    let (ok, out, err) = clawrl(&[
+        "generate",
+        s(base),
+        "--adapter",
+        s(&adapter_dir()),
+        "--messages",
+        s(messages),
+        "--max-new-tokens",
+        "16",
+        "--temperature",
+        "0",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    serde_json::from_str(&out).unwrap()
+}
+
+#[test]
+fn cli_logits_generate_and_merge_apply_the_adapter() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exp = expected();
+    let (base, adapter) = (float32_base(tmp.path()), adapter_dir());
+    let m0 = messages_of(0, tmp.path());
+    let (ok, out, err) = clawrl(&[
+        "model",
+        "logits",
+        s(&base),
+        "--adapter",
+        s(&adapter),
+        "--messages",
+        s(&m0),
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let err = rel_err(
+        &f32s(&v["last_logits"]),
+        &f32s(&exp["cases"][0]["last_logits"]),
+    );
+    assert!(err < 1e-4, "model logits --adapter: relative error {err}");
+
+    let m1 = messages_of(1, tmp.path());
+    let v = greedy_16_with_adapter(&base, &m1);
+    assert_eq!(v["response_ids"], exp["cases"][1]["greedy_16"]);
+    let d = max_abs(
+        &f32s(&v["logprobs"]),
+        &f32s(&exp["cases"][1]["greedy_16_logprobs"]),
+    );
+    assert!(d < 1e-4, "generate --adapter: log-probs differ by {d}");
+
+    // The merged checkpoint alone computes what base + adapter did.
+    let merged = tmp.path().join("merged");
+    let merge = || {
+        clawrl(&[
+            "lora",
+            "merge",
+            "--base",
+            s(&base),
+            "--adapter",
+            s(&adapter),
+            "--out",
+            s(&merged),
+        ])
+    };
+    let (ok, _, err) = merge();
+    assert!(ok, "{err}");
+    let ck = load_checkpoint::<B>(&merged, &Default::default()).unwrap();
+    assert!(!ck.model.has_lora());
+    let mut worst = 0f64;
+    for case in exp["cases"].as_array().unwrap() {
+        let e = rel_err(
+            &last_logits(&ck.model, &u32s(&case["input_ids"])),
+            &f32s(&case["last_logits"]),
+        );
+        worst = worst.max(e);
+    }
+    eprintln!("merged checkpoint: last_logits max relative error {worst:.2e}");
+    assert!(worst < 1e-4, "merged logits: relative error {worst}");
+    // It writes a new directory only.
+    let (ok, _, err) = merge();
+    assert!(!ok && err.contains("exists"), "{err}");
+}
+
+#[test]
+fn cli_train_offline_trains_only_an_adapter_and_writes_peft() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exp = expected()["train_step"].clone();
+    // The base fixture's reference step has the same samples and hyper-parameters.
+    let samples = write_reference_samples(tmp.path());
+    let cfg_file = tmp.path().join("TRAIN.toml");
+    write_train_toml(&cfg_file, "");
+    let base = base_dir();
+    let out = tmp.path().join("trained");
+    let (ok, stdout, err) = clawrl(&[
+        "train-offline",
+        "--model",
+        s(&base),
+        "--adapter",
+        s(&adapter_dir()),
+        "--samples",
+        s(&samples),
+        "--config",
+        s(&cfg_file),
+        "--out",
+        s(&out),
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let m: Value = serde_json::from_str(stdout.lines().next().unwrap()).unwrap();
+    let rel = |k: &str, got: &str| {
+        (m[got].as_f64().unwrap() - exp[k].as_f64().unwrap()).abs() / exp[k].as_f64().unwrap()
+    };
+    assert!(rel("loss", "loss") < 1e-4, "{m}");
+    assert!(rel("grad_norm_before_clip", "grad_norm") < 1e-3, "{m}");
+    // The output is an adapter directory, not a checkpoint.
+    assert!(!out.join("model.safetensors").exists());
+    let cfg = clawrl::model::load_config(&base).unwrap();
+    let trained = load_adapter(&out, &cfg).unwrap();
+    let (a, b) = &trained.weights.tensors[&(0, LoraTarget::QProj)];
+    let (want_a, want_b) = fixture_q_proj_after(&exp);
+    assert!(max_abs(a, &want_a) < 2e-4 && max_abs(b, &want_b) < 2e-4);
+
+    // A fresh adapter on two targets: A Kaiming-uniform, B zero, so B alone moves on the first
+    // step (A's gradient is zero while B is).
+    let fresh = tmp.path().join("fresh");
+    let (ok, _, err) = clawrl(&[
+        "train-offline",
+        "--model",
+        s(&base),
+        "--lora",
+        "8,16,v_proj,q_proj",
+        "--samples",
+        s(&samples),
+        "--config",
+        s(&cfg_file),
+        "--out",
+        s(&fresh),
+        "--seed",
+        "3",
+    ]);
+    assert!(ok, "{err}");
+    let trained = load_adapter(&fresh, &cfg).unwrap();
+    let c = &trained.weights.config;
+    assert_eq!((c.r, c.alpha), (8, 16.0));
+    assert_eq!(c.targets, vec![LoraTarget::QProj, LoraTarget::VProj]);
+    assert_eq!(trained.weights.tensors.len(), 2 * cfg.num_hidden_layers);
+    let start = LoraWeights::fresh(c, &cfg, 3);
+    for (key, (a, b)) in &trained.weights.tensors {
+        assert!(b.iter().any(|x| *x != 0.0), "{key:?}: B did not move");
+        // A only decays: (1 - lr · weight_decay) times its start.
+        let a0 = &start.tensors[key].0;
+        assert!(a
+            .iter()
+            .zip(a0)
+            .all(|(x, y)| (x - y * (1.0 - 1e-4)).abs() < 1e-6));
+    }
+
+    // Bad forms are refused naming the flag or the key.
+    let (ok, _, err) = clawrl(&[
+        "train-offline",
+        "--model",
+        s(&base),
+        "--lora",
+        "0,16,q_proj",
+        "--samples",
+        s(&samples),
+        "--out",
+        s(&tmp.path().join("x")),
+    ]);
+    assert!(!ok && err.contains("lora.r"), "{err}");
+    let dropout = edited_adapter(&tmp.path().join("dropout"), |_| {});
+    let mut c = json_file(&dropout.join("adapter_config.json"));
+    c["lora_dropout"] = json!(0.1);
+    std::fs::write(dropout.join("adapter_config.json"), c.to_string()).unwrap();
+    let (ok, _, err) = clawrl(&[
+        "train-offline",
+        "--model",
+        s(&base),
+        "--adapter",
+        s(&dropout),
+        "--samples",
+        s(&samples),
+        "--out",
+        s(&tmp.path().join("y")),
+    ]);
+    assert!(!ok && err.contains("lora_dropout"), "{err}");
+    // Inference accepts it: dropout does nothing there.
+    let m0 = messages_of(0, tmp.path());
+    let (ok, _, err) = clawrl(&[
+        "model",
+        "logits",
+        s(&base),
+        "--adapter",
+        s(&dropout),
+        "--messages",
+        s(&m0),
+    ]);
+    assert!(ok, "{err}");
+}
+
+#[test]
+fn serve_with_an_adapter_answers_as_generate_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = float32_base(tmp.path());
+    let m1 = messages_of(1, tmp.path());
+    let want = greedy_16_with_adapter(&base, &m1);
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_clawrl"))
+        .args([
+            "serve",
+            "--model",
+            s(&base),
+            "--adapter",
+            s(&adapter_dir()),
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            s(&tmp.path().join("data")),
+        ])
+        .env("RUST_LOG", "warn")
+        .env_remove("CLAWRL_API_KEYS")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    {
+        use std::io::BufRead;
+        let stdout = child.stdout.as_mut().unwrap();
+        std::io::BufReader::new(stdout)
+            .read_line(&mut line)
+            .unwrap();
+    }
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_string();
+    let messages: Value = json_file(&m1);
+    let body = json!({"model": "qwen3-tiny-f32", "messages": messages, "max_tokens": 16,
+                      "temperature": 0})
+    .to_string();
+    let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+    write!(
+        conn,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut response = String::new();
+    conn.read_to_string(&mut response).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{response}");
+    let v: Value = serde_json::from_str(body).unwrap();
+    assert_eq!(
+        v["choices"][0]["message"]["content"], want["text"],
+        "{body}"
+    );
+}
