@@ -26,7 +26,7 @@ pub use backend::{
     ModelBackend, SamplingParams,
 };
 pub use config::{BackendConfig, JudgeConfig, JudgeConfigError, ModelSource, OpdConfig, Teacher};
-pub use local::{EngineGenerator, TeacherError, TeacherModel, TeacherScore};
+pub use local::{EngineGenerator, TeacherError, TeacherModel, TeacherScore, TemplateKwargs};
 pub use opd::{enhance_messages, OpdError, HINT_PREFIX};
 pub use parse::{last_boxed_digit, parse_hint, parse_vote, VoteError};
 pub use prompt::{Material, PromptKind, PromptOverrides, PromptSet, StepMaterial, TurnMaterial};

@@ -741,6 +741,7 @@ impl Episode for GuiEpisode {
         Observation {
             messages: self.messages.clone(),
             tools: self.cfg.tools.clone(),
+            template_kwargs: Default::default(),
         }
     }
 

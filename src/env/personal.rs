@@ -263,6 +263,7 @@ impl Episode for PersonalEpisode {
         Observation {
             messages: self.messages.clone(),
             tools: Vec::new(),
+            template_kwargs: Default::default(),
         }
     }
 

@@ -187,6 +187,7 @@ impl Episode for ScriptedEpisode {
         Observation {
             messages: self.messages.clone(),
             tools: Vec::new(),
+            template_kwargs: Default::default(),
         }
     }
 

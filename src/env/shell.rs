@@ -276,6 +276,7 @@ impl Episode for ShellEpisode {
         Observation {
             messages: self.messages.clone(),
             tools: self.cfg.tools.as_ref().clone(),
+            template_kwargs: Default::default(),
         }
     }
 

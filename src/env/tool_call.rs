@@ -328,6 +328,7 @@ impl Episode for ToolCallEpisode {
         Observation {
             messages: self.messages.clone(),
             tools: self.cfg.tools.as_ref().clone(),
+            template_kwargs: Default::default(),
         }
     }
 

@@ -1179,6 +1179,8 @@ struct Prepared {
     done: bool,
     messages: minijinja::Value,
     tools: Option<minijinja::Value>,
+    /// The request's `chat_template_kwargs`, as given.
+    template_kwargs: serde_json::Map<String, Json_>,
     prompt_text: String,
     prompt_ids: Vec<u32>,
     params: SamplingParams,
@@ -1431,6 +1433,7 @@ fn prepare(
         params,
         stream: r.stream.unwrap_or(false),
         include_usage: r.stream_options.unwrap_or_default().include_usage,
+        template_kwargs: r.chat_template_kwargs.clone().unwrap_or_default(),
         raw_logprobs: (r.logprobs == Some(true)).then_some(r.top_logprobs.unwrap_or(0) as usize),
     })
 }
@@ -1676,6 +1679,7 @@ async fn finish_turn(
         model: s.model_name.clone(),
         messages: p.messages,
         tools: p.tools,
+        template_kwargs: p.template_kwargs,
         prompt_text: p.prompt_text,
         prompt_ids: p.prompt_ids,
         response_ids: c.ids,
@@ -1733,6 +1737,7 @@ async fn abandon_turn(
         model: s.model_name.clone(),
         messages: p.messages.clone(),
         tools: p.tools.clone(),
+        template_kwargs: p.template_kwargs.clone(),
         prompt_text: p.prompt_text.clone(),
         prompt_ids: p.prompt_ids.clone(),
         response_ids: c.ids,

@@ -33,6 +33,10 @@ pub struct TurnRecord {
     pub messages: minijinja::Value,
     /// The request tools, if any.
     pub tools: Option<minijinja::Value>,
+    /// The request's `chat_template_kwargs` (extra template variables the prompt was rendered
+    /// with); empty when it gave none.
+    #[serde(default)]
+    pub template_kwargs: serde_json::Map<String, serde_json::Value>,
     /// The rendered prompt text.
     pub prompt_text: String,
     /// `s_t`: the prompt ids exactly as fed to the model.

@@ -144,6 +144,9 @@ pub enum TeacherError {
     Advantage(#[from] AdvantageError),
 }
 
+/// Extra chat-template variables (a request's `chat_template_kwargs`).
+pub type TemplateKwargs = serde_json::Map<String, serde_json::Value>;
+
 /// What the teacher says about a response under `s_enhanced`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TeacherScore {
@@ -165,16 +168,18 @@ pub struct TeacherModel<'a, B: Backend> {
 
 impl<B: Backend> TeacherModel<'_, B> {
     /// `log π_teacher(a_t,k | s_enhanced)` for every original response token: `s_enhanced` is
-    /// `messages` with the hint on the last user message, rendered with the same `tools` and the
-    /// generation prompt, exactly as `s_t` was served.
+    /// `messages` with the hint on the last user message, rendered with the same `tools`, the
+    /// same extra template variables `kwargs` and the generation prompt, exactly as `s_t` was
+    /// served.
     pub fn logprobs(
         &self,
         messages: &Value,
         tools: Option<&Value>,
+        kwargs: &TemplateKwargs,
         hint: &str,
         response_ids: &[u32],
     ) -> Result<Vec<f32>, TeacherError> {
-        let prompt = self.enhanced_prompt(messages, tools, hint, response_ids)?;
+        let prompt = self.enhanced_prompt(messages, tools, kwargs, hint, response_ids)?;
         Ok(score_response(self.model, &prompt, response_ids))
     }
 
@@ -185,13 +190,14 @@ impl<B: Backend> TeacherModel<'_, B> {
         &self,
         messages: &Value,
         tools: Option<&Value>,
+        kwargs: &TemplateKwargs,
         hint: &str,
         response_ids: &[u32],
         topk: Option<usize>,
     ) -> Result<TeacherScore, TeacherError> {
         let Some(k) = topk else {
             return Ok(TeacherScore {
-                logprobs: self.logprobs(messages, tools, hint, response_ids)?,
+                logprobs: self.logprobs(messages, tools, kwargs, hint, response_ids)?,
                 topk: None,
             });
         };
@@ -199,7 +205,7 @@ impl<B: Backend> TeacherModel<'_, B> {
         if !(1..=vocab).contains(&k) {
             return Err(TeacherError::TopK { k, vocab });
         }
-        let prompt = self.enhanced_prompt(messages, tools, hint, response_ids)?;
+        let prompt = self.enhanced_prompt(messages, tools, kwargs, hint, response_ids)?;
         let s = score_response_topk(self.model, &prompt, response_ids, k);
         Ok(TeacherScore {
             logprobs: s.logprobs,
@@ -216,6 +222,7 @@ impl<B: Backend> TeacherModel<'_, B> {
         &self,
         messages: &Value,
         tools: Option<&Value>,
+        kwargs: &TemplateKwargs,
         hint: &str,
         response_ids: &[u32],
     ) -> Result<Vec<u32>, TeacherError> {
@@ -235,7 +242,10 @@ impl<B: Backend> TeacherModel<'_, B> {
             });
         }
         let enhanced = enhance_messages(messages, hint)?;
-        Ok(self.template.encode(self.tokenizer, &enhanced, tools)?.ids)
+        Ok(self
+            .template
+            .encode_with(self.tokenizer, &enhanced, tools, kwargs)?
+            .ids)
     }
 
     /// The combined training sample of one turn (docs/design.md §1's four cases): with a hint, the
@@ -252,8 +262,9 @@ impl<B: Backend> TeacherModel<'_, B> {
         response_ids: &[u32],
         old_logprobs: &[f32],
     ) -> Result<Option<CombinedSample>, TeacherError> {
+        let none = TemplateKwargs::new();
         let teacher = match hint {
-            Some(h) => Some(self.logprobs(messages, tools, h, response_ids)?),
+            Some(h) => Some(self.logprobs(messages, tools, &none, h, response_ids)?),
             None => None,
         };
         Ok(combine(

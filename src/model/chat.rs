@@ -158,7 +158,22 @@ impl ChatTemplate {
         messages: &Value,
         tools: Option<&Value>,
     ) -> Result<Prompt, ChatError> {
-        let text = self.render(messages, tools, true, &[])?;
+        self.encode_with(tokenizer, messages, tools, &serde_json::Map::new())
+    }
+
+    /// [`ChatTemplate::encode`] with extra template variables (`chat_template_kwargs`).
+    pub fn encode_with(
+        &self,
+        tokenizer: &tokenizers::Tokenizer,
+        messages: &Value,
+        tools: Option<&Value>,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Prompt, ChatError> {
+        let extra: Vec<(&str, Value)> = kwargs
+            .iter()
+            .map(|(k, v)| (k.as_str(), Value::from_serialize(v)))
+            .collect();
+        let text = self.render(messages, tools, true, &extra)?;
         let ids = encode_text(tokenizer, &text)?;
         Ok(Prompt { text, ids })
     }

@@ -613,8 +613,13 @@ fn samples(
                 let old = score_response(old_model, &t.prompt_ids, &t.gen.response_ids);
                 if method == Method::Opd {
                     let Some(hint) = &t.hint else { continue };
-                    let teacher_lp =
-                        teacher.logprobs(&messages, None, hint, &t.gen.response_ids)?;
+                    let teacher_lp = teacher.logprobs(
+                        &messages,
+                        None,
+                        &Default::default(),
+                        hint,
+                        &t.gen.response_ids,
+                    )?;
                     let adv = opd_advantages(&teacher_lp, &old)?;
                     out.push(sample(t, adv.iter().map(|a| a * weights.w_opd).collect()));
                 } else if let Some(c) = teacher.combined_sample(

@@ -194,7 +194,11 @@ pub fn turn_of(rec: &TurnRecord, index: u32, tokenizer: &tokenizers::Tokenizer) 
         task_index: 0,
         instruction,
         turn: index,
-        observation: Observation { messages, tools },
+        observation: Observation {
+            messages,
+            tools,
+            template_kwargs: rec.template_kwargs.clone(),
+        },
         policy: PolicyTurn {
             action: served_action(&rec.response, raw),
             prompt_ids: rec.prompt_ids.clone(),
@@ -743,6 +747,7 @@ mod tests {
                 serde_json::json!([{"role": "user", "content": "list files"}]),
             ),
             tools: None,
+            template_kwargs: serde_json::from_str(r#"{"enable_thinking": false}"#).unwrap(),
             prompt_text: String::new(),
             prompt_ids: vec![1, 2],
             logprobs: vec![0.0; ids.len()],
@@ -767,6 +772,11 @@ mod tests {
                 "function": {"name": "shell_exec", "arguments": "{\"command\": \"ls\"}"}}],
         });
         let turn = turn_of(&record(&tok, text, response), 0, &tok);
+        // The template variables the turn was served with travel to whoever re-renders it.
+        assert_eq!(
+            turn.observation.template_kwargs["enable_thinking"],
+            serde_json::json!(false)
+        );
         let action = &turn.policy.action;
         assert_eq!(action.content, "");
         assert_eq!(action.tool_calls.len(), 1);

@@ -192,7 +192,12 @@ where
     let messages = Value::from_serialize(&observation.messages);
     let tools = (!observation.tools.is_empty()).then(|| Value::from_serialize(&observation.tools));
     let prompt = template
-        .encode(tokenizer, &messages, tools.as_ref())
+        .encode_with(
+            tokenizer,
+            &messages,
+            tools.as_ref(),
+            &observation.template_kwargs,
+        )
         .map_err(|e| PolicyError(format!("rendering the observation: {e}")))?;
     if prompt.ids.len() + 1 >= max_context {
         return Err(PolicyError(format!(

@@ -51,6 +51,8 @@ pub struct TeacherRequest {
     pub messages: Vec<serde_json::Value>,
     /// The tools `s_t` was rendered with.
     pub tools: Vec<serde_json::Value>,
+    /// The extra template variables `s_t` was rendered with.
+    pub template_kwargs: serde_json::Map<String, serde_json::Value>,
     /// The accepted hint.
     pub hint: String,
     /// The response `a_t`.
@@ -127,6 +129,7 @@ impl PolicyReplica for TeacherScorer {
                 .score(
                     &messages,
                     tools.as_ref(),
+                    &request.template_kwargs,
                     &request.hint,
                     &request.response_ids,
                     topk,
@@ -218,6 +221,7 @@ async fn teacher_score(
     let request = TeacherRequest {
         messages: t.observation.messages.clone(),
         tools: t.observation.tools.clone(),
+        template_kwargs: t.observation.template_kwargs.clone(),
         hint: hint.to_string(),
         response_ids: t.policy.response_ids.clone(),
     };

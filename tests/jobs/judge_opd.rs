@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clawrl::judge::{
-    EngineGenerator, Judge, ModelBackend, PromptOverrides, PromptSet, TeacherModel, TurnMaterial,
-    VoteSettings, HINT_PREFIX,
+    EngineGenerator, Judge, ModelBackend, PromptOverrides, PromptSet, TeacherModel, TemplateKwargs,
+    TurnMaterial, VoteSettings, HINT_PREFIX,
 };
 use clawrl::model::chat::parse_json_value;
 use clawrl::model::{load_checkpoint, score_response, spawn_engine, Checkpoint, EngineOptions};
@@ -30,6 +30,61 @@ fn messages(last_user: &str) -> String {
     )
 }
 
+/// The teacher renders `s_enhanced` with the extra template variables `s_t` was served with
+/// (a request's `chat_template_kwargs`), so a turn served without thinking is scored by a
+/// teacher that did not think either.
+#[test]
+fn teacher_renders_with_the_turns_template_kwargs() {
+    let mut ck = fixture();
+    ck.chat_template = clawrl::model::ChatTemplate::new(
+        concat!(
+            "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}",
+            "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}",
+            "{%- if enable_thinking is defined and enable_thinking is false %}",
+            "{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}",
+        ),
+        "test template",
+        Vec::new(),
+    )
+    .unwrap();
+    let teacher = TeacherModel {
+        model: &ck.model,
+        template: &ck.chat_template,
+        tokenizer: &ck.tokenizer,
+    };
+    let original = parse_json_value(&messages("now sort them"), "messages").unwrap();
+    let hint = "Sort by size.";
+    let response = ck
+        .tokenizer
+        .encode("ls -S", false)
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    let kwargs: TemplateKwargs = serde_json::from_str(r#"{"enable_thinking": false}"#).unwrap();
+    let with = teacher
+        .logprobs(&original, None, &kwargs, hint, &response)
+        .unwrap();
+    let by_hand = parse_json_value(
+        &messages(&format!("now sort them{HINT_PREFIX}{hint}")),
+        "messages",
+    )
+    .unwrap();
+    let prompt = ck
+        .chat_template
+        .encode_with(&ck.tokenizer, &by_hand, None, &kwargs)
+        .unwrap();
+    assert!(
+        prompt.text.ends_with("<think>\n\n</think>\n\n"),
+        "{}",
+        prompt.text
+    );
+    assert_eq!(with, score_response(&ck.model, &prompt.ids, &response));
+    let without = teacher
+        .logprobs(&original, None, &TemplateKwargs::new(), hint, &response)
+        .unwrap();
+    assert_ne!(with, without, "the variables change the teacher's context");
+}
+
 #[test]
 fn teacher_scores_the_original_response_under_s_enhanced() {
     let ck = fixture();
@@ -48,9 +103,10 @@ fn teacher_scores_the_original_response_under_s_enhanced() {
         .get_ids()
         .to_vec();
     assert!(!response.is_empty());
+    let none = TemplateKwargs::new();
 
     let t = teacher
-        .logprobs(&original, Some(&tools), hint, &response)
+        .logprobs(&original, Some(&tools), &none, hint, &response)
         .unwrap();
 
     // Independent construction of s_enhanced, straight from docs/design.md §1's words.
@@ -71,7 +127,7 @@ fn teacher_scores_the_original_response_under_s_enhanced() {
     // the teacher under s_enhanced, most likely first (against the full distribution).
     let k = 5;
     let scored = teacher
-        .score(&original, Some(&tools), hint, &response, Some(k))
+        .score(&original, Some(&tools), &none, hint, &response, Some(k))
         .unwrap();
     assert_eq!(scored.logprobs, t);
     let top = scored.topk.expect("top-k asked for");
@@ -107,7 +163,14 @@ fn teacher_scores_the_original_response_under_s_enhanced() {
         }
     }
     assert!(teacher
-        .score(&original, Some(&tools), hint, &response, Some(vocab + 1))
+        .score(
+            &original,
+            Some(&tools),
+            &none,
+            hint,
+            &response,
+            Some(vocab + 1)
+        )
         .unwrap_err()
         .to_string()
         .contains("method.topk"));
@@ -148,11 +211,11 @@ fn teacher_scores_the_original_response_under_s_enhanced() {
 
     // Bad input is refused with a reason.
     let e = teacher
-        .logprobs(&original, Some(&tools), hint, &[])
+        .logprobs(&original, Some(&tools), &none, hint, &[])
         .unwrap_err();
     assert!(e.to_string().contains("empty response"));
     let e = teacher
-        .logprobs(&original, Some(&tools), hint, &[u32::MAX])
+        .logprobs(&original, Some(&tools), &none, hint, &[u32::MAX])
         .unwrap_err();
     assert!(
         e.to_string().contains("outside the teacher's vocabulary"),

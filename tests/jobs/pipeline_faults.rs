@@ -65,6 +65,7 @@ async fn a_dead_rollout_worker_is_routed_around() {
     let obs = Observation {
         messages: vec![json!({"role": "user", "content": "hello"})],
         tools: vec![],
+        template_kwargs: Default::default(),
     };
     let before = policy.act(&obs).await.unwrap();
     assert!(!before.response_ids.is_empty());

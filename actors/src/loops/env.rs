@@ -35,6 +35,11 @@ pub struct Observation {
     /// OpenAI-format tool schemas (`{"type":"function","function":{"name","description",
     /// "parameters"}}`); empty when the environment offers none.
     pub tools: Vec<Value>,
+    /// Extra chat-template variables the prompt was rendered with (a gateway request's
+    /// `chat_template_kwargs`, e.g. `enable_thinking`); empty for environments. Whoever renders
+    /// this observation again (the OPD teacher) renders with them too.
+    #[serde(default)]
+    pub template_kwargs: serde_json::Map<String, Value>,
 }
 
 /// One tool call the policy made.

@@ -233,6 +233,7 @@ impl Episode for Ep {
         Observation {
             messages: vec![json!({"role": "user", "content": "go"})],
             tools: vec![],
+            template_kwargs: Default::default(),
         }
     }
     fn step<'a>(&'a mut self, _: &'a Action) -> BoxFuture<'a, Result<StepOutcome, EnvError>> {

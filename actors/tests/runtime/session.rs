@@ -91,6 +91,7 @@ impl Episode for Ep {
         Observation {
             messages: self.messages.clone(),
             tools: vec![],
+            template_kwargs: Default::default(),
         }
     }
     fn step<'a>(&'a mut self, action: &'a Action) -> BoxFuture<'a, Result<StepOutcome, EnvError>> {
