@@ -197,7 +197,13 @@ impl Drop for WorkDir {
 /// Removes a work dir: unmounts its tmpfs first when `mounted` (which takes the contents).
 fn remove_tree(path: &Path, mounted: bool) -> io::Result<()> {
     if mounted {
-        scratch::unmount(path).map_err(io::Error::other)?;
+        match scratch::unmount(path) {
+            Ok(()) => {}
+            // EINVAL: no longer a mount point (unmounted already); the dir is removed below.
+            Err(scratch::ScratchError::Unmount { source, .. })
+                if source.raw_os_error() == Some(libc::EINVAL) => {}
+            Err(e) => return Err(io::Error::other(e)),
+        }
     }
     match std::fs::remove_dir_all(path) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),

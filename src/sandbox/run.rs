@@ -406,10 +406,14 @@ pub(super) async fn exec(spec: &SandboxSpec) -> Result<ExecOutput, SandboxError>
     let err = err.map_err(|e| host_err("reading stderr", e))?;
     let reports = reports.map_err(|e| host_err("reading the init's reports", e))?;
     let wall = started.elapsed();
-    // The init is reaped: read the cgroup's OOM count, then remove it off the runtime.
+    // The init is reaped: read the cgroup's OOM count, then remove it on a blocking thread
+    // without waiting (an rmdir of a memory cgroup can take milliseconds; a cgroup a dying
+    // host could not remove is swept by the next one).
     let cgroup = init.cgroup.take();
     let oom_kills = cgroup.as_ref().map_or(0, Cgroup::oom_kills);
-    let _ = tokio::task::spawn_blocking(move || remove_cgroup(cgroup)).await;
+    if cgroup.is_some() {
+        tokio::task::spawn_blocking(move || remove_cgroup(cgroup));
+    }
     let mut result = finish(&plan, init_status, timed_out, out, err, &reports, wall)?;
     if oom_kills > 0 {
         result.stderr.push_str(&format!(
