@@ -67,6 +67,10 @@ pub struct EnvOptions {
     /// `clawrl-env-<kind>-<random>` of mode 0700 ([`workdir::WorkDirPool::new`]): a node's data
     /// dir or a run dir when there is one; `None` is the temp dir.
     pub work_root: Option<PathBuf>,
+    /// The size cap of each episode's work dir in MiB, on the total of its files: a tmpfs of
+    /// this size is mounted over it ([`workdir::WorkDirPool`]); `None`: no cap (each file is
+    /// still bounded by the command limits' `file_size_mb`).
+    pub workdir_mb: Option<u64>,
     /// Tool-call only: the most `code_interpreter` calls of an episode.
     pub max_tool_calls: u32,
 }
@@ -82,6 +86,7 @@ impl Default for EnvOptions {
             warm_workdirs: 8,
             warm_browsers: 2,
             work_root: None,
+            workdir_mb: Some(1024),
             max_tool_calls: 16,
         }
     }
@@ -107,6 +112,9 @@ impl EnvOptions {
         }
         if self.max_concurrent_commands == 0 {
             return bad("max_concurrent_commands", "must be at least 1");
+        }
+        if matches!(self.workdir_mb, Some(mb) if mb == 0 || mb > 1 << 30) {
+            return bad("workdir_mb", "must be between 1 and 2^30 MiB");
         }
         if self.max_tool_calls == 0 {
             return bad("max_tool_calls", "must be at least 1");
@@ -135,8 +143,13 @@ impl EnvOptions {
             });
         }
         let root = self.work_root.clone().unwrap_or_else(std::env::temp_dir);
-        workdir::WorkDirPool::new(&root, &format!("clawrl-env-{kind}-"), self.warm_workdirs)
-            .map_err(|source| EnvBuildError::WorkDir { root, source })
+        workdir::WorkDirPool::new(
+            &root,
+            &format!("clawrl-env-{kind}-"),
+            self.warm_workdirs,
+            self.workdir_mb,
+        )
+        .map_err(|source| EnvBuildError::WorkDir { root, source })
     }
 }
 

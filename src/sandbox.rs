@@ -18,18 +18,26 @@
 //!   The init reaps orphans, exits when the host process dies (its end of a pipe closes), runs
 //!   none of the host's signal handlers and unmaps its copy of the host's anonymous memory.
 //!
-//! Fork bombs are contained by `RLIMIT_NPROC`, which binds because the command runs as a
-//! non-root host uid inside its own user namespace (the kernel counts processes per user
-//! namespace and uid, so sandboxes do not share the budget); memory bombs by `RLIMIT_AS`.
+//! Each sandbox has its own cgroup where the host offers one ([`cgroup`]: v2, else v1 memory
+//! and pids, else none with a warning logged once): its memory limit counts the memory used
+//! (`/tmp`, a tmpfs, included), not the address space reserved, so threaded programs run; its
+//! pids limit bounds processes and threads. Fork bombs are also contained by `RLIMIT_NPROC`,
+//! which binds because the command runs as a non-root host uid inside its own user namespace
+//! (the kernel counts processes per user namespace and uid, so sandboxes do not share the
+//! budget). Without cgroups, memory bombs are stopped by `RLIMIT_AS` alone. A seccomp filter
+//! ([`seccomp`]) refuses the kernel's most exposed calls. Work dirs can be size-capped on the
+//! total of their files ([`scratch`]).
 //! The work dir is `chown`ed to [`HOST_UID`] before every command so the sandbox can write it;
 //! the host (root) keeps full access. Host-side work on a work dir never follows a link the
 //! command planted ([`host_fs`]).
 
 mod capture;
+mod cgroup;
 mod child;
 pub mod host_fs;
 mod plan;
 mod run;
+pub mod scratch;
 mod seccomp;
 
 use std::path::PathBuf;
@@ -46,9 +54,12 @@ pub const HOST_UID: u32 = 100_000;
 pub struct Limits {
     /// `RLIMIT_CPU` in seconds (SIGXCPU, then SIGKILL one second later).
     pub cpu_secs: u64,
-    /// `RLIMIT_AS` of every process, in MiB; also the size of the `/tmp` tmpfs.
+    /// Memory in MiB: the limit of the sandbox's cgroup (memory used, `/tmp` included) where
+    /// the host has usable cgroups ([`enforcement`]), else `RLIMIT_AS` of every process. The
+    /// `/tmp` tmpfs is capped at half of it (the total of its files).
     pub memory_mb: u64,
-    /// `RLIMIT_NPROC`: processes and threads the sandbox user may have at once.
+    /// Processes and threads the sandbox may have at once (`RLIMIT_NPROC`, and the cgroup's
+    /// `pids.max` where there is one).
     pub processes: u64,
     /// `RLIMIT_FSIZE` in MiB: the largest file a process may write.
     pub file_size_mb: u64,
@@ -148,6 +159,36 @@ pub enum SandboxError {
 /// a tokio runtime with the IO and time drivers enabled.
 pub async fn exec(spec: &SandboxSpec) -> Result<ExecOutput, SandboxError> {
     run::exec(spec).await
+}
+
+/// How a sandbox's memory and process limits are enforced on this host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Enforcement {
+    /// A cgroup v2 per sandbox (`memory.max`, `pids.max`), plus `RLIMIT_NPROC`.
+    CgroupV2,
+    /// A cgroup per sandbox in the v1 `memory` and `pids` hierarchies, plus `RLIMIT_NPROC`.
+    CgroupV1,
+    /// No usable cgroups: `RLIMIT_AS` (address space) and `RLIMIT_NPROC` alone.
+    Rlimits,
+}
+
+impl std::fmt::Display for Enforcement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Enforcement::CgroupV2 => "cgroup v2 (memory used, pids)",
+            Enforcement::CgroupV1 => "cgroup v1 (memory used, pids)",
+            Enforcement::Rlimits => "rlimits only (address space, processes): no usable cgroups",
+        })
+    }
+}
+
+/// How limits are enforced here (decided once per process; see [`Enforcement`]).
+pub fn enforcement() -> Enforcement {
+    match cgroup::mode() {
+        cgroup::Mode::V2 { .. } => Enforcement::CgroupV2,
+        cgroup::Mode::V1 { .. } => Enforcement::CgroupV1,
+        cgroup::Mode::Off(_) => Enforcement::Rlimits,
+    }
 }
 
 /// Whether sandboxes can start here: runs `true` in a sandbox once (cached for the process).

@@ -1,24 +1,41 @@
-//! The sandbox under attack: a fork bomb, a memory bomb, writes outside the
-//! work dir, reads of `/root` and of a stand-in for the node's TLS key, a connection to a
-//! listener on 127.0.0.1, `sleep 1000` and 100 MB of stdout are each contained and reported,
-//! and the test process keeps running. Plus the normal cases the environments rely on: exit
-//! codes, stdin, stderr, signals, and files in the work dir persisting between commands.
+//! The sandbox under attack: a fork bomb, a 1,000-thread bomb, a memory bomb, writes outside
+//! the work dir, reads of `/root` and of a stand-in for the node's TLS key, a connection to a
+//! listener on 127.0.0.1, `sleep 1000`, 100 MB of stdout, `unshare -Ur`, ptrace of a sibling,
+//! `mount -t tmpfs`, writes to `/proc/sys`, reading another process's `environ`, filling the
+//! work dir and `/tmp` with files of the size limit, and a file descriptor left open by the
+//! host are each contained and reported, the host is unchanged, and the test process keeps
+//! running. Plus the normal cases the environments rely on: exit codes, stdin, stderr,
+//! signals, files in the work dir persisting between commands, a program with 64 threads and
+//! `cargo build` of a small crate under the default limits.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use clawrl::sandbox::{self, ExecOutput, Limits, SandboxError, SandboxSpec};
+use clawrl::env::workdir::WorkDirPool;
+use clawrl::sandbox::{self, Enforcement, ExecOutput, Limits, SandboxError, SandboxSpec};
 
 fn sh(workdir: &Path, script: &str) -> SandboxSpec {
     SandboxSpec::new(workdir, vec!["/bin/sh".into(), "-c".into(), script.into()])
 }
 
+/// Runs `spec` with `CLAWRL_TEST_RUN` set to a value unique to this run (see
+/// [`processes_in_ns`]).
 async fn run(spec: &SandboxSpec) -> ExecOutput {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     sandbox::probe().expect("sandboxes must be able to start on this host");
-    sandbox::exec(spec)
+    let mut spec = spec.clone();
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    spec.env.push((
+        "CLAWRL_TEST_RUN".into(),
+        format!("{}-{n}", std::process::id()),
+    ));
+    sandbox::exec(&spec)
         .await
         .unwrap_or_else(|e| panic!("sandbox failed for {:?}: {e}", spec.command))
 }
+
+/// What a sandboxed shell prints to name its sandbox for [`processes_in_ns`].
+const WHOAMI: &str = "echo $(readlink /proc/self/ns/pid)/$CLAWRL_TEST_RUN";
 
 fn limits(timeout_s: u64) -> Limits {
     Limits {
@@ -27,18 +44,27 @@ fn limits(timeout_s: u64) -> Limits {
     }
 }
 
-/// Host processes whose pid namespace is `ns` (e.g. `pid:[4026532xxx]`).
-fn processes_in_ns(ns: &str) -> Vec<String> {
+/// Host processes of one sandbox, named `pid:[4026532xxx]/<run>` (as [`WHOAMI`] prints it):
+/// in that pid namespace and with `CLAWRL_TEST_RUN=<run>` in their environment. The namespace
+/// alone is not enough: once a sandbox is gone its namespace's number is free, and another
+/// test's sandbox may get it.
+fn processes_in_ns(whoami: &str) -> Vec<String> {
+    let (ns, run) = whoami.split_once('/').expect("pid:[N]/run");
+    assert!(!run.is_empty(), "{whoami}");
+    let mark = format!("CLAWRL_TEST_RUN={run}");
     let mut found = Vec::new();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if !name.bytes().all(|b| b.is_ascii_digit()) {
             continue;
         }
-        if let Ok(link) = std::fs::read_link(e.path().join("ns/pid")) {
-            if link.to_string_lossy() == ns {
-                found.push(name);
-            }
+        let Ok(link) = std::fs::read_link(e.path().join("ns/pid")) else {
+            continue;
+        };
+        let environ = std::fs::read(e.path().join("environ")).unwrap_or_default();
+        let ours = environ.split(|&b| b == 0).any(|v| v == mark.as_bytes());
+        if link.to_string_lossy() == ns && ours {
+            found.push(name);
         }
     }
     found
@@ -162,7 +188,7 @@ async fn fork_bomb_is_contained() {
     // process of the sandbox's pid namespace outlives it.
     let mut spec = sh(
         dir.path(),
-        "readlink /proc/self/ns/pid; bomb() { bomb | bomb & }; bomb; wait",
+        &format!("{WHOAMI}; bomb() {{ bomb | bomb & }}; bomb; wait"),
     );
     spec.limits = Limits {
         processes: 64,
@@ -187,6 +213,25 @@ async fn fork_bomb_is_contained() {
     assert!(host_can_spawn());
 }
 
+/// How a command stopped by the memory limit ends: with a cgroup the kernel kills it (and the
+/// sandbox says why on stderr); with `RLIMIT_AS` alone the allocation fails (`MemoryError`).
+fn assert_memory_stopped(out: &ExecOutput) {
+    match sandbox::enforcement() {
+        Enforcement::Rlimits => {
+            assert_eq!(out.exit_code, Some(1), "{out:?}");
+            assert!(out.stderr.contains("MemoryError"), "{}", out.stderr);
+        }
+        Enforcement::CgroupV1 | Enforcement::CgroupV2 => {
+            assert_eq!(out.signal, Some(libc::SIGKILL), "{out:?}");
+            assert!(
+                out.stderr.contains("the memory limit (") && out.stderr.contains("was reached"),
+                "{}",
+                out.stderr
+            );
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_bomb_is_stopped() {
     let dir = tempfile::tempdir().unwrap();
@@ -204,10 +249,9 @@ async fn memory_bomb_is_stopped() {
     };
     let out = run(&spec).await;
     assert!(!out.timed_out, "{out:?}");
-    assert_eq!(out.exit_code, Some(1), "{out:?}");
-    assert!(out.stderr.contains("MemoryError"), "{}", out.stderr);
+    assert_memory_stopped(&out);
 
-    // One allocation over the limit is refused at once.
+    // One allocation over the limit is stopped at once.
     let mut spec = SandboxSpec::new(
         dir.path(),
         vec![
@@ -221,8 +265,8 @@ async fn memory_bomb_is_stopped() {
         ..limits(20)
     };
     let out = run(&spec).await;
-    assert_eq!(out.exit_code, Some(1), "{out:?}");
-    assert!(out.stderr.contains("MemoryError"), "{}", out.stderr);
+    assert!(!out.timed_out, "{out:?}");
+    assert_memory_stopped(&out);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -336,10 +380,7 @@ async fn no_network_even_to_localhost() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sleep_1000_times_out_and_leaves_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let mut spec = sh(
-        dir.path(),
-        "readlink /proc/self/ns/pid; sleep 1000 & sleep 1000",
-    );
+    let mut spec = sh(dir.path(), &format!("{WHOAMI}; sleep 1000 & sleep 1000"));
     spec.limits = Limits {
         timeout: Duration::from_millis(800),
         ..Limits::default()
@@ -438,10 +479,7 @@ async fn invalid_specs_are_rejected() {
 async fn dropping_the_future_kills_the_sandbox() {
     let dir = tempfile::tempdir().unwrap();
     let marker = dir.path().join("ns");
-    let spec = sh(
-        dir.path(),
-        "readlink /proc/self/ns/pid > ns; exec sleep 1000",
-    );
+    let spec = sh(dir.path(), &format!("{WHOAMI} > ns; exec sleep 1000"));
     let r = tokio::time::timeout(Duration::from_millis(1500), run(&spec)).await;
     assert!(r.is_err(), "sleep 1000 finished?");
     let ns = std::fs::read_to_string(&marker).unwrap().trim().to_string();
@@ -491,7 +529,7 @@ async fn background_processes_die_with_the_command() {
     let started = Instant::now();
     let out = run(&sh(
         dir.path(),
-        "readlink /proc/self/ns/pid; (sleep 100; echo late > late.txt) & echo started",
+        &format!("{WHOAMI}; (sleep 100; echo late > late.txt) & echo started"),
     ))
     .await;
     assert_eq!(out.exit_code, Some(0), "{out:?}");
@@ -594,4 +632,349 @@ print("threads", len(done))
     }
     assert_eq!(lines.get("clone3"), Some(&"ENOSYS"), "{}", out.stdout);
     assert_eq!(lines.get("threads"), Some(&"64"), "{}", out.stdout);
+}
+
+/// A Python program that starts `n` threads which wait on an event, prints how many started
+/// before the first refusal, then releases them: no sleep, no race.
+fn thread_program(n: u32) -> String {
+    format!(
+        "import threading\n\
+         ev = threading.Event()\n\
+         ts = []\n\
+         err = ''\n\
+         for _ in range({n}):\n\
+         \x20   t = threading.Thread(target=ev.wait)\n\
+         \x20   try:\n\
+         \x20       t.start()\n\
+         \x20   except RuntimeError as e:\n\
+         \x20       err = str(e)\n\
+         \x20       break\n\
+         \x20   ts.append(t)\n\
+         ev.set()\n\
+         for t in ts:\n\
+         \x20   t.join()\n\
+         print(len(ts), err, flush=True)\n"
+    )
+}
+
+/// Ordinary programs under the default limits: 64 Python threads (each reserves an 8 MiB
+/// stack, which an address-space limit counts), also under a 256 MiB memory limit where a
+/// cgroup counts memory used; and `cargo build` of a new crate, offline, with the host's
+/// toolchain mounted read-only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn threaded_programs_and_cargo_build_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let py = |memory_mb: u64| {
+        let mut spec = SandboxSpec::new(
+            dir.path(),
+            vec!["python3".into(), "-c".into(), thread_program(64)],
+        );
+        spec.limits.memory_mb = memory_mb;
+        spec
+    };
+    let out = run(&py(Limits::default().memory_mb)).await;
+    assert_eq!(out.exit_code, Some(0), "{out:?}");
+    assert_eq!(out.stdout.trim(), "64", "{out:?}");
+    if sandbox::enforcement() != Enforcement::Rlimits {
+        let out = run(&py(256)).await;
+        assert_eq!(out.stdout.trim(), "64", "{out:?}");
+    }
+
+    let mut spec = sh(
+        dir.path(),
+        "set -e; cargo new --offline --vcs none hello >/dev/null 2>&1; cd hello; \
+         cargo build --offline 2>&1 | tail -1; ./target/debug/hello",
+    );
+    spec.limits = limits(120);
+    let out = run(&spec).await;
+    assert_eq!(out.exit_code, Some(0), "{out:?}");
+    assert!(out.stdout.contains("Finished"), "{out:?}");
+    assert!(out.stdout.ends_with("Hello, world!\n"), "{out:?}");
+    assert!(dir.path().join("hello/target/debug/hello").is_file());
+}
+
+/// 1,000 threads under the default limits: the sandbox's process budget (RLIMIT_NPROC, and
+/// its cgroup's pids limit) refuses the rest, the program still ends normally, the host can
+/// still fork meanwhile, and nothing of the sandbox outlives it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_thread_bomb_is_contained() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = format!(
+        "import os\nprint(os.readlink('/proc/self/ns/pid') + '/' + os.environ['CLAWRL_TEST_RUN'], \
+         flush=True)\n{}",
+        thread_program(1000)
+    );
+    let mut spec = SandboxSpec::new(dir.path(), vec!["python3".into(), "-c".into(), script]);
+    spec.limits = limits(60);
+    let out = run(&spec).await;
+    assert_eq!(out.exit_code, Some(0), "{out:?}");
+    let mut lines = out.stdout.lines();
+    let ns = lines.next().unwrap_or_default().to_string();
+    let (started, err) = lines.next().unwrap_or_default().split_once(' ').unwrap();
+    let started: u64 = started.parse().unwrap();
+    assert!(
+        started < Limits::default().processes,
+        "{started} threads with processes = {}",
+        Limits::default().processes
+    );
+    assert!(started >= 32, "only {started} threads: {out:?}");
+    assert!(err.contains("can't start new thread"), "{out:?}");
+    assert!(host_can_spawn());
+    assert!(ns.starts_with("pid:["), "{out:?}");
+    assert_eq!(processes_in_ns(&ns), Vec::<String>::new());
+}
+
+/// A new user namespace (where the command would be root again) is refused, by the seccomp
+/// filter and by the sandbox's `max_user_namespaces` of 0; the command stays uid 1000.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unshare_ur_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(&sh(
+        dir.path(),
+        "unshare -Ur id -u 2>&1; echo rc=$?; unshare -U -r -m -p -f id -u 2>&1; echo rc=$?; id -u",
+    ))
+    .await;
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(lines.len(), 5, "{out:?}");
+    for (err, rc) in [(lines[0], lines[1]), (lines[2], lines[3])] {
+        assert!(err.contains("Operation not permitted"), "{out:?}");
+        assert_ne!(rc, "rc=0", "{out:?}");
+    }
+    assert_eq!(lines[4], "1000", "{out:?}");
+}
+
+/// A process cannot trace a sibling (not its own child): `PTRACE_ATTACH`, `PTRACE_SEIZE` and
+/// `process_vm_readv` all fail with EPERM, and the sibling runs on untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ptrace_of_a_sibling_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let tracer = r#"
+import ctypes, errno, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+pid = int(sys.argv[1])
+buf = ctypes.create_string_buffer(8)
+iov = (ctypes.c_void_p * 2)(ctypes.cast(buf, ctypes.c_void_p), 8)
+for name, nr, *args in [
+    ("attach", 101, 16, pid, 0, 0),
+    ("seize", 101, 0x4206, pid, 0, 0),
+    ("vm_readv", 310, pid, iov, 1, iov, 1, 0),
+]:
+    ctypes.set_errno(0)
+    r = libc.syscall(nr, *args)
+    print(name, "ok" if r >= 0 else errno.errorcode.get(ctypes.get_errno(), "?"), flush=True)
+state = open(f"/proc/{pid}/stat").read().split(") ")[1].split()[0]
+print("sibling", state)
+"#;
+    std::fs::write(dir.path().join("tracer.py"), tracer).unwrap();
+    let out = run(&sh(
+        dir.path(),
+        "sleep 30 & S=$!; python3 tracer.py $S; kill $S",
+    ))
+    .await;
+    assert_eq!(out.exit_code, Some(0), "{out:?}");
+    for name in ["attach", "seize", "vm_readv"] {
+        assert!(
+            out.stdout.lines().any(|l| l == format!("{name} EPERM")),
+            "{name}: {out:?}"
+        );
+    }
+    // Sleeping, not stopped by a tracer.
+    assert!(out.stdout.contains("sibling S"), "{out:?}");
+}
+
+/// `mount -t tmpfs` fails, and no mount appears on the host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mount_tmpfs_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("mount-target-work");
+    std::fs::create_dir(&work).unwrap();
+    let out = run(&sh(
+        &work,
+        "mkdir -p m; mount -t tmpfs none /work/m 2>/dev/null; echo rc=$?; \
+         mount -t tmpfs none /tmp 2>/dev/null; echo rc=$?; \
+         python3 -c 'import ctypes, os; l = ctypes.CDLL(None, use_errno=True); \
+           r = l.mount(b\"none\", b\"/work/m\", b\"tmpfs\", 0, None); \
+           print(r, os.strerror(ctypes.get_errno()))'; \
+         grep -c ' /work/m ' /proc/self/mountinfo",
+    ))
+    .await;
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(lines.len(), 4, "{out:?}");
+    assert_ne!(lines[0], "rc=0", "{out:?}");
+    assert_ne!(lines[1], "rc=0", "{out:?}");
+    assert_eq!(lines[2], "-1 Operation not permitted", "{out:?}");
+    assert_eq!(lines[3], "0", "{out:?}");
+    let host_mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !host_mounts.contains("mount-target-work"),
+        "a mount appeared on the host"
+    );
+}
+
+/// Writes to `/proc/sys` fail (the command has no capability and the files are root's), and
+/// the host's values stay what they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proc_sys_writes_are_refused() {
+    let files = [
+        "/proc/sys/kernel/panic",
+        "/proc/sys/vm/swappiness",
+        "/proc/sys/kernel/hostname",
+        "/proc/sys/kernel/pid_max",
+    ];
+    let before: Vec<String> = files
+        .iter()
+        .map(|f| std::fs::read_to_string(f).unwrap())
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let mut script = String::new();
+    for (f, v) in files.iter().zip(&before) {
+        // A value different from the host's, so that a write that got through would show.
+        let new = match v.trim().parse::<u64>() {
+            Ok(n) => (n.saturating_sub(1).max(1) + 7).to_string(),
+            Err(_) => "clawrl-escaped".into(),
+        };
+        script.push_str(&format!(
+            "if echo {new} > {f} 2>/dev/null; then echo 'WROTE {f}'; else echo 'denied {f}'; fi\n"
+        ));
+    }
+    let out = run(&sh(dir.path(), &script)).await;
+    assert_eq!(out.stdout.matches("denied").count(), files.len(), "{out:?}");
+    for (f, v) in files.iter().zip(&before) {
+        assert_eq!(&std::fs::read_to_string(f).unwrap(), v, "{f} changed");
+    }
+}
+
+/// Another process's environment is out of reach: a host process's (its pid does not exist in
+/// the sandbox's pid namespace), and the sandbox init's (a fork of this test process, so it
+/// holds this process's environment; `hidepid=2` hides it, being root's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_process_environ_is_unreadable() {
+    let secret = format!("clawrl-env-secret-{}", std::process::id());
+    let mut host = std::process::Command::new("sleep")
+        .arg("60")
+        .env("CLAWRL_TEST_SECRET", &secret)
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let host_pid = host.id();
+    // This process's own environment is in the init; cargo gives every test one of these.
+    let mine = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| "/".into());
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(&sh(
+        dir.path(),
+        &format!(
+            "cat /proc/{host_pid}/environ 2>&1; cat /proc/1/environ 2>&1; \
+             for f in /proc/[0-9]*/environ; do tr '\\0' '\\n' < $f; done 2>/dev/null; echo end"
+        ),
+    ))
+    .await;
+    host.kill().unwrap();
+    host.wait().unwrap();
+    assert!(out.stdout.ends_with("end\n"), "{out:?}");
+    assert!(!out.stdout.contains(&secret), "{}", out.stdout);
+    assert!(
+        !out.stdout.contains(&format!("CARGO_MANIFEST_DIR={mine}")),
+        "{}",
+        out.stdout
+    );
+    // The command's own environment is readable (the loop above ran).
+    assert!(out.stdout.contains("HOME=/work"), "{}", out.stdout);
+}
+
+/// Files of the size limit, as many as a loop can write, fill a capped work dir and `/tmp` only
+/// up to their caps (ENOSPC after), which bound the total; the work dir is a file system of its
+/// own, so none of it reached the host disk, and nothing is left once it is removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn filling_the_work_dir_and_tmp_stops_at_the_caps() {
+    let parent = tempfile::tempdir().unwrap();
+    let pool = WorkDirPool::new(parent.path(), "fill-", 0, Some(32)).unwrap();
+    let wd = pool.take().unwrap();
+    assert!(pool.capped(), "the work dir pool could not mount its tmpfs");
+    use std::os::unix::fs::MetadataExt;
+    assert_ne!(
+        std::fs::metadata(wd.path()).unwrap().dev(),
+        std::fs::metadata(pool.root()).unwrap().dev(),
+        "the capped work dir is on the host's file system"
+    );
+    // Writes 1 MiB files (the size limit) into `dir` until one fails, with `memory_mb` as the
+    // memory limit; checks that the loop stopped on ENOSPC within `cap_mb`.
+    let fill = |dir: &'static str, memory_mb: u64, cap_mb: u64| {
+        let mut spec = sh(
+            wd.path(),
+            &format!(
+                "i=0; err=; while [ $i -lt 1000 ]; do \
+                   err=$(head -c 1048576 /dev/zero 2>&1 > {dir}/f$i) || break; i=$((i+1)); \
+                 done; echo files $i; echo \"$err\""
+            ),
+        );
+        spec.limits = Limits {
+            file_size_mb: 1,
+            memory_mb,
+            ..limits(60)
+        };
+        async move {
+            let out = run(&spec).await;
+            assert_eq!(out.exit_code, Some(0), "{out:?}");
+            let files: u64 = out.stdout.lines().next().unwrap()[6..].parse().unwrap();
+            assert!(
+                (cap_mb / 2..=cap_mb).contains(&files),
+                "{files} files of 1 MiB in {cap_mb} MiB of {dir}: {out:?}"
+            );
+            assert!(out.stdout.contains("No space left on device"), "{out:?}");
+        }
+    };
+    fill("/work", 256, 32).await;
+    let total: u64 = std::fs::read_dir(wd.path())
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum();
+    assert!(total <= 32 << 20, "{total} bytes in a 32 MiB work dir");
+    // /tmp: half of a 128 MiB memory limit.
+    fill("/tmp", 128, 64).await;
+
+    let path = wd.path().to_path_buf();
+    wd.remove().await.unwrap();
+    assert!(!path.exists());
+    assert_eq!(std::fs::read_dir(pool.root()).unwrap().count(), 0);
+    let host_mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!host_mounts.contains(&path.display().to_string()));
+}
+
+/// A file descriptor the host left open without close-on-exec (here: a file holding a secret)
+/// is not inherited: the command starts with stdin, stdout and stderr only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inherited_fd_is_not_inherited() {
+    use std::os::unix::ffi::OsStrExt;
+    let secrets = tempfile::tempdir().unwrap();
+    let key = secrets.path().join("inherited.key");
+    std::fs::write(&key, "INHERITED-SECRET\n").unwrap();
+    let c = std::ffi::CString::new(key.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a plain open of a C string; the fd is closed below. No O_CLOEXEC on purpose.
+    let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY) };
+    assert!(fd >= 0);
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(&SandboxSpec::new(
+        dir.path(),
+        vec![
+            "python3".into(),
+            "-c".into(),
+            format!(
+                "import os\n\
+                 print(sorted(int(f) for f in os.listdir('/proc/self/fd')))\n\
+                 for fd in [{fd}] + list(range(3, 64)):\n\
+                 \x20   try:\n\
+                 \x20       print(os.read(fd, 100))\n\
+                 \x20   except OSError:\n\
+                 \x20       pass\n\
+                 print('end')\n"
+            ),
+        ],
+    ))
+    .await;
+    // SAFETY: `fd` was opened above and is closed once.
+    unsafe { libc::close(fd) };
+    assert_eq!(out.exit_code, Some(0), "{out:?}");
+    // 3 is the descriptor listdir itself opened.
+    assert_eq!(out.stdout, "[0, 1, 2, 3]\nend\n", "{out:?}");
 }

@@ -37,7 +37,8 @@ pub struct ExecArgs {
     /// Wall-clock timeout in seconds (the whole process tree is killed).
     #[arg(long, default_value_t = 60.0)]
     timeout: f64,
-    /// Address-space limit per process, in MiB (also the size of /tmp).
+    /// Memory limit in MiB: of the sandbox's cgroup (memory used, /tmp included) where the host
+    /// has usable cgroups, else an address-space limit per process. /tmp (a tmpfs) holds half of it.
     #[arg(long, default_value_t = Limits::default().memory_mb)]
     memory: u64,
     /// CPU-time limit in seconds.
@@ -52,10 +53,15 @@ pub struct ExecArgs {
     /// Bytes kept of stdout and of stderr each.
     #[arg(long, default_value_t = Limits::default().output_bytes)]
     output_bytes: usize,
-    /// Host directory mounted at /work (its contents are chowned to the sandbox user). Without
-    /// it a fresh empty directory is used and removed afterwards.
+    /// Host directory mounted at /work (its contents are chowned to the sandbox user; its size
+    /// is not capped). Without it a fresh empty directory is used, capped by --disk, and removed
+    /// afterwards.
     #[arg(long)]
     workdir: Option<PathBuf>,
+    /// Size cap in MiB of the fresh work dir (a tmpfs; the total of its files) when --workdir is
+    /// not given.
+    #[arg(long, default_value_t = 1024)]
+    disk: u64,
     /// Feed this process's stdin to the command.
     #[arg(long)]
     stdin: bool,
@@ -74,7 +80,10 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
             SandboxCommand::Exec(a) => exec(a),
             SandboxCommand::Probe => {
                 sandbox::probe()?;
-                println!("sandboxes can start on this host");
+                println!(
+                    "sandboxes can start on this host; memory and processes limited by {}",
+                    sandbox::enforcement()
+                );
                 Ok(())
             }
         },
@@ -107,7 +116,7 @@ fn exec(a: ExecArgs) -> anyhow::Result<()> {
     };
     let scratch = match &a.workdir {
         Some(_) => None,
-        None => Some(make_scratch()?),
+        None => Some(make_scratch(a.disk)?),
     };
     let workdir = a
         .workdir
@@ -134,6 +143,7 @@ fn exec(a: ExecArgs) -> anyhow::Result<()> {
         .context("starting the async runtime")?;
     let result = rt.block_on(sandbox::exec(&spec));
     if let Some(dir) = scratch {
+        let _ = sandbox::scratch::unmount(&dir);
         let _ = std::fs::remove_dir_all(dir);
     }
     let out = result?;
@@ -141,9 +151,17 @@ fn exec(a: ExecArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A fresh private scratch work dir (never one that existed before: it is chowned and mounted).
-fn make_scratch() -> anyhow::Result<PathBuf> {
+/// A fresh private scratch work dir (never one that existed before: it is chowned and
+/// mounted), a tmpfs of `disk_mb` MiB.
+fn make_scratch(disk_mb: u64) -> anyhow::Result<PathBuf> {
     let tmp = std::env::temp_dir();
-    sandbox::host_fs::private_dir(&tmp, "clawrl-sandbox-")
-        .with_context(|| format!("creating a scratch work dir in {}", tmp.display()))
+    let dir = sandbox::host_fs::private_dir(&tmp, "clawrl-sandbox-")
+        .with_context(|| format!("creating a scratch work dir in {}", tmp.display()))?;
+    if let Err(e) = sandbox::scratch::mount_capped(&dir, disk_mb) {
+        let _ = std::fs::remove_dir(&dir);
+        // A host that cannot mount cannot start sandboxes either: say so when that is why.
+        sandbox::probe()?;
+        return Err(e).context("capping the scratch work dir (--disk)");
+    }
+    Ok(dir)
 }

@@ -33,6 +33,7 @@ pub(super) const STEP_NNP: u32 = 13;
 pub(super) const STEP_CHDIR: u32 = 14;
 pub(super) const STEP_SIGNALS: u32 = 15;
 pub(super) const STEP_SECCOMP: u32 = 16;
+pub(super) const STEP_CGROUP_NS: u32 = 17;
 pub(super) const STEP_OP: u32 = 100;
 
 /// The uid and gid of the command inside the sandbox.
@@ -349,6 +350,11 @@ pub(super) unsafe fn init(ex: &Exec<'_>, fds: &Fds) -> ! {
     // The sync pipe stays open: its end of file tells the init that the host died.
     if libc::fcntl(SYNC_FD, libc::F_SETFD, libc::FD_CLOEXEC) < 0 {
         fail(STEP_FDS);
+    }
+    // The host has moved the init into the sandbox's cgroup (when there is one) before the
+    // sync byte: a cgroup namespace rooted there shows the sandbox its own cgroup as `/`.
+    if libc::unshare(libc::CLONE_NEWCGROUP) != 0 {
+        fail(STEP_CGROUP_NS);
     }
 
     // Nothing propagates back to the host.

@@ -322,8 +322,20 @@ fn mkdirs(ops: &mut Vec<Op>, made: &mut Vec<PathBuf>, dir: &Path) {
     }
 }
 
-/// Builds the plan for a validated spec whose canonical work dir is `workdir`.
-pub(super) fn build(spec: &SandboxSpec, workdir: &Path) -> Result<Plan, SandboxError> {
+/// The size of a sandbox's `/tmp` in MiB for a memory limit of `memory_mb`: half, at least 1.
+pub(super) fn tmp_mb(memory_mb: u64) -> u64 {
+    (memory_mb / 2).max(1)
+}
+
+/// Builds the plan for a validated spec whose canonical work dir is `workdir`. With
+/// `memory_by_cgroup` the sandbox's cgroup limits the memory it uses, and no address-space
+/// limit is set (thread stacks and allocator arenas reserve far more address space than they
+/// use, so `RLIMIT_AS` stops ordinary threaded programs long before their memory runs out).
+pub(super) fn build(
+    spec: &SandboxSpec,
+    workdir: &Path,
+    memory_by_cgroup: bool,
+) -> Result<Plan, SandboxError> {
     let hostname = "sandbox";
     let limits = &spec.limits;
     let mut ops = Vec::new();
@@ -415,10 +427,13 @@ pub(super) fn build(spec: &SandboxSpec, workdir: &Path) -> Result<Plan, SandboxE
         path: in_new("/proc/sys/user/max_user_namespaces"),
         value: b"0\n",
     });
+    // /tmp: a tmpfs capped at half the memory limit, on the total of its files. Its pages
+    // count against the sandbox's memory cgroup, so the cap makes filling it fail with ENOSPC
+    // while the processes still have the other half.
     mkdirs(&mut ops, &mut made, Path::new("/tmp"));
     ops.push(Op::Tmpfs {
         dst: in_new("/tmp"),
-        data: cstr(&format!("mode=1777,size={}m", limits.memory_mb)),
+        data: cstr(&format!("mode=1777,size={}m", tmp_mb(limits.memory_mb))),
         noexec: false,
     });
     mkdirs(&mut ops, &mut made, Path::new("/var"));
@@ -496,7 +511,7 @@ pub(super) fn build(spec: &SandboxSpec, workdir: &Path) -> Result<Plan, SandboxE
         rlim_cur: v,
         rlim_max: v,
     };
-    let rlimits = vec![
+    let mut rlimits = vec![
         (libc::RLIMIT_CORE, lim(0)),
         (
             libc::RLIMIT_CPU,
@@ -505,11 +520,13 @@ pub(super) fn build(spec: &SandboxSpec, workdir: &Path) -> Result<Plan, SandboxE
                 rlim_max: limits.cpu_secs.saturating_add(1),
             },
         ),
-        (libc::RLIMIT_AS, lim(limits.memory_mb * mb)),
         (libc::RLIMIT_NPROC, lim(limits.processes)),
         (libc::RLIMIT_FSIZE, lim(limits.file_size_mb * mb)),
         (libc::RLIMIT_NOFILE, lim(1024)),
     ];
+    if !memory_by_cgroup {
+        rlimits.push((libc::RLIMIT_AS, lim(limits.memory_mb * mb)));
+    }
 
     let fixed = Fixed {
         root: cstr("/"),

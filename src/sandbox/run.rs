@@ -13,6 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::unix::pipe;
 
 use super::capture::{capture, Captured};
+use super::cgroup::{self, Cgroup};
 use super::child::{self, Exec, Fds, INSIDE_ID};
 use super::plan::{self, Plan};
 use super::{ExecOutput, SandboxError, SandboxSpec, HOST_UID};
@@ -88,12 +89,18 @@ fn host_check() -> Result<(), SandboxError> {
         .clone()
 }
 
-fn prepare(spec: &SandboxSpec) -> Result<Plan, SandboxError> {
+/// Validates the spec, hands the work dir over, creates the sandbox's cgroup (when the host
+/// has usable cgroups) and builds the plan.
+fn prepare(spec: &SandboxSpec) -> Result<(Plan, Option<Cgroup>), SandboxError> {
     raise_fd_limit();
     host_check()?;
     let workdir = plan::validate(spec)?;
     hand_over(&workdir)?;
-    plan::build(spec, &workdir)
+    let mode = cgroup::mode();
+    let plan = plan::build(spec, &workdir, mode.limits_memory())?;
+    let cg = Cgroup::create(mode, spec.limits.memory_mb, spec.limits.processes)
+        .map_err(|e| host_err("creating the sandbox's cgroup", e))?;
+    Ok((plan, cg))
 }
 
 fn pipe_cloexec() -> Result<(OwnedFd, OwnedFd), SandboxError> {
@@ -113,6 +120,9 @@ struct Init {
     reaped: bool,
     /// The host's end of the sync pipe.
     sync: Option<std::fs::File>,
+    /// The sandbox's cgroup, removed once the init is reaped (every process of the sandbox is
+    /// gone by then: the kernel reaps a pid namespace's processes before its init).
+    cgroup: Option<Cgroup>,
 }
 
 impl Init {
@@ -156,19 +166,31 @@ impl Init {
 
 impl Drop for Init {
     fn drop(&mut self) {
-        if self.reaped {
-            return;
+        let cgroup = self.cgroup.take();
+        if !self.reaped {
+            self.kill();
+            if !matches!(self.try_reap(), Ok(Some(_))) {
+                let pid = self.pid;
+                std::thread::spawn(move || {
+                    let mut status = 0;
+                    // SAFETY: blocking waitpid on our own killed child.
+                    unsafe { libc::waitpid(pid, &mut status, 0) };
+                    remove_cgroup(cgroup);
+                });
+                return;
+            }
         }
-        self.kill();
-        if let Ok(Some(_)) = self.try_reap() {
-            return;
+        remove_cgroup(cgroup);
+    }
+}
+
+/// Removes a sandbox's cgroup after its init was reaped; a failure leaves an empty cgroup
+/// behind, which is logged.
+fn remove_cgroup(cg: Option<Cgroup>) {
+    if let Some(cg) = cg {
+        if let Err(e) = cg.remove() {
+            tracing::warn!("sandbox: {e}");
         }
-        let pid = self.pid;
-        std::thread::spawn(move || {
-            let mut status = 0;
-            // SAFETY: blocking waitpid on our own killed child.
-            unsafe { libc::waitpid(pid, &mut status, 0) };
-        });
     }
 }
 
@@ -180,8 +202,9 @@ struct HostEnds {
     report: OwnedFd,
 }
 
-/// Clones the init with every namespace, writes its id maps and lets it go.
-fn spawn(plan: &Plan) -> Result<(Init, HostEnds), SandboxError> {
+/// Clones the init with every namespace, moves it into its cgroup, writes its id maps and lets
+/// it go.
+fn spawn(plan: &Plan, cgroup: Option<Cgroup>) -> Result<(Init, HostEnds), SandboxError> {
     let (in_r, in_w) = pipe_cloexec()?;
     let (out_r, out_w) = pipe_cloexec()?;
     let (err_r, err_w) = pipe_cloexec()?;
@@ -242,7 +265,13 @@ fn spawn(plan: &Plan) -> Result<(Init, HostEnds), SandboxError> {
         pidfd,
         reaped: false,
         sync: None,
+        cgroup,
     };
+    // Before the init is let go: everything the sandbox starts is in the cgroup.
+    if let Some(cg) = &init.cgroup {
+        cg.join(pid)
+            .map_err(|e| host_err("moving the sandbox into its cgroup", e))?;
+    }
     let map = format!("0 0 1\n{INSIDE_ID} {HOST_UID} 1\n");
     for file in ["uid_map", "gid_map"] {
         std::fs::write(format!("/proc/{pid}/{file}"), &map)
@@ -310,6 +339,7 @@ fn step_name(plan: &Plan, step: u32) -> String {
         STEP_CHDIR => "entering /work".into(),
         STEP_SIGNALS => "resetting signals".into(),
         STEP_SECCOMP => "installing the seccomp filter".into(),
+        STEP_CGROUP_NS => "entering a cgroup namespace".into(),
         s if s >= STEP_OP => plan
             .ops
             .get((s - STEP_OP) as usize)
@@ -327,12 +357,12 @@ pub(super) async fn exec(spec: &SandboxSpec) -> Result<ExecOutput, SandboxError>
         env: spec.env.clone(),
         limits: spec.limits.clone(),
     };
-    let plan = tokio::task::spawn_blocking(move || prepare(&light))
+    let (plan, cgroup) = tokio::task::spawn_blocking(move || prepare(&light))
         .await
         .map_err(|e| host_err("preparing the sandbox", e))??;
     let limits = &spec.limits;
     let started = Instant::now();
-    let (mut init, ends) = spawn(&plan)?;
+    let (mut init, ends) = spawn(&plan, cgroup)?;
     let deadline = tokio::time::Instant::now() + limits.timeout;
 
     let stdin = pipe::Sender::from_owned_fd(ends.stdin).map_err(|e| host_err("stdin pipe", e))?;
@@ -376,7 +406,23 @@ pub(super) async fn exec(spec: &SandboxSpec) -> Result<ExecOutput, SandboxError>
     let err = err.map_err(|e| host_err("reading stderr", e))?;
     let reports = reports.map_err(|e| host_err("reading the init's reports", e))?;
     let wall = started.elapsed();
-    finish(&plan, init_status, timed_out, out, err, &reports, wall)
+    // The init is reaped: read the cgroup's OOM count, then remove it on a blocking thread
+    // without waiting (an rmdir of a memory cgroup can take milliseconds; a cgroup a dying
+    // host could not remove is swept by the next one).
+    let cgroup = init.cgroup.take();
+    let oom_kills = cgroup.as_ref().map_or(0, Cgroup::oom_kills);
+    if cgroup.is_some() {
+        tokio::task::spawn_blocking(move || remove_cgroup(cgroup));
+    }
+    let mut result = finish(&plan, init_status, timed_out, out, err, &reports, wall)?;
+    if oom_kills > 0 {
+        result.stderr.push_str(&format!(
+            "clawrl sandbox: the memory limit ({} MiB) was reached; the kernel killed {oom_kills} \
+             process(es)\n",
+            limits.memory_mb
+        ));
+    }
+    Ok(result)
 }
 
 fn finish(

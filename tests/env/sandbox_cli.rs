@@ -1,6 +1,9 @@
 //! `clawrl sandbox exec` end to end: the JSON it prints, stdin, a persistent `--workdir`,
-//! argument errors, and that killing the host process (the CLI, with SIGKILL) takes the whole
-//! sandbox down instead of leaving `sleep 1000` running.
+//! argument errors, that killing the host process (the CLI, with SIGKILL) takes the whole
+//! sandbox down instead of leaving `sleep 1000` running, that the host process's environment
+//! (which the sandbox init, a fork of it, shares) is out of the command's reach, the size cap
+//! of the scratch work dir, and the fallback to rlimits alone where cgroups are not usable
+//! (forced with `CLAWRL_SANDBOX_CGROUPS=off`).
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -13,7 +16,12 @@ fn clawrl() -> Command {
 }
 
 fn exec_json(args: &[&str], stdin: Option<&[u8]>) -> Value {
+    exec_json_env(args, stdin, &[])
+}
+
+fn exec_json_env(args: &[&str], stdin: Option<&[u8]>, env: &[(&str, &str)]) -> Value {
     let mut cmd = clawrl();
+    cmd.envs(env.iter().copied());
     cmd.args(["sandbox", "exec"]).args(args);
     cmd.stdin(if stdin.is_some() {
         Stdio::piped()
@@ -76,19 +84,101 @@ fn exec_prints_the_result_as_json() {
     assert_eq!(v["truncated"], true);
     assert!(v["stdout"].as_str().unwrap().contains("output truncated"));
 
+    let bomb = [
+        "--memory",
+        "128",
+        "--",
+        "python3",
+        "-c",
+        "bytearray(512 * 1024 * 1024)",
+    ];
+    let v = exec_json(&bomb, None);
+    if clawrl::sandbox::enforcement() == clawrl::sandbox::Enforcement::Rlimits {
+        assert_eq!(v["exit_code"], 1, "{v}");
+        assert!(v["stderr"].as_str().unwrap().contains("MemoryError"), "{v}");
+    } else {
+        assert_eq!(v["signal"], 9, "{v}");
+        assert!(
+            v["stderr"]
+                .as_str()
+                .unwrap()
+                .contains("the memory limit (128 MiB) was reached"),
+            "{v}"
+        );
+    }
+    // Where cgroups are not usable, the address-space limit refuses the allocation.
+    let v = exec_json_env(&bomb, None, &[("CLAWRL_SANDBOX_CGROUPS", "off")]);
+    assert_eq!(v["exit_code"], 1, "{v}");
+    assert!(v["stderr"].as_str().unwrap().contains("MemoryError"), "{v}");
+}
+
+/// `clawrl sandbox probe` names how limits are enforced: what this process finds, or rlimits
+/// alone when cgroups are switched off.
+#[test]
+fn probe_names_the_enforcement() {
+    for (env, expect) in [
+        (None, clawrl::sandbox::enforcement().to_string()),
+        (
+            Some("off"),
+            clawrl::sandbox::Enforcement::Rlimits.to_string(),
+        ),
+    ] {
+        let mut cmd = clawrl();
+        cmd.args(["sandbox", "probe"]);
+        if let Some(v) = env {
+            cmd.env("CLAWRL_SANDBOX_CGROUPS", v);
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains(&expect), "{text}");
+    }
+}
+
+/// The CLI's environment holds a secret; the sandbox init is a fork of the CLI, so its
+/// `/proc/1/environ` holds it too. The command sees neither: the init is root's and hidden
+/// (`hidepid=2`), and the command's own environment is built from scratch.
+#[test]
+fn the_hosts_environment_is_out_of_reach() {
+    let secret = format!("clawrl-cli-secret-{}", std::process::id());
+    let v = exec_json_env(
+        &[
+            "--",
+            "sh",
+            "-c",
+            "cat /proc/1/environ; env; for f in /proc/[0-9]*/environ; do cat $f; done; echo end",
+        ],
+        None,
+        &[("CLAWRL_NODE_TOKEN", &secret)],
+    );
+    let all = format!("{}{}", v["stdout"], v["stderr"]);
+    assert!(v["stdout"].as_str().unwrap().ends_with("end\n"), "{v}");
+    assert!(!all.contains(&secret), "{v}");
+}
+
+/// The scratch work dir (no `--workdir`) is a tmpfs of `--disk` MiB: files of the size limit
+/// stop at the cap with ENOSPC, and it is gone afterwards.
+#[test]
+fn the_scratch_work_dir_is_capped() {
     let v = exec_json(
         &[
-            "--memory",
-            "128",
+            "--disk",
+            "8",
+            "--file-size",
+            "1",
             "--",
-            "python3",
+            "sh",
             "-c",
-            "bytearray(512 * 1024 * 1024)",
+            "i=0; while [ $i -lt 100 ]; do \
+               head -c 1048576 /dev/zero > f$i 2>/dev/null || break; i=$((i+1)); done; \
+             echo $i; df -k . | tail -1",
         ],
         None,
     );
-    assert_eq!(v["exit_code"], 1);
-    assert!(v["stderr"].as_str().unwrap().contains("MemoryError"));
+    let out = v["stdout"].as_str().unwrap();
+    let files: u32 = out.lines().next().unwrap().parse().unwrap();
+    assert!((4..=8).contains(&files), "{v}");
+    assert!(out.contains("tmpfs"), "{v}");
 }
 
 #[test]
@@ -155,6 +245,7 @@ fn killing_the_host_kills_the_sandbox() {
         .trim()
         .to_string();
     assert!(processes_in_ns(&ns) >= 2, "the sandbox is not running");
+    let host_pid = child.id();
     child.kill().unwrap();
     child.wait().unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -165,6 +256,37 @@ fn killing_the_host_kills_the_sandbox() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    // The killed host could not remove its sandbox's cgroup; the next host process does (any
+    // other CLI these tests run meanwhile may do it first).
+    if clawrl::sandbox::enforcement() != clawrl::sandbox::Enforcement::Rlimits {
+        let v = exec_json(&["--", "true"], None);
+        assert_eq!(v["exit_code"], 0, "{v}");
+        let left = sandbox_cgroups_of(host_pid);
+        assert!(left.is_empty(), "stale cgroups stay: {left:?}");
+    }
+}
+
+/// The sandbox cgroups named after host process `pid`, anywhere below `/sys/fs/cgroup`.
+fn sandbox_cgroups_of(pid: u32) -> Vec<std::path::PathBuf> {
+    let prefix = format!("clawrl-sandbox-{pid}-");
+    let mut found = Vec::new();
+    let mut stack = vec![(std::path::PathBuf::from("/sys/fs/cgroup"), 0)];
+    while let Some((dir, depth)) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            if !e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                continue;
+            }
+            if e.file_name().to_string_lossy().starts_with(&prefix) {
+                found.push(e.path());
+            } else if depth < 6 {
+                stack.push((e.path(), depth + 1));
+            }
+        }
+    }
+    found
 }
 
 fn wait_for(path: &Path, limit: Duration) {
