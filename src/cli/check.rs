@@ -23,7 +23,7 @@ use clawrl::device::{Device, InferenceTask, TrainingTask};
 use clawrl::model::chat::parse_json_value;
 use clawrl::model::{
     load_checkpoint, load_model, spawn_engine, EngineOptions, GenerationRequest, Qwen3,
-    SamplingParams,
+    SamplingParams, StreamEvent,
 };
 use clawrl::train::learner::Learner;
 use clawrl::train::{Sample, TrainConfig};
@@ -80,6 +80,10 @@ pub enum Workload {
     /// Greedy generation through the engine (KV cache on): `batch` requests of `prompt` tokens,
     /// `new_tokens` each; tokens/s counts generated tokens.
     Generate,
+    /// As `generate`, timing the decode steps alone: from the moment every request has its
+    /// first token (the prefills are done) to the last token; tokens/s counts the tokens after
+    /// each request's first (decode speed after a `prompt`-token prompt).
+    Decode,
     /// One forward pass over `prompt` tokens at batch 1, filling the KV cache; tokens/s counts
     /// prompt tokens.
     Prefill,
@@ -132,7 +136,8 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
                 rounds,
             };
             let rates = match workload {
-                Workload::Generate => device.run_inference(GenerateSpeed(shape))??,
+                Workload::Generate => device.run_inference(GenerateSpeed(shape, false))??,
+                Workload::Decode => device.run_inference(GenerateSpeed(shape, true))??,
                 Workload::Prefill => device.run_inference(PrefillSpeed(shape))??,
                 Workload::Train => device.run_training(TrainSpeed(shape))??,
             };
@@ -474,7 +479,8 @@ fn timed(
         .collect()
 }
 
-struct GenerateSpeed<'a>(Shape<'a>);
+/// Generation speed; with `.1`, of the decode steps alone.
+struct GenerateSpeed<'a>(Shape<'a>, bool);
 
 impl InferenceTask for GenerateSpeed<'_> {
     type Output = anyhow::Result<Vec<f64>>;
@@ -482,7 +488,7 @@ impl InferenceTask for GenerateSpeed<'_> {
     where
         Qwen3<B>: Send + Sync,
     {
-        let s = self.0;
+        let (s, decode_only) = (self.0, self.1);
         let (cfg, model) = load_model::<B>(s.dir, &device)
             .with_context(|| format!("loading {}", s.dir.display()))?;
         let engine = spawn_engine(
@@ -496,36 +502,60 @@ impl InferenceTask for GenerateSpeed<'_> {
             },
         );
         let vocab = cfg.vocab_size;
-        // All requests at once, so the engine batches them; `new` tokens each.
-        let generate = |new: usize| -> anyhow::Result<usize> {
-            let rxs: Vec<_> = (0..s.batch)
+        // All requests at once, so the engine batches them; `new` tokens each. Returns the
+        // tokens counted and the seconds they took (see `Workload`).
+        let generate = |new: usize| -> anyhow::Result<(usize, f64)> {
+            let t0 = Instant::now();
+            let mut rxs: Vec<_> = (0..s.batch)
                 .map(|i| {
-                    engine.submit(GenerationRequest {
-                        prompt_ids: prompt_ids(s.prompt, i + 1, vocab),
-                        params: SamplingParams {
+                    engine.submit_streaming(GenerationRequest::new(
+                        prompt_ids(s.prompt, i + 1, vocab),
+                        SamplingParams {
                             temperature: 0.0,
                             max_new_tokens: new,
                             ..Default::default()
                         },
-                        raw_logprobs: None,
-                    })
+                    ))
                 })
                 .collect();
-            let mut n = 0;
-            for rx in rxs {
-                n += rx
-                    .blocking_recv()
-                    .context("the engine stopped")??
-                    .response_ids
-                    .len();
+            let next = |rx: &mut tokio::sync::mpsc::UnboundedReceiver<StreamEvent>| match rx
+                .blocking_recv()
+            {
+                Some(StreamEvent::Token { .. }) => Ok(None),
+                Some(StreamEvent::Finished(r)) => Ok(Some(r.response_ids.len())),
+                Some(StreamEvent::Failed(e)) => Err(anyhow::Error::from(e)),
+                None => Err(anyhow::anyhow!("the engine stopped")),
+            };
+            // Every request's first token: the prefills are done.
+            let mut done = vec![None; rxs.len()];
+            for (rx, d) in rxs.iter_mut().zip(&mut done) {
+                *d = next(rx)?;
             }
-            Ok(n)
+            let t1 = Instant::now();
+            let mut n = 0;
+            for (rx, d) in rxs.iter_mut().zip(done) {
+                n += match d {
+                    Some(len) => len,
+                    None => loop {
+                        if let Some(len) = next(rx)? {
+                            break len;
+                        }
+                    },
+                };
+            }
+            Ok(if decode_only {
+                (n - s.batch, t1.elapsed().as_secs_f64())
+            } else {
+                (n, t0.elapsed().as_secs_f64())
+            })
         };
-        timed(
-            s.rounds,
-            || generate(s.new_tokens.min(4)),
-            || generate(s.new_tokens),
-        )
+        generate(s.new_tokens.min(4))?;
+        (0..s.rounds)
+            .map(|_| {
+                let (n, secs) = generate(s.new_tokens)?;
+                Ok(n as f64 / secs)
+            })
+            .collect()
     }
 }
 

@@ -249,3 +249,32 @@ fn model_init_writes_a_loadable_random_checkpoint() {
     let (ok, _, stderr) = init(&small_cfg, &dir.path().join("small"));
     assert!(!ok && stderr.contains("vocab_size 100"), "{stderr}");
 }
+
+/// `check speed` reports the `generate` and `decode` workloads as one JSON line each, with a
+/// rate per timed round.
+#[test]
+fn check_speed_reports_generation_and_decode_alone() {
+    let dir = fixture_dir();
+    for workload in ["generate", "decode"] {
+        let (ok, out, err) = clawrl(&[
+            "check",
+            "speed",
+            dir.to_str().unwrap(),
+            "--workload",
+            workload,
+            "--batch",
+            "2",
+            "--prompt",
+            "8",
+            "--new-tokens",
+            "6",
+            "--rounds",
+            "2",
+        ]);
+        assert!(ok, "{workload}: {err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        assert_eq!(v["workload"], workload);
+        assert_eq!(v["rounds_tokens_per_s"].as_array().unwrap().len(), 2);
+        assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0, "{v}");
+    }
+}
