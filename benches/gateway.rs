@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use clawrl::gateway::{Gateway, GatewayConfig, GatewayPolicy};
 use clawrl::model::{load_checkpoint, load_model};
-use clawrl::train::learner::Learner;
+use clawrl::train::learner::BurnLearner;
 use clawrl::train::{Sample, TrainConfig};
 use clawrl::{CpuAutodiff, CpuBackend};
 use serde_json::{json, Value};
@@ -132,7 +132,7 @@ fn run(sessions: u64, secs: u64, update_secs: u64, train: bool) -> Run {
                 batch_size: 4,
                 ..TrainConfig::default()
             };
-            let mut learner = Learner::new(cfg, model, train, device, 3);
+            let mut learner = BurnLearner::new(cfg, model, train, device, 3);
             let mut updates = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 let v = learner.version() + 1;

@@ -7,7 +7,7 @@
 use std::time::Instant;
 
 use clawrl::model::{Qwen3, Qwen3Config};
-use clawrl::train::learner::Learner;
+use clawrl::train::learner::BurnLearner;
 use clawrl::train::{Sample, TrainConfig};
 use clawrl::CpuAutodiff;
 
@@ -40,7 +40,7 @@ fn main() {
         batch_size: 8,
         ..TrainConfig::default()
     };
-    let mut learner = Learner::new(cfg.clone(), model, train, device, 0);
+    let mut learner = BurnLearner::new(cfg.clone(), model, train, device, 0);
     let v = cfg.vocab_size as u64;
     let tok = |i: u64, salt: u64| ((i * 7919 + salt * 104729 + 13) % v) as u32;
     let samples: Vec<Sample> = (0..8u64)

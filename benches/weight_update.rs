@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use clawrl::model::{load_model, EngineOptions, Qwen3, Qwen3Config};
 use clawrl::pipeline::learner::PolicyLearner;
 use clawrl::serve::EnginePolicy;
-use clawrl::train::learner::Learner;
+use clawrl::train::learner::BurnLearner;
 use clawrl::train::TrainConfig;
 use clawrl::{CpuAutodiff, CpuBackend};
 use clawrl_actors::bulk::BulkConfig;
@@ -64,7 +64,7 @@ fn env_list(name: &str, default: &str) -> Vec<String> {
         .collect()
 }
 
-fn learner(shape: &str) -> Learner<CpuAutodiff> {
+fn learner(shape: &str) -> BurnLearner<CpuAutodiff> {
     let device = Default::default();
     let train = TrainConfig {
         lr: 1e-4,
@@ -76,14 +76,14 @@ fn learner(shape: &str) -> Learner<CpuAutodiff> {
             let (cfg, model) =
                 load_model::<CpuAutodiff>(Path::new("tests/fixtures/qwen3-tiny"), &device)
                     .expect("the fixture model loads");
-            Learner::new(cfg, model, train, device, 1)
+            BurnLearner::new(cfg, model, train, device, 1)
         }
         "20m" => {
             let text = std::fs::read_to_string("benches/shapes/qwen3-20m/config.json")
                 .expect("benches/shapes/qwen3-20m/config.json");
             let cfg = Qwen3Config::from_json(&text).expect("valid config");
             let model = Qwen3::<CpuAutodiff>::init(&cfg, &device);
-            Learner::new(cfg, model, train, device, 1)
+            BurnLearner::new(cfg, model, train, device, 1)
         }
         other => panic!("WU_SHAPES: unknown shape {other:?} (expected tiny or 20m)"),
     }

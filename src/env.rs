@@ -34,8 +34,84 @@ pub use tasks::TaskError;
 pub use terminal::TerminalEnv;
 pub use tool_call::ToolCallEnv;
 
-/// The kinds [`build_environment`] knows.
-pub const KINDS: [&str; 4] = ["terminal", "swe", "tool_call", "gui"];
+/// The environment kinds a job may run in: the one list that job specs are validated against,
+/// nodes' `--env KIND:N` are checked against, and [`build_environment`] builds from. Written in
+/// specs by [`EnvKind::name`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum EnvKind {
+    /// Scripted tasks with canned next states, for tests and demos ([`scripted`]).
+    #[default]
+    Scripted,
+    /// Shell tasks checked by a command ([`terminal`]).
+    Terminal,
+    /// Repository tasks checked by their tests ([`swe`]).
+    Swe,
+    /// Questions answered with tool calls ([`tool_call`]).
+    ToolCall,
+    /// Web pages driven through headless Chromium ([`gui`]).
+    Gui,
+}
+
+impl EnvKind {
+    /// Every kind.
+    pub const ALL: [EnvKind; 5] = [
+        EnvKind::Scripted,
+        EnvKind::Terminal,
+        EnvKind::Swe,
+        EnvKind::ToolCall,
+        EnvKind::Gui,
+    ];
+
+    /// Its name in specs and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            EnvKind::Scripted => "scripted",
+            EnvKind::Terminal => "terminal",
+            EnvKind::Swe => "swe",
+            EnvKind::ToolCall => "tool_call",
+            EnvKind::Gui => "gui",
+        }
+    }
+
+    /// Whether its episodes run commands in the sandbox (checked once when one is built).
+    fn sandboxed(self) -> bool {
+        matches!(self, EnvKind::Terminal | EnvKind::Swe | EnvKind::ToolCall)
+    }
+}
+
+impl std::fmt::Display for EnvKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A name that is not an [`EnvKind`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown environment kind `{0}` (known: scripted, terminal, swe, tool_call, gui)")]
+pub struct UnknownEnvKind(pub String);
+
+impl std::str::FromStr for EnvKind {
+    type Err = UnknownEnvKind;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        EnvKind::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| UnknownEnvKind(s.to_string()))
+    }
+}
+
+impl serde::Serialize for EnvKind {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for EnvKind {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(d)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
+}
 
 /// How an environment runs its episodes. [`EnvOptions::default`] gives every kind's defaults.
 #[derive(Clone, Debug)]
@@ -156,12 +232,9 @@ impl EnvOptions {
 /// Why an environment could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum EnvBuildError {
-    /// The kind is not one of [`KINDS`].
-    #[error("unknown environment kind `{kind}` (known: terminal, swe, tool_call, gui)")]
-    UnknownKind {
-        /// The kind asked for.
-        kind: String,
-    },
+    /// The scripted task file could not be read or is invalid.
+    #[error(transparent)]
+    Scripted(#[from] scripted::ScriptedEnvError),
     /// An option is out of range.
     #[error("environment option `{option}`: {reason}")]
     Options {
@@ -192,38 +265,31 @@ pub enum EnvBuildError {
 
 /// Builds the environment of `kind` over the tasks at `tasks`:
 ///
+/// - `scripted`: a JSON file of scripted tasks ([`scripted`]);
 /// - `terminal`: a JSONL file of `{"id", "instruction", "setup"?, "check"}` ([`terminal`]);
 /// - `swe`: a directory whose subdirectories each hold `task.json` and `repo/` ([`swe`]);
 /// - `tool_call`: a JSONL file of `{"id", "question", "answer"}` ([`tool_call`]);
 /// - `gui`: a JSONL file of `{"id", "instruction", "page", "check"}` ([`gui`]).
 ///
-/// The tasks are read and validated here (an error names the file, line and key); the work dir
-/// pool is created warm, and one sandbox is started ([`crate::sandbox::probe`], once per
-/// process) so that a host where sandboxes cannot start fails here rather than in every episode
-/// (the `gui` kind instead checks that Chromium can start; it does not use the sandbox).
+/// The tasks are read and validated here (an error names the file, line and key). For the kinds
+/// that run commands the work dir pool is created warm, and one sandbox is started
+/// ([`crate::sandbox::probe`], once per process) so that a host where sandboxes cannot start
+/// fails here rather than in every episode (the `gui` kind instead checks that Chromium can
+/// start; it does not use the sandbox).
 pub fn build_environment(
-    kind: &str,
+    kind: EnvKind,
     tasks: &Path,
     options: EnvOptions,
 ) -> Result<Arc<dyn Environment>, EnvBuildError> {
-    if !KINDS.contains(&kind) {
-        return Err(EnvBuildError::UnknownKind {
-            kind: kind.to_string(),
-        });
-    }
-    if kind != "gui" {
+    if kind.sandboxed() {
         crate::sandbox::probe()?;
     }
     Ok(match kind {
-        "terminal" => Arc::new(TerminalEnv::load(tasks, options)?),
-        "swe" => Arc::new(SweEnv::load(tasks, options)?),
-        "tool_call" => Arc::new(ToolCallEnv::load(tasks, options)?),
-        "gui" => Arc::new(GuiEnv::load(tasks, options)?),
-        other => {
-            return Err(EnvBuildError::UnknownKind {
-                kind: other.to_string(),
-            })
-        }
+        EnvKind::Scripted => Arc::new(scripted::ScriptedEnv::load(tasks)?),
+        EnvKind::Terminal => Arc::new(TerminalEnv::load(tasks, options)?),
+        EnvKind::Swe => Arc::new(SweEnv::load(tasks, options)?),
+        EnvKind::ToolCall => Arc::new(ToolCallEnv::load(tasks, options)?),
+        EnvKind::Gui => Arc::new(GuiEnv::load(tasks, options)?),
     })
 }
 
@@ -232,11 +298,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn unknown_kind_is_named() {
-        let e = build_environment("browser", Path::new("/nonexistent"), EnvOptions::default())
-            .err()
-            .expect("unknown kind");
-        assert!(e.to_string().contains("`browser`"), "{e}");
+    fn kinds_parse_by_name_and_an_unknown_one_is_named() {
+        for k in EnvKind::ALL {
+            assert_eq!(k.name().parse::<EnvKind>(), Ok(k));
+        }
+        for bad in ["browser", "toolcall", "personal", "Terminal", ""] {
+            let e = bad.parse::<EnvKind>().unwrap_err();
+            assert!(e.to_string().contains(&format!("`{bad}`")), "{e}");
+        }
     }
 
     #[test]

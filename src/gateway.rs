@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-pub use policy::{GatewayPolicy, InstallError, PolicyStats, ServingVersion};
+pub use policy::{GatewayPolicy, InstallError, PolicyStats};
 pub use server::{Gateway, GatewayError};
 pub use session::{
     Admission, EndPolicy, Scope, SessionConfig, SessionTable, SessionsFull, TurnEnd, TurnType,

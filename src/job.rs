@@ -55,6 +55,7 @@ use clawrl_actors::control::{JobNeeds, JobValidator};
 use serde::{Deserialize, Serialize};
 
 use crate::device::Device;
+use crate::env::EnvKind;
 use crate::judge::prompt::PromptOverrides;
 use crate::judge::scripted::{HintRule, ScoreRule, ScriptedConfig};
 use crate::judge::Teacher;
@@ -351,12 +352,12 @@ pub struct OptimSpec {
     pub checkpoint_every: Option<u64>,
 }
 
-/// The environment.
+/// The `[env]` section of a job spec: the environment its sessions run in.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct EnvSpec {
-    /// Environment kind (`scripted`, `terminal`, `swe`, `tool_call`, `gui`, `personal`).
-    pub kind: String,
+pub struct EnvSection {
+    /// The environment kind.
+    pub kind: EnvKind,
     /// Sessions run at once.
     pub parallelism: u32,
     /// The task set (a file).
@@ -456,7 +457,7 @@ pub struct JobSpec {
     pub optim: OptimSpec,
     /// The environment (required for `rl`; absent for `personal`).
     #[serde(default)]
-    pub env: EnvSpec,
+    pub env: EnvSection,
     /// The gateway of a `personal` job (`crate::gateway::GatewayConfig`'s keys; default: its
     /// defaults). Only for `personal`.
     #[serde(default, skip_serializing)]
@@ -485,17 +486,6 @@ pub const PERSONAL_ENV_KIND: &str = "gateway";
 
 /// Episodes per GRPO group of a step-wise job when `env.group_size` is not given.
 pub const DEFAULT_GROUP_SIZE: u32 = 8;
-
-/// Environment kinds a spec may name.
-pub const ENV_KINDS: &[&str] = &[
-    "scripted",
-    "terminal",
-    "swe",
-    "tool_call",
-    "toolcall",
-    "gui",
-    "personal",
-];
 
 impl JobSpec {
     /// Parses and validates spec text read from `file`.
@@ -782,7 +772,7 @@ impl JobSpec {
                 self.validate_env(file)?;
             }
             JobKind::Personal => {
-                if self.env != EnvSpec::default() {
+                if self.env != EnvSection::default() {
                     return bad(
                         "env",
                         "a personal job has no environment: its turns come from the gateway".into(),
@@ -854,14 +844,8 @@ impl JobSpec {
                 message,
             })
         };
-        if self.env == EnvSpec::default() {
+        if self.env == EnvSection::default() {
             return bad("env", "required when kind = \"rl\"".into());
-        }
-        if !ENV_KINDS.contains(&self.env.kind.as_str()) {
-            return bad(
-                "env.kind",
-                format!("`{}` is not one of {}", self.env.kind, ENV_KINDS.join(", ")),
-            );
         }
         if !(1..=4096).contains(&self.env.parallelism) {
             return bad(
@@ -942,7 +926,7 @@ impl JobSpec {
         match self.kind {
             JobKind::Rl => JobNeeds {
                 name: self.display_name(file),
-                env_kind: self.env.kind.clone(),
+                env_kind: self.env.kind.name().into(),
                 env_parallelism: self.env.parallelism,
             },
             // The gateway stands for the environment: one member of kind `gateway`.
@@ -1107,9 +1091,15 @@ max_steps = 100
         assert!(
             err(&GOOD.replace("parallelism = 4", "parallelism = 0")).contains("env.parallelism")
         );
-        assert!(
-            err(&GOOD.replace(r#"kind = "terminal""#, r#"kind = "moon""#)).contains("env.kind")
-        );
+        // Only kinds an environment can be built from: not the job kind `personal`, nor an
+        // alias.
+        for bad in ["moon", "personal", "toolcall"] {
+            let e = err(&GOOD.replace(r#"kind = "terminal""#, &format!("kind = {bad:?}")));
+            assert!(
+                e.contains("env.kind") && e.contains(&format!("`{bad}`")),
+                "{e}"
+            );
+        }
         assert!(err(&GOOD.replace("max_steps = 100", "")).contains("`stop`"));
         let lora = |l: &str| {
             err(&GOOD.replace(

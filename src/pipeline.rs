@@ -1,23 +1,24 @@
 //! The training pipeline: one job's four loops wired together in-process, from a [`JobSpec`].
 //!
-//! [`run_job`] builds, from the spec: the environment (the `scripted` kind here; terminal, SWE
-//! and tool-call through `crate::env::build_environment`), a learner over the policy checkpoint
-//! inside the `Trainer` actor (checkpoints and resume under `<out>/checkpoints`), `replicas`
+//! Every job is assembled from [`parts`] (the policy loaded into a learner, the recorder, the OPD
+//! teacher, the trainer and the job supervisor); the runners differ in what serves the policy
+//! and where turns come from. [`run_job`] is the local one: the environment (the `scripted` kind
+//! here; terminal, SWE, tool-call and GUI through `crate::env::build_environment`), `replicas`
 //! rollout workers over the generation engine that install every new version the trainer
-//! publishes without pausing, the judge ([`judge::PipelineJudge`]), the sample builder of the
-//! method ([`samples::MethodBuilder`], with an OPD teacher worker when the method needs one),
-//! the job's `Recorder` (JSONL under `<out>/records`, rotated per weight version), and the job
-//! supervisor that runs sessions to the stop condition. It returns a [`RunReport`] with counts
-//! that balance.
+//! publishes without pausing, and sessions run by the supervisor to the stop condition. It
+//! returns a [`RunReport`] with counts that balance.
 //!
-//! Modules: [`policy`] (the chat policy over the replica pool), [`judge`] (the judge adapter),
-//! [`samples`] (samples per method, the teacher).
+//! Modules: [`parts`] (the assembly), [`policy`] (the chat policy over the replica pool),
+//! [`judge`] (the judge adapter), [`samples`] (samples per method, the teacher), [`learner`]
+//! (the trainer's learner), [`gateway_job`] (the `personal` job), [`distributed`] (the job
+//! across nodes).
 
 pub mod distributed;
 pub mod fit;
 pub mod gateway_job;
 pub mod judge;
 pub mod learner;
+pub mod parts;
 pub mod policy;
 pub mod samples;
 
@@ -26,26 +27,26 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clawrl_actors::loops::{
-    rollout_subscriber, spawn_job, AdmissionSettings, Delivery, Environment, JobArgs, JobCounts,
-    JobMsg, JobSettings, LocalPublisher, ProgressReport, Recorder, RecorderConfig, RecorderMsg,
-    RecorderStats, RolloutArgs, RolloutMsg, RolloutStats, RolloutWorker, StalenessMode,
-    StopCondition, Subscriber, TrainSample, Trainer, TrainerArgs, TrainerConfig, TrainerEvent,
-    TrainerMsg, TrainerStats,
+    rollout_subscriber, AdmissionSettings, Delivery, Environment, JobCounts, JobMsg, JobSettings,
+    LocalPublisher, ProgressReport, RecorderStats, RolloutArgs, RolloutMsg, RolloutStats,
+    RolloutWorker, StalenessMode, StopCondition, Subscriber, TrainSample, TrainerConfig,
+    TrainerEvent, TrainerStats, TurnSource,
 };
 use ractor::{Actor, ActorRef};
 use serde::{Deserialize, Serialize};
 
-use crate::job::{JobSpec, JudgeBackend, StalenessPolicy};
+use crate::env::EnvKind;
+use crate::job::{JobKind, JobSpec, JudgeBackend, StalenessPolicy};
 use crate::judge::{
     BackendConfig, ChatGenerator, EngineGenerator, JudgeConfig, ModelSource, OpdConfig, PromptKind,
     Teacher, VoteSettings,
 };
-use crate::model::{load_checkpoint, EngineOptions, SamplingParams};
+use crate::model::{EngineOptions, SamplingParams};
 use crate::rl::{AdvantageWeights, EpisodeKind};
 use crate::serve::EnginePolicy;
-use crate::train::learner::Learner as BurnLearner;
 use crate::train::TrainConfig;
 use crate::{CpuAutodiff, CpuBackend};
+use parts::{JobParts, LoadedPolicy};
 
 /// Why a job could not run.
 #[derive(Debug, thiserror::Error)]
@@ -57,7 +58,7 @@ pub enum RunError {
     #[error("env.tasks {tasks} (env.kind `{kind}`): {message}")]
     Env {
         /// The kind.
-        kind: String,
+        kind: EnvKind,
         /// The task file.
         tasks: PathBuf,
         /// What went wrong.
@@ -212,32 +213,20 @@ pub fn build_env_in(
 ) -> Result<Arc<dyn Environment>, RunError> {
     let tasks = spec.resolve(&spec.env.tasks);
     let err = |message: String| RunError::Env {
-        kind: spec.env.kind.clone(),
+        kind: spec.env.kind,
         tasks: tasks.clone(),
         message,
     };
-    match spec.env.kind.as_str() {
-        "scripted" => Ok(Arc::new(
-            crate::env::scripted::ScriptedEnv::load(&tasks).map_err(|e| err(e.to_string()))?,
-        )),
-        kind => {
-            let kind = if kind == "toolcall" {
-                "tool_call"
-            } else {
-                kind
-            };
-            let options = crate::env::EnvOptions {
-                max_steps: spec.env.max_steps,
-                episode_deadline: episode_deadline(spec),
-                // GUI: as many ready browsers as sessions run at once (at most 8), so that the
-                // first wave and every replacement session start without a launch.
-                warm_browsers: (spec.env.parallelism as usize).clamp(1, 8),
-                work_root: work_root.map(Path::to_path_buf),
-                ..Default::default()
-            };
-            crate::env::build_environment(kind, &tasks, options).map_err(|e| err(e.to_string()))
-        }
-    }
+    let options = crate::env::EnvOptions {
+        max_steps: spec.env.max_steps,
+        episode_deadline: episode_deadline(spec),
+        // GUI: as many ready browsers as sessions run at once (at most 8), so that the first
+        // wave and every replacement session start without a launch.
+        warm_browsers: (spec.env.parallelism as usize).clamp(1, 8),
+        work_root: work_root.map(Path::to_path_buf),
+        ..Default::default()
+    };
+    crate::env::build_environment(spec.env.kind, &tasks, options).map_err(|e| err(e.to_string()))
 }
 
 fn episode_deadline(spec: &JobSpec) -> Duration {
@@ -246,12 +235,15 @@ fn episode_deadline(spec: &JobSpec) -> Duration {
 
 /// The step-reward formula and step prompt for the environment's kind.
 fn step_kinds(spec: &JobSpec) -> (EpisodeKind, PromptKind) {
-    let by_env = match spec.env.kind.as_str() {
-        "terminal" => (EpisodeKind::Terminal, PromptKind::StepTerminal),
-        "gui" => (EpisodeKind::Gui, PromptKind::StepGui),
-        "swe" => (EpisodeKind::Swe, PromptKind::StepSwe),
-        "tool_call" | "toolcall" => (EpisodeKind::ToolCall, PromptKind::StepToolCall),
-        _ => (EpisodeKind::General, PromptKind::StepToolCall),
+    let by_env = match (spec.kind, spec.env.kind) {
+        // A personal job's turns are a conversation with tools, outcome-free.
+        (JobKind::Personal, _) | (JobKind::Rl, EnvKind::Scripted) => {
+            (EpisodeKind::General, PromptKind::StepToolCall)
+        }
+        (JobKind::Rl, EnvKind::Terminal) => (EpisodeKind::Terminal, PromptKind::StepTerminal),
+        (JobKind::Rl, EnvKind::Gui) => (EpisodeKind::Gui, PromptKind::StepGui),
+        (JobKind::Rl, EnvKind::Swe) => (EpisodeKind::Swe, PromptKind::StepSwe),
+        (JobKind::Rl, EnvKind::ToolCall) => (EpisodeKind::ToolCall, PromptKind::StepToolCall),
     };
     (spec.method.step_reward.unwrap_or(by_env.0), by_env.1)
 }
@@ -500,9 +492,6 @@ pub(crate) fn step_records(job: ActorRef<JobMsg<TrainSample>>) -> Subscriber {
     })
 }
 
-/// Checkpoints kept under `<out>/checkpoints`.
-const KEEP_CHECKPOINTS: usize = 3;
-
 /// Runs a job to its stop condition.
 pub async fn run_job(
     spec: &JobSpec,
@@ -514,71 +503,37 @@ pub async fn run_job(
     let out = options.out.clone();
     // The run dir is this job's data: its work dirs go there rather than in the shared temp dir.
     let env = build_env_in(spec, Some(&out))?;
-
-    // The policy: tokenizer, template, and the learner's weights.
-    let ckpt_dir = spec.resolve(&spec.policy.checkpoint);
-    let device = Default::default();
-    let ck =
-        load_checkpoint::<CpuAutodiff>(&ckpt_dir, &device).map_err(|e| RunError::Checkpoint {
-            path: ckpt_dir.clone(),
-            message: e.to_string(),
-        })?;
-    let stop_ids = ck.stop_token_ids();
-    let tokenizer = Arc::new(ck.tokenizer);
-    let template = Arc::new(ck.chat_template);
-    let learner = BurnLearner::new(ck.config, ck.model, train_config(spec), device, spec.seed);
-    let model_config = learner.model_config().clone();
+    let policy = LoadedPolicy::<CpuAutodiff>::load(spec, Default::default())?;
     // Sequences get the smaller of `policy.max_context` and the checkpoint's positions; the
     // first task's prompt must fit it, or no session could ever run.
     let max_context = fit::effective_context(
         spec.policy.max_context as usize,
-        model_config.max_position_embeddings,
+        policy.model_config.max_position_embeddings,
     );
     fit::check_first_prompt(
         env.as_ref(),
-        &template,
-        &tokenizer,
+        &policy.template,
+        &policy.tokenizer,
         spec.policy.max_context as usize,
-        model_config.max_position_embeddings,
+        policy.model_config.max_position_embeddings,
         spec.seed,
     )
     .await?;
 
-    // Records.
-    let records_dir = out.join("records");
-    let (recorder, _) = Actor::spawn(None, Recorder, RecorderConfig::new(&records_dir, &job_id))
-        .await
-        .map_err(|e| RunError::Actor {
-            what: "recorder",
-            message: e.to_string(),
-        })?;
-    let rec =
-        ractor::call_t!(recorder, RecorderMsg::Handle, 10_000).map_err(|e| RunError::Actor {
-            what: "recorder",
-            message: e.to_string(),
-        })?;
-    crate::watch::scalars::tap_recorder(&rec, &out).await?;
-
     // Rollout workers (they get their first version from the trainer).
-    let p = &spec.policy;
-    let engine = EngineOptions {
-        max_batch: p.max_batch as usize,
-        max_context: p.max_context as usize,
-        prefix_cache_bytes: (p.prefix_cache_mib as usize) << 20,
-    };
     let mut replicas = Vec::new();
-    for _ in 0..p.replicas {
-        let policy = EnginePolicy::<CpuBackend>::new(
-            model_config.clone(),
-            Some(tokenizer.clone()),
-            engine,
+    for _ in 0..spec.policy.replicas {
+        let engine_policy = EnginePolicy::<CpuBackend>::new(
+            policy.model_config.clone(),
+            Some(policy.tokenizer.clone()),
+            policy.engine,
             Default::default(),
         );
         let (w, _) = Actor::spawn(
             None,
             RolloutWorker::new(),
             RolloutArgs {
-                policy: Arc::new(policy),
+                policy: Arc::new(engine_policy),
                 source: None,
                 initial: None,
             },
@@ -587,129 +542,80 @@ pub async fn run_job(
         .map_err(actor_err("rollout worker"))?;
         replicas.push(w);
     }
-    let mut subscribers: Vec<Subscriber> = replicas
+    let subscribers: Vec<Subscriber> = replicas
         .iter()
         .map(|w| rollout_subscriber(w.clone(), Delivery::Install))
         .collect();
-
-    // The OPD teacher.
-    let method = spec.method.kind;
-    let teacher = spawn_teacher(
-        spec,
-        file,
-        &model_config,
-        &template,
-        &tokenizer,
-        &mut subscribers,
-    )
-    .await?;
-
-    // The trainer.
-    let (trainer, _) = Actor::spawn(
-        None,
-        Trainer::new(),
-        TrainerArgs {
-            config: trainer_config(spec, &job_id, &out),
-            learner: learner::PolicyLearner::new(learner, KEEP_CHECKPOINTS),
-            publisher: Arc::new(LocalPublisher {
-                source: "local".into(),
-            }),
-            subscribers,
-        },
-    )
-    .await
-    .map_err(actor_err("trainer"))?;
-    wait_serving(&replicas, "rollout worker").await?;
-    if let Some(t) = &teacher {
-        wait_serving(std::slice::from_ref(t), "OPD teacher").await?;
-    }
-
-    // The judge and the method's sample builder.
-    let (judge, builder) = build_judging(spec, file, &ckpt_dir, engine, &job_id, teacher.clone())?;
-
-    // The policy sessions use.
-    let params = sampling_params(spec, stop_ids);
     let chat = policy::ChatPolicy::new(
         replicas.clone(),
-        template.clone(),
-        tokenizer.clone(),
-        params,
+        policy.template.clone(),
+        policy.tokenizer.clone(),
+        sampling_params(spec, policy.stop_ids.clone()),
         max_context,
         Duration::from_secs(600),
     );
-
-    let (job, done) = spawn_job::<TrainSample>(JobArgs {
-        job: job_id.clone(),
-        env,
-        policy: Arc::new(chat),
-        judge: Arc::new(judge),
-        builder: Arc::new(samples::SharedBuilder(Arc::new(builder))),
-        trainer: Arc::new(trainer.clone()),
-        recorder: Some(rec.clone()),
-        settings: job_settings(spec, options.poll),
-        progress: options.progress.clone(),
-        done: None,
-    })
-    .await
-    .map_err(actor_err("job supervisor"))?;
-
-    // Trainer steps go to the job's records.
-    trainer
-        .cast(TrainerMsg::Subscribe(step_records(job.clone()), None))
-        .map_err(|e| RunError::Actor {
-            what: "trainer",
-            message: e.to_string(),
-        })?;
-
-    let counts = done.await.map_err(|_| RunError::Lost)?;
-
-    // Final checkpoint, counters, shutdown (the recorder drains on stop).
-    let final_checkpoint = match ractor::call_t!(trainer, TrainerMsg::Checkpoint, 600_000) {
-        Ok(Ok(p)) => Some(p),
-        Ok(Err(e)) => {
-            tracing::warn!("final checkpoint: {e}");
-            None
-        }
-        Err(e) => {
-            tracing::warn!("final checkpoint: {e}");
-            None
+    let stop_replicas = |replicas: &[ActorRef<RolloutMsg<EnginePolicy<CpuBackend>>>]| {
+        for w in replicas {
+            w.stop(None);
         }
     };
-    let trainer_stats =
-        ractor::call_t!(trainer, TrainerMsg::Stats, 60_000).map_err(|e| RunError::Actor {
-            what: "trainer",
-            message: e.to_string(),
-        })?;
+    let publisher = Arc::new(LocalPublisher {
+        source: "local".into(),
+    });
+    let parts =
+        match JobParts::start(spec, file, &job_id, &out, policy, publisher, subscribers).await {
+            Ok(p) => p,
+            Err(e) => {
+                stop_replicas(&replicas);
+                return Err(e);
+            }
+        };
+    let spawned = match wait_serving(&replicas, "rollout worker").await {
+        Ok(()) => {
+            parts
+                .spawn_job(
+                    TurnSource::Sessions {
+                        env,
+                        policy: Arc::new(chat),
+                    },
+                    options.progress.clone(),
+                    options.poll,
+                )
+                .await
+        }
+        Err(e) => Err(e),
+    };
+    let done = match spawned {
+        Ok((_, done)) => done,
+        Err(e) => {
+            parts.abort();
+            stop_replicas(&replicas);
+            return Err(e);
+        }
+    };
+    let counts = done.await.map_err(|_| RunError::Lost)?;
+
     let mut replica_stats = Vec::new();
     for w in &replicas {
         if let Ok(s) = ractor::call_t!(w, RolloutMsg::Stats, 10_000) {
             replica_stats.push(s);
         }
     }
-    trainer.stop(None);
-    for w in &replicas {
-        w.stop(None);
-    }
-    if let Some(t) = &teacher {
-        t.stop(None);
-    }
-    let _ = rec.flush().await;
-    let records = rec.stats();
-    let _ = recorder
-        .stop_and_wait(None, Some(Duration::from_secs(60)))
-        .await;
+    let finished = parts.finish().await;
+    stop_replicas(&replicas);
+    let finished = finished?;
     let wall_s = started.elapsed().as_secs_f64();
     Ok(RunReport {
         job: job_id,
-        method: method.name().into(),
+        method: spec.method.kind.name().into(),
         turns_per_s: counts.turns as f64 / wall_s.max(1e-9),
         counts,
-        trainer: trainer_stats,
+        trainer: finished.trainer,
         replicas: replica_stats,
-        records,
-        records_dir,
+        records: finished.records,
+        records_dir: out.join("records"),
         checkpoint_dir: out.join("checkpoints"),
-        final_checkpoint,
+        final_checkpoint: finished.final_checkpoint,
         wall_s,
     })
 }

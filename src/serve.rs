@@ -41,9 +41,9 @@ impl ServedVersion {
 }
 
 /// A policy replica over the Qwen3 generation engine. Weight blobs are safetensors with Hugging
-/// Face names (any of bf16/f16/f32), as [`crate::train::learner::Learner::export_weights`]
+/// Face names (any of bf16/f16/f32), as [`crate::train::learner::BurnLearner::export_weights`]
 /// writes them; `config` must be the config they were exported under (the learner's
-/// [`model_config`](crate::train::learner::Learner::model_config)).
+/// [`model_config`](crate::train::learner::BurnLearner::model_config)).
 pub struct EnginePolicy<B: Backend = crate::CpuBackend> {
     config: Qwen3Config,
     tokenizer: Option<Arc<tokenizers::Tokenizer>>,
@@ -72,6 +72,16 @@ impl<B: Backend> EnginePolicy<B> {
     pub fn config(&self) -> &Qwen3Config {
         &self.config
     }
+
+    /// Serves `model` as `version`: its own engine, with this replica's tokenizer and options.
+    /// Both [`PolicyReplica::load`] and the gateway's starting version come this way.
+    pub fn serve_model(&self, version: u64, model: crate::model::Qwen3<B>) -> ServedVersion
+    where
+        crate::model::Qwen3<B>: Send + Sync,
+    {
+        let engine = spawn_engine(Arc::new(model), self.tokenizer.clone(), self.options);
+        ServedVersion { version, engine }
+    }
 }
 
 impl<B: Backend> PolicyReplica for EnginePolicy<B>
@@ -87,8 +97,7 @@ where
 
     fn load(&self, version: u64, weights: &[u8]) -> Result<ServedVersion, LoadError> {
         let model = model_from_safetensors::<B>(&self.config, weights, &self.device)?;
-        let engine = spawn_engine(Arc::new(model), self.tokenizer.clone(), self.options);
-        Ok(ServedVersion { version, engine })
+        Ok(self.serve_model(version, model))
     }
 
     async fn generate(

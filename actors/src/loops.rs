@@ -16,6 +16,7 @@ pub mod job;
 pub mod recorder;
 pub mod rollout;
 pub mod session;
+pub mod swap;
 pub mod trainer;
 pub mod voter;
 
@@ -37,7 +38,8 @@ pub use env::{
 pub use groups::{GroupCounts, GroupId, Groups, Settled};
 pub use job::{
     spawn_job, Built, EpisodeTurns, JobArgs, JobCounts, JobMsg, JobPhase, JobSample, JobSettings,
-    JobSupervisor, ProgressReport, SampleBuilder, StopCondition, TrainerCounts, TrainerLink,
+    JobSupervisor, ProgressReport, SampleBuilder, StopCause, StopCondition, TrainerCounts,
+    TrainerLink, TurnSource,
 };
 pub use recorder::{
     read_records, RecordFile, RecordLine, RecordTap, Recorder, RecorderConfig, RecorderHandle,
@@ -50,6 +52,7 @@ pub use session::{
     EndReason, EnvSession, PolicyError, PolicyTurn, SessionArgs, SessionEvent, SessionMsg,
     SessionReport, Turn, TurnPolicy,
 };
+pub use swap::{LoadFinished, LoadOutcome, Offer, SwapError, VersionSwap};
 pub use trainer::{
     rollout_subscriber, Delivery, ExportedWeights, Importance, ImportanceSummary, Learner,
     LocalPublisher, LogprobGap, OpdLossKind, OpdTerm, PublishFailed, RelayPublisher, SampleLimits,
@@ -102,6 +105,53 @@ pub struct WeightAnnounce {
     pub hash: String,
     /// The node to fetch the blob from when it is not already local.
     pub source: String,
+}
+
+impl WeightAnnounce {
+    /// Checks that `bytes` are the ones announced: the size first, then the content hash.
+    pub fn check(&self, bytes: &[u8]) -> Result<(), WeightMismatch> {
+        if bytes.len() as u64 != self.size {
+            return Err(WeightMismatch::Size {
+                blob: self.blob,
+                got: bytes.len() as u64,
+                announced: self.size,
+            });
+        }
+        let got = content_hash(bytes);
+        if got != self.hash {
+            return Err(WeightMismatch::Hash {
+                blob: self.blob,
+                got,
+                announced: self.hash.clone(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Why weight bytes are not the ones a [`WeightAnnounce`] names.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WeightMismatch {
+    /// The size differs.
+    #[error("blob {blob} has {got} bytes, the announcement says {announced}")]
+    Size {
+        /// The blob announced.
+        blob: BlobId,
+        /// The size of the bytes in hand.
+        got: u64,
+        /// The size announced.
+        announced: u64,
+    },
+    /// The blake3 hash differs.
+    #[error("blob {blob} hashes to blake3 {got}, the announcement says {announced:?}")]
+    Hash {
+        /// The blob announced.
+        blob: BlobId,
+        /// The hash of the bytes in hand.
+        got: String,
+        /// The hash announced.
+        announced: String,
+    },
 }
 
 /// Why the bytes of a version could not be obtained.

@@ -25,7 +25,7 @@ use clawrl::model::{
     load_checkpoint, load_model, spawn_engine, EngineOptions, GenerationRequest, Qwen3,
     SamplingParams, StreamEvent,
 };
-use clawrl::train::learner::Learner;
+use clawrl::train::learner::BurnLearner;
 use clawrl::train::{Sample, TrainConfig};
 
 /// Subcommands of the check area.
@@ -380,7 +380,7 @@ impl TrainingTask for StepParity<'_> {
 
         let (cfg, model) = load_model::<B>(self.dir, &device)
             .with_context(|| format!("loading {}", self.dir.display()))?;
-        let mut learner = Learner::new(cfg, model, train, device.clone(), 0);
+        let mut learner = BurnLearner::new(cfg, model, train, device.clone(), 0);
         let m = learner.step(&samples)?;
         if let Some(why) = &m.skipped {
             bail!("the step was skipped: {why}");
@@ -596,7 +596,7 @@ impl TrainingTask for TrainSpeed<'_> {
             batch_size: s.batch,
             ..TrainConfig::default()
         };
-        let mut learner = Learner::new(cfg, model, train, device, 0);
+        let mut learner = BurnLearner::new(cfg, model, train, device, 0);
         let r = s.new_tokens.max(1);
         let samples: Vec<Sample> = (0..s.batch)
             .map(|b| {

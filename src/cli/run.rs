@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Subcommand;
 use clawrl::job::{JobKind, JobSpec, SpecValidator, PERSONAL_ENV_KIND};
-use clawrl::pipeline::gateway_job::{run_gateway_job, GatewayJobOptions, GatewayJobReport};
+use clawrl::pipeline::gateway_job::{
+    run_gateway_job, GatewayJobOptions, GatewayJobReport, OnListening,
+};
 use clawrl::pipeline::{run_job, RunOptions, RunReport};
 use clawrl_actors::config::{JudgeAccess, NodeConfig};
 use clawrl_actors::control::{ControlReply, ControlRequest};
@@ -64,6 +66,25 @@ fn judge_access(endpoints: Vec<String>, key_envs: Vec<String>) -> JudgeAccess {
     }
 }
 
+/// What a finished job reports, by its kind.
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Report {
+    /// An `rl` job.
+    Rl(Box<RunReport>),
+    /// A `personal` job.
+    Personal(Box<GatewayJobReport>),
+}
+
+impl Report {
+    fn counts(&self) -> &JobCounts {
+        match self {
+            Report::Rl(r) => &r.counts,
+            Report::Personal(r) => &r.counts,
+        }
+    }
+}
+
 /// The JSON summary of `clawrl run --json`.
 #[derive(Serialize)]
 struct Summary<'a> {
@@ -76,7 +97,7 @@ struct Summary<'a> {
     /// Whether produced = trained + dropped_stale + failed + pending.
     balanced: bool,
     #[serde(flatten)]
-    report: &'a RunReport,
+    report: &'a Report,
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -109,10 +130,7 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
                 judge_access(allow_judge_endpoint, allow_judge_key_env),
             )?;
             let spec = JobSpec::load(&job)?;
-            match spec.kind {
-                JobKind::Rl => run_rl(spec, &job, out, json, &node),
-                JobKind::Personal => run_personal(spec, &job, out, json, &node),
-            }
+            run_embedded(spec, &job, out, json, &node)
         }
     }
 }
@@ -288,133 +306,6 @@ async fn interrupted() {
     }
 }
 
-/// The JSON summary of `clawrl run --json` for a `personal` job.
-#[derive(Serialize)]
-struct PersonalSummary<'a> {
-    control_id: &'a str,
-    spec: String,
-    out: &'a Path,
-    balanced: bool,
-    #[serde(flatten)]
-    report: &'a GatewayJobReport,
-}
-
-/// A `personal` job: the gateway serves and trains until `[stop]` or Ctrl-C.
-fn run_personal(
-    spec: JobSpec,
-    job: &Path,
-    out: Option<PathBuf>,
-    json: bool,
-    embedded: &EmbeddedNode,
-) -> anyhow::Result<()> {
-    let file = job.display().to_string();
-    embedded.check_judge(&spec, &file)?;
-    let name = spec.display_name(&file);
-    let out = run_dir(out, &name)?;
-    let spec_text = std::fs::read_to_string(job).with_context(|| format!("reading {file}"))?;
-    let node_file = out.join("node.toml");
-    let cfg = embedded.config(&node_file, &out.join("node"))?;
-    runtime()?.block_on(async move {
-        let node = Node::start(
-            &cfg,
-            NodeOptions {
-                validator: Some(Arc::new(SpecValidator)),
-                envs: vec![EnvSpec {
-                    kind: PERSONAL_ENV_KIND.into(),
-                    count: 1,
-                }],
-            },
-        )
-        .await?;
-        std::fs::write(
-            &node_file,
-            node_config_text(&node.addr().to_string(), &out.join("node"), &cfg.judge),
-        )
-        .with_context(|| format!("writing {}", node_file.display()))?;
-        let id = match control_call(&ControlRequest::Submit {
-            file: file.clone(),
-            spec: spec_text,
-        })
-        .await?
-        {
-            ControlReply::Jobs(j) if !j.is_empty() => j[0].id.clone(),
-            ControlReply::Jobs(_) => bail!("Control accepted the job but returned no record"),
-            ControlReply::Error(e) => bail!("{e}"),
-        };
-        let last_sent = Arc::new(AtomicU64::new(0));
-        let t0 = Instant::now();
-        let progress: ProgressReport = {
-            let id = id.clone();
-            Arc::new(move |c: &JobCounts| {
-                let now = t0.elapsed().as_millis() as u64;
-                let due = now.saturating_sub(last_sent.load(Ordering::Relaxed)) >= 1000;
-                if due || c.phase == JobPhase::Finished {
-                    last_sent.store(now, Ordering::Relaxed);
-                    let req = ControlRequest::Progress {
-                        id: id.clone(),
-                        counts: Box::new(c.clone()),
-                    };
-                    tokio::spawn(async move {
-                        if let Err(e) = control_call(&req).await {
-                            tracing::debug!("reporting progress to Control: {e}");
-                        }
-                    });
-                }
-            })
-        };
-        let method = spec.method.kind.name();
-        let announce_id = id.clone();
-        let on_listening: clawrl::pipeline::gateway_job::OnListening =
-            Box::new(move |addr, model| {
-                // One line on stderr in every mode, so scripts and tests can find the port.
-                eprintln!(
-                    "clawrl run: {announce_id} (method {method}) listening on http://{addr} \
-                     model={model}"
-                );
-            });
-        let result = run_gateway_job(
-            &spec,
-            &file,
-            GatewayJobOptions {
-                out: out.clone(),
-                job_id: id.clone(),
-                progress: Some(progress),
-                poll: Duration::from_millis(200),
-                on_listening: Some(on_listening),
-            },
-            interrupted(),
-        )
-        .await;
-        let report = match result {
-            Ok(r) => r,
-            Err(e) => {
-                node.shutdown().await;
-                return Err(anyhow::Error::new(e).context(format!("running job spec {file}")));
-            }
-        };
-        let _ = control_call(&ControlRequest::Progress {
-            id: id.clone(),
-            counts: Box::new(report.counts.clone()),
-        })
-        .await;
-        node.shutdown().await;
-        let balanced = report.balanced();
-        if json {
-            let s = PersonalSummary {
-                control_id: &id,
-                spec: file.clone(),
-                out: &out,
-                balanced,
-                report: &report,
-            };
-            println!("{}", serde_json::to_string_pretty(&s)?);
-        } else {
-            print_personal_table(&report, &out, balanced);
-        }
-        Ok(())
-    })
-}
-
 fn print_personal_table(r: &GatewayJobReport, out: &Path, balanced: bool) {
     let c = &r.counts;
     let t = &r.trainer;
@@ -491,7 +382,11 @@ fn print_personal_table(r: &GatewayJobReport, out: &Path, balanced: bool) {
     println!("{:-<1$}", "", w + 60);
 }
 
-fn run_rl(
+/// Runs `spec` on the embedded node: the node starts with every role under `<out>/node`, the
+/// job is submitted to its Control (which shows the counts to `clawrl status --config
+/// <out>/node.toml`), then run by its kind's runner with progress bars (hidden with `--json`)
+/// and its counts reported to Control; a summary follows.
+fn run_embedded(
     spec: JobSpec,
     job: &Path,
     out: Option<PathBuf>,
@@ -501,31 +396,27 @@ fn run_rl(
     let file = job.display().to_string();
     embedded.check_judge(&spec, &file)?;
     let name = spec.display_name(&file);
-    let out = match out {
-        Some(o) => o,
-        None => {
-            let unix = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0);
-            PathBuf::from("runs").join(format!("{name}-{unix}"))
-        }
-    };
-    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    let out = std::path::absolute(&out).with_context(|| format!("resolving {}", out.display()))?;
+    let out = run_dir(out, &name)?;
     let spec_text = std::fs::read_to_string(job).with_context(|| format!("reading {file}"))?;
     let node_file = out.join("node.toml");
     let cfg = embedded.config(&node_file, &out.join("node"))?;
+    // Members standing for the job's environment capacity, so that Control places the job.
+    let envs = vec![match spec.kind {
+        JobKind::Rl => EnvSpec {
+            kind: spec.env.kind.name().into(),
+            count: spec.env.parallelism,
+        },
+        JobKind::Personal => EnvSpec {
+            kind: PERSONAL_ENV_KIND.into(),
+            count: 1,
+        },
+    }];
     runtime()?.block_on(async move {
         let node = Node::start(
             &cfg,
             NodeOptions {
                 validator: Some(Arc::new(SpecValidator)),
-                // Members standing for the job's sessions, so that Control places the job.
-                envs: vec![EnvSpec {
-                    kind: spec.env.kind.clone(),
-                    count: spec.env.parallelism,
-                }],
+                envs,
             },
         )
         .await?;
@@ -542,68 +433,75 @@ fn run_rl(
         .await?
         {
             ControlReply::Jobs(j) if !j.is_empty() => j[0].id.clone(),
-            ControlReply::Jobs(_) => bail!("Control accepted the job but returned no record"),
-            ControlReply::Error(e) => bail!("{e}"),
+            ControlReply::Jobs(_) => {
+                node.shutdown().await;
+                bail!("Control accepted the job but returned no record")
+            }
+            ControlReply::Error(e) => {
+                node.shutdown().await;
+                bail!("{e}")
+            }
         };
         let bars = Arc::new(Bars::new(&spec, json));
-        let last_sent = Arc::new(AtomicU64::new(0));
-        let t0 = Instant::now();
-        let progress: ProgressReport = {
-            let bars = bars.clone();
-            let id = id.clone();
-            Arc::new(move |c: &JobCounts| {
-                bars.update(c);
-                // Control hears the counts about once a second, and always the final ones.
-                let now = t0.elapsed().as_millis() as u64;
-                let due = now.saturating_sub(last_sent.load(Ordering::Relaxed)) >= 1000;
-                if due || c.phase == JobPhase::Finished {
-                    last_sent.store(now, Ordering::Relaxed);
-                    let req = ControlRequest::Progress {
-                        id: id.clone(),
-                        counts: Box::new(c.clone()),
-                    };
-                    tokio::spawn(async move {
-                        if let Err(e) = control_call(&req).await {
-                            tracing::debug!("reporting progress to Control: {e}");
-                        }
-                    });
+        let progress = control_progress(&id, bars.clone());
+        let method = spec.method.kind.name();
+        let result = match spec.kind {
+            JobKind::Rl => {
+                if !json {
+                    eprintln!(
+                        "clawrl run: {id} ({name}, method {method}), records and checkpoints in {}",
+                        out.display()
+                    );
                 }
-            })
+                let options = RunOptions {
+                    out: out.clone(),
+                    job_id: id.clone(),
+                    progress: Some(progress),
+                    poll: POLL,
+                };
+                run_job(&spec, &file, options)
+                    .await
+                    .map(|r| Report::Rl(Box::new(r)))
+                    .map_err(anyhow::Error::new)
+            }
+            JobKind::Personal => {
+                let announce_id = id.clone();
+                let on_listening: OnListening = Box::new(move |addr, model| {
+                    // One line on stderr in every mode, so scripts and tests can find the port.
+                    eprintln!(
+                        "clawrl run: {announce_id} (method {method}) listening on http://{addr} \
+                         model={model}"
+                    );
+                });
+                let options = GatewayJobOptions {
+                    out: out.clone(),
+                    job_id: id.clone(),
+                    progress: Some(progress),
+                    poll: POLL,
+                    on_listening: Some(on_listening),
+                };
+                run_gateway_job(&spec, &file, options, interrupted())
+                    .await
+                    .map(|r| Report::Personal(Box::new(r)))
+                    .map_err(anyhow::Error::new)
+            }
         };
-        if !json {
-            eprintln!(
-                "clawrl run: {id} ({name}, method {}), records and checkpoints in {}",
-                spec.method.kind.name(),
-                out.display()
-            );
-        }
-        let result = run_job(
-            &spec,
-            &file,
-            RunOptions {
-                out: out.clone(),
-                job_id: id.clone(),
-                progress: Some(progress),
-                poll: Duration::from_millis(200),
-            },
-        )
-        .await;
         bars.finish();
         let report = match result {
             Ok(r) => r,
             Err(e) => {
                 node.shutdown().await;
-                return Err(anyhow::Error::new(e).context(format!("running job spec {file}")));
+                return Err(e.context(format!("running job spec {file}")));
             }
         };
         // Control keeps the final counts.
         let _ = control_call(&ControlRequest::Progress {
             id: id.clone(),
-            counts: Box::new(report.counts.clone()),
+            counts: Box::new(report.counts().clone()),
         })
         .await;
         node.shutdown().await;
-        let balanced = report.trainer.balanced();
+        let balanced = report.counts().balanced();
         if json {
             let s = Summary {
                 control_id: &id,
@@ -614,12 +512,43 @@ fn run_rl(
             };
             println!("{}", serde_json::to_string_pretty(&s)?);
         } else {
-            print_table(&report, &out, balanced);
+            match &report {
+                Report::Rl(r) => print_table(r, &out, balanced),
+                Report::Personal(r) => print_personal_table(r, &out, balanced),
+            }
         }
-        if let Some(why) = &report.counts.gave_up {
+        if let Some(why) = &report.counts().gave_up {
             bail!("job {id} ({file}) gave up: {why}");
         }
         Ok(())
+    })
+}
+
+/// How often a running job's counts are polled.
+const POLL: Duration = Duration::from_millis(200);
+
+/// The progress report of a job on the embedded node: the bars, and Control about once a
+/// second (always the final counts).
+fn control_progress(id: &str, bars: Arc<Bars>) -> ProgressReport {
+    let id = id.to_string();
+    let last_sent = Arc::new(AtomicU64::new(0));
+    let t0 = Instant::now();
+    Arc::new(move |c: &JobCounts| {
+        bars.update(c);
+        let now = t0.elapsed().as_millis() as u64;
+        let due = now.saturating_sub(last_sent.load(Ordering::Relaxed)) >= 1000;
+        if due || c.phase == JobPhase::Finished {
+            last_sent.store(now, Ordering::Relaxed);
+            let req = ControlRequest::Progress {
+                id: id.clone(),
+                counts: Box::new(c.clone()),
+            };
+            tokio::spawn(async move {
+                if let Err(e) = control_call(&req).await {
+                    tracing::debug!("reporting progress to Control: {e}");
+                }
+            });
+        }
     })
 }
 

@@ -16,7 +16,7 @@ use rand::seq::SliceRandom;
 use clawrl::device::{take_device_key, Device, TrainingTask};
 use clawrl::model::{load_adapter, load_checkpoint, save_adapter, save_checkpoint_dir};
 use clawrl::model::{LoraConfig, LoraWeights};
-use clawrl::train::learner::{Learner, StepMetrics};
+use clawrl::train::learner::{BurnLearner, StepMetrics};
 use clawrl::train::samples::read_samples;
 use clawrl::train::TrainConfig;
 
@@ -261,7 +261,7 @@ fn train_offline_on<B: AutodiffBackend>(
         "training offline"
     );
     let batch_size = train.batch_size;
-    let mut learner = Learner::new(ckpt.config.clone(), ckpt.model, train, device, seed);
+    let mut learner = BurnLearner::new(ckpt.config.clone(), ckpt.model, train, device, seed);
     let mut skipped = 0usize;
     for _ in 0..epochs {
         if shuffle {

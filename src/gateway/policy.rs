@@ -3,13 +3,18 @@
 //!
 //! Each version is its own generation engine ([`crate::model::engine`]: one scheduler thread
 //! over that version's weights; the gateway streams tokens through
-//! [`EngineHandle::submit_streaming`]). A request takes an `Arc` of the version current when it
+//! [`EngineHandle::submit_streaming`](crate::model::engine::EngineHandle::submit_streaming)),
+//! loaded and started by the same [`EnginePolicy`] the rollout worker serves, so a version is
+//! built one way wherever it is served. A request takes an `Arc` of the version current when it
 //! arrives ([`GatewayPolicy::current`]) and finishes on it. [`GatewayPolicy::install`] loads a
 //! new version's safetensors on a blocking thread beside the serving one, and only then makes it
 //! current: requests never wait for a load and never see a missing model, so there is no 503
 //! during an update. The old engine finishes the sequences it runs and stops when its last
 //! request lets go of it. Versions never go backwards: an install not newer than the serving
 //! version is refused ([`InstallError::Stale`]); installs run one at a time, in arrival order.
+//! Which version to load and when to swap is the rule the rollout worker follows too
+//! ([`VersionSwap`]); since installs are serialized here, it never has a load running when
+//! asked, so it answers load or stale.
 //!
 //! The training pipeline installs either directly ([`GatewayPolicy::install`], or
 //! [`GatewayPolicy::install_announced`] with a [`WeightAnnounce`] whose size and hash are
@@ -22,29 +27,14 @@ use std::sync::{Arc, Mutex, RwLock};
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use bytes::Bytes;
-use clawrl_actors::loops::{content_hash, Subscriber, TrainerEvent, WeightAnnounce};
+use clawrl_actors::loops::{
+    Offer, PolicyReplica, Subscriber, TrainerEvent, VersionSwap, WeightAnnounce,
+};
 
-use crate::model::engine::{spawn_engine, EngineHandle, EngineOptions};
+use crate::model::engine::EngineOptions;
 use crate::model::qwen3::Qwen3;
-use crate::model::{model_from_safetensors, LoadError, Qwen3Config};
-
-/// One served weight version.
-pub struct ServingVersion {
-    version: u64,
-    engine: EngineHandle,
-}
-
-impl ServingVersion {
-    /// The weight version.
-    pub fn version(&self) -> u64 {
-        self.version
-    }
-
-    /// The engine generating with it.
-    pub fn engine(&self) -> &EngineHandle {
-        &self.engine
-    }
-}
+use crate::model::{LoadError, Qwen3Config};
+use crate::serve::{EnginePolicy, ServedVersion};
 
 /// Why a weight version was not installed; the serving version is unchanged in every case.
 #[derive(Debug, thiserror::Error)]
@@ -101,13 +91,15 @@ pub struct PolicyStats {
     pub last_install_s: f64,
 }
 
-type Loader = dyn Fn(&[u8]) -> Result<EngineHandle, LoadError> + Send + Sync;
+type Loader = dyn Fn(u64, &[u8]) -> Result<ServedVersion, LoadError> + Send + Sync;
 
 struct Inner {
-    current: RwLock<Arc<ServingVersion>>,
+    current: RwLock<Arc<ServedVersion>>,
     /// Serializes installs (one load at a time, checked against the version served after the
     /// previous one switched).
     installing: tokio::sync::Mutex<()>,
+    /// The version rule; changed only while `installing` is held.
+    swap: Mutex<VersionSwap>,
     loader: Box<Loader>,
     switches: AtomicU64,
     stale: AtomicU64,
@@ -126,7 +118,7 @@ pub struct GatewayPolicy {
 
 impl GatewayPolicy {
     /// Serves `model` as `version`. Installed blobs are read with `update_config` (the config the
-    /// learner exports under: [`crate::train::learner::Learner::model_config`]) on the device
+    /// learner exports under: [`crate::train::learner::BurnLearner::model_config`]) on the device
     /// `model` lives on; every version's engine uses `tokenizer` (for stop strings) and
     /// `options`.
     pub fn new<B: Backend>(
@@ -141,15 +133,14 @@ impl GatewayPolicy {
         B::Device: Send + Sync,
     {
         let device = model.devices().into_iter().next().unwrap_or_default();
-        let engine = spawn_engine(Arc::new(model), tokenizer.clone(), options);
-        let loader = move |bytes: &[u8]| -> Result<EngineHandle, LoadError> {
-            let model = model_from_safetensors::<B>(&update_config, bytes, &device)?;
-            Ok(spawn_engine(Arc::new(model), tokenizer.clone(), options))
-        };
+        let replica = EnginePolicy::<B>::new(update_config, tokenizer, options, device);
+        let serving = replica.serve_model(version, model);
+        let loader = move |version: u64, bytes: &[u8]| replica.load(version, bytes);
         GatewayPolicy {
             inner: Arc::new(Inner {
-                current: RwLock::new(Arc::new(ServingVersion { version, engine })),
+                current: RwLock::new(Arc::new(serving)),
                 installing: tokio::sync::Mutex::new(()),
+                swap: Mutex::new(VersionSwap::new(Some(version))),
                 loader: Box::new(loader),
                 switches: AtomicU64::new(0),
                 stale: AtomicU64::new(0),
@@ -161,7 +152,7 @@ impl GatewayPolicy {
     }
 
     /// The version a request arriving now runs on (hold the `Arc` until the request is done).
-    pub fn current(&self) -> Arc<ServingVersion> {
+    pub fn current(&self) -> Arc<ServedVersion> {
         self.inner
             .current
             .read()
@@ -171,7 +162,7 @@ impl GatewayPolicy {
 
     /// The version new requests run on.
     pub fn version(&self) -> u64 {
-        self.current().version
+        self.current().version()
     }
 
     /// Loads `weights` (safetensors, Hugging Face names) as `version` beside the serving version
@@ -185,15 +176,27 @@ impl GatewayPolicy {
         let weights: Bytes = weights.into();
         let _one_at_a_time = self.inner.installing.lock().await;
         let started = std::time::Instant::now();
-        let serving = self.version();
-        if version <= serving {
-            self.inner.stale.fetch_add(1, Ordering::Relaxed);
-            return Err(InstallError::Stale { version, serving });
+        match self.swap().offer(version) {
+            Offer::Load => {}
+            Offer::Stale { newest } => {
+                self.inner.stale.fetch_add(1, Ordering::Relaxed);
+                return Err(InstallError::Stale {
+                    version,
+                    serving: newest,
+                });
+            }
+            // `installing` is held, so the previous install has finished its load.
+            Offer::Queue { .. } => unreachable!("gateway installs run one at a time"),
         }
         let inner = self.inner.clone();
-        let loaded = tokio::task::spawn_blocking(move || (inner.loader)(&weights)).await;
-        let engine = match loaded {
-            Ok(Ok(engine)) => engine,
+        let loaded = tokio::task::spawn_blocking(move || (inner.loader)(version, &weights)).await;
+        let finished = self.swap().finish(version, matches!(loaded, Ok(Ok(_))));
+        debug_assert!(
+            finished.as_ref().is_ok_and(|f| f.next.is_none()),
+            "{finished:?}"
+        );
+        let new = match loaded {
+            Ok(Ok(served)) => Arc::new(served),
             Ok(Err(source)) => return Err(self.failed(InstallError::Load { version, source })),
             Err(e) => {
                 return Err(self.failed(InstallError::Task {
@@ -202,7 +205,6 @@ impl GatewayPolicy {
                 }))
             }
         };
-        let new = Arc::new(ServingVersion { version, engine });
         let old = std::mem::replace(
             &mut *self
                 .inner
@@ -229,17 +231,10 @@ impl GatewayPolicy {
         bytes: Bytes,
     ) -> Result<u64, InstallError> {
         let version = announce.version;
-        if bytes.len() as u64 != announce.size {
+        if let Err(e) = announce.check(&bytes) {
             return Err(self.failed(InstallError::Corrupt {
                 version,
-                reason: format!("{} bytes, {} announced", bytes.len(), announce.size),
-            }));
-        }
-        let hash = content_hash(&bytes);
-        if hash != announce.hash {
-            return Err(self.failed(InstallError::Corrupt {
-                version,
-                reason: format!("blake3 {hash}, {} announced", announce.hash),
+                reason: e.to_string(),
             }));
         }
         self.install(version, bytes).await
@@ -271,6 +266,10 @@ impl GatewayPolicy {
             } => tx.send((announce.clone(), bytes.clone())).is_ok(),
             _ => true,
         })
+    }
+
+    fn swap(&self) -> std::sync::MutexGuard<'_, VersionSwap> {
+        self.inner.swap.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn failed(&self, e: InstallError) -> InstallError {

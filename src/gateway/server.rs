@@ -39,7 +39,7 @@ use super::infer::Transcript;
 use super::listen::{serve_http1, ConnectionLimits};
 use super::logprobs::TokenBytes;
 use super::metrics::Metrics;
-use super::policy::{GatewayPolicy, ServingVersion};
+use super::policy::GatewayPolicy;
 use super::reasoning::{split_reasoning, Part, ReasoningSplitter};
 use super::session::{
     Admission, Finished, Inferred, Scope, SessionTable, SessionsFull, TurnEnd, TurnType,
@@ -55,6 +55,7 @@ use crate::model::qwen3::Qwen3;
 use crate::model::sampling::{RawLogprobs, SamplingParams};
 use crate::model::tool_call::ToolCall;
 use crate::model::Checkpoint;
+use crate::serve::ServedVersion;
 use crate::watch::dashboard::{self, DashboardSource};
 
 /// The gateway could not start.
@@ -151,7 +152,10 @@ impl Gateway {
                 prefix_cache_bytes: cfg.prefix_cache_mib << 20,
             },
         );
-        let (sink, writer) = TurnSink::start(&cfg.data_dir, cfg.record_queue)?;
+        // Turns a crash left waiting for their next state are recorded as lost, unless last turns
+        // are dropped (a dropped one has no complete record either).
+        let reconcile = cfg.on_session_end == super::session::EndPolicy::Keep;
+        let (sink, writer) = TurnSink::start(&cfg.data_dir, cfg.record_queue, reconcile)?;
         let state = AppState {
             model_name: cfg
                 .model_name
@@ -628,6 +632,18 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
             "counter",
             "Times the record queue was full and serving waited.",
             ld(&sk.queue_full),
+        ),
+        (
+            "clawrl_gateway_journal_torn_lines_cut_total",
+            "counter",
+            "Torn last lines (a crash mid-write) cut from the turn journals at start.",
+            ld(&sk.torn_lines_cut),
+        ),
+        (
+            "clawrl_gateway_turns_lost_by_crash_total",
+            "counter",
+            "Answered turns found at start never completed (a crash took them while they waited for their next state), recorded as lost.",
+            ld(&sk.lost_by_crash),
         ),
         (
             "clawrl_gateway_record_write_errors_total",
@@ -1769,7 +1785,7 @@ fn usage(prompt: usize, completion: usize, cached: usize) -> Json_ {
 async fn complete_response(
     s: &AppState,
     p: Prepared,
-    served: Arc<ServingVersion>,
+    served: Arc<ServedVersion>,
     mut rx: mpsc::UnboundedReceiver<StreamEvent>,
     first: StreamEvent,
     id: String,
@@ -1828,7 +1844,7 @@ async fn complete_response(
 fn stream_response(
     s: Arc<AppState>,
     p: Prepared,
-    served: Arc<ServingVersion>,
+    served: Arc<ServedVersion>,
     mut rx: mpsc::UnboundedReceiver<StreamEvent>,
     first: StreamEvent,
     id: String,

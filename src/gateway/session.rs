@@ -94,6 +94,9 @@ pub enum TurnEnd {
     /// The client left before the answer was whole: recorded as far as it went, never
     /// trained on.
     Abandoned,
+    /// The process serving it stopped (a crash) while it waited for its next state: recorded
+    /// from the served journal by the next start, never trained on.
+    Lost,
 }
 
 /// Whose sessions: the API key a request authenticated with, as its index among the gateway's

@@ -8,6 +8,15 @@
 //! written and flushed at once (a killed process loses nothing written), and the files are
 //! fsynced at most one second after a write (a lost machine loses at most that second). Files
 //! are created 0600.
+//!
+//! At start the sink repairs what a crash left ([`TurnSink::start`]): a torn last line (a write
+//! cut short) is cut from every journal, logged and counted in [`SinkStats::torn_lines_cut`];
+//! then every answered turn in the served journal without its complete record (it waited for
+//! its next state when the process died) is appended to the turn file as it was answered, with
+//! `end` [`TurnEnd::Lost`], and counted in [`SinkStats::lost_by_crash`], so what the crash lost
+//! is in the books once (the next start finds it paired). With `on_session_end = "drop"` a
+//! dropped last turn has no complete record either, so the two cannot be told apart: then only
+//! torn lines are repaired.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -91,6 +100,11 @@ pub struct SinkStats {
     pub queue_full: AtomicU64,
     /// Write errors.
     pub write_errors: AtomicU64,
+    /// Torn last lines (left by a crash) cut from the journals at start.
+    pub torn_lines_cut: AtomicU64,
+    /// Answered turns found at start without their complete record (a crash took them while
+    /// they waited for their next state), recorded with end [`TurnEnd::Lost`].
+    pub lost_by_crash: AtomicU64,
 }
 
 /// What the writer is handed.
@@ -119,12 +133,14 @@ pub struct TurnSink {
 }
 
 impl TurnSink {
-    /// Starts the writer thread over `dir` with a queue of `capacity` records. The thread ends
-    /// (after writing everything queued) when every handle is dropped; join the returned handle
-    /// to wait for that.
+    /// Starts the writer thread over `dir` with a queue of `capacity` records, after repairing
+    /// what a crash left there (torn lines; with `reconcile`, answered turns never completed:
+    /// see the module doc). The thread ends (after writing everything queued) when every handle
+    /// is dropped; join the returned handle to wait for that.
     pub fn start(
         dir: &Path,
         capacity: usize,
+        reconcile: bool,
     ) -> Result<(Self, std::thread::JoinHandle<()>), SinkError> {
         std::fs::create_dir_all(dir).map_err(|e| SinkError::DataDir {
             path: dir.to_path_buf(),
@@ -132,6 +148,7 @@ impl TurnSink {
         })?;
         let (tx, rx) = mpsc::channel(capacity.max(1));
         let stats = Arc::new(SinkStats::default());
+        recover(dir, reconcile, &stats);
         let s2 = stats.clone();
         let d2 = dir.to_path_buf();
         let join = std::thread::Builder::new()
@@ -210,6 +227,162 @@ fn file_for(dir: &Path, journal: Journal, version: u64) -> PathBuf {
         Journal::Served => "served",
     };
     dir.join(format!("{prefix}-v{version}.jsonl"))
+}
+
+/// The journals in `dir`: which, their version, their path.
+fn journals(dir: &Path) -> std::io::Result<Vec<(Journal, u64, PathBuf)>> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(stem) = name.strip_suffix(".jsonl") else {
+            continue;
+        };
+        let (journal, v) = if let Some(v) = stem.strip_prefix("turns-v") {
+            (Journal::Turns, v)
+        } else if let Some(v) = stem.strip_prefix("served-v") {
+            (Journal::Served, v)
+        } else {
+            continue;
+        };
+        if let (Ok(v), true) = (v.parse(), entry.file_type()?.is_file()) {
+            out.push((journal, v, entry.path()));
+        }
+    }
+    Ok(out)
+}
+
+/// What pairs an answered turn with its complete record: the fields both copies share.
+fn turn_key(r: &TurnRecord) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (
+        &r.session_id,
+        r.version,
+        r.created,
+        &r.prompt_ids,
+        &r.response_ids,
+    )
+        .hash(&mut h);
+    h.finish()
+}
+
+/// The records of a journal (every line must parse: torn tails are cut first).
+fn read_journal(path: &Path) -> Result<Vec<TurnRecord>, String> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(format!("reading {}: {e}", path.display())),
+    };
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str(l).map_err(|e| format!("{}:{}: {e}", path.display(), i + 1))
+        })
+        .collect()
+}
+
+/// Repairs `dir` at start: cuts torn tails, then (with `reconcile`) appends every answered turn
+/// that has no complete record to its turn file with end [`TurnEnd::Lost`]. Counted in `stats`.
+fn recover(dir: &Path, reconcile: bool, stats: &SinkStats) {
+    use std::os::unix::fs::OpenOptionsExt;
+
+    let files = match journals(dir) {
+        Ok(f) => f,
+        Err(e) => {
+            tracing::error!(dir = %dir.display(), error = %e, "cannot list the turn journals");
+            return;
+        }
+    };
+    for (_, _, path) in &files {
+        let cut = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .and_then(|mut f| clawrl_actors::loops::recorder::cut_torn_tail(&mut f));
+        match cut {
+            Ok(0) => {}
+            Ok(n) => {
+                tracing::warn!(path = %path.display(), "a torn last line (a crash mid-write): cut its last {n} bytes");
+                stats.torn_lines_cut.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                tracing::error!(path = %path.display(), error = %e, "cannot check the last line");
+                stats.write_errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    if !reconcile {
+        return;
+    }
+    let versions: std::collections::BTreeSet<u64> = files
+        .iter()
+        .filter(|(j, _, _)| *j == Journal::Served)
+        .map(|(_, v, _)| *v)
+        .collect();
+    for v in versions {
+        let turns_path = file_for(dir, Journal::Turns, v);
+        let (served, done) = match (
+            read_journal(&file_for(dir, Journal::Served, v)),
+            read_journal(&turns_path),
+        ) {
+            (Ok(s), Ok(d)) => (s, d),
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::error!(error = %e, "cannot pair answered turns with complete ones");
+                stats.write_errors.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+        };
+        let mut complete: std::collections::HashMap<u64, usize> = Default::default();
+        for r in &done {
+            *complete.entry(turn_key(r)).or_default() += 1;
+        }
+        let lost: Vec<TurnRecord> = served
+            .into_iter()
+            .filter(|r| match complete.get_mut(&turn_key(r)) {
+                Some(n) if *n > 0 => {
+                    *n -= 1;
+                    false
+                }
+                _ => true,
+            })
+            .collect();
+        if lost.is_empty() {
+            continue;
+        }
+        let written = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(&turns_path)
+            .and_then(|f| {
+                let mut w = std::io::BufWriter::new(f);
+                for mut r in lost.iter().cloned() {
+                    r.end = Some(TurnEnd::Lost);
+                    let line = serde_json::to_string(&r).expect("records serialize");
+                    writeln!(w, "{line}")?;
+                }
+                w.flush()?;
+                w.get_ref().sync_data()
+            });
+        match written {
+            Ok(()) => {
+                tracing::warn!(
+                    path = %turns_path.display(),
+                    "{} answered turns were never completed (the process stopped while they waited for their next state): recorded as lost",
+                    lost.len()
+                );
+                stats
+                    .lost_by_crash
+                    .fetch_add(lost.len() as u64, Ordering::Relaxed);
+            }
+            Err(e) => {
+                tracing::error!(path = %turns_path.display(), error = %e, "cannot record the lost turns");
+                stats.write_errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
 }
 
 /// An open journal file, and whether it holds writes not yet fsynced.
@@ -305,5 +478,105 @@ fn writer(dir: PathBuf, mut rx: mpsc::Receiver<Item>, stats: Arc<SinkStats>) {
         if let Err(e) = open.file.get_ref().sync_data() {
             tracing::error!(version = v, error = %e, "cannot fsync turn file");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(session: &str, created: u64, ids: &[u32]) -> TurnRecord {
+        TurnRecord {
+            session_id: session.into(),
+            version: 2,
+            model: "m".into(),
+            messages: minijinja::Value::from_serialize(
+                serde_json::json!([{"role": "user", "content": "hi"}]),
+            ),
+            tools: None,
+            template_kwargs: Default::default(),
+            prompt_text: "hi".into(),
+            prompt_ids: vec![1, 2],
+            response_ids: ids.to_vec(),
+            logprobs: vec![-0.5; ids.len()],
+            response: serde_json::json!({"role": "assistant", "content": "x"}),
+            finish_reason: "stop".into(),
+            created,
+            next_state: None,
+            next_messages: Vec::new(),
+            end: None,
+        }
+    }
+
+    fn lines(path: &Path) -> Vec<TurnRecord> {
+        read_journal(path).unwrap()
+    }
+
+    /// A crash left three answered turns, one of them complete, and a torn line in the turn
+    /// file: the next start cuts the torn line and records the other two as lost, counted;
+    /// the start after finds them paired.
+    #[test]
+    fn a_start_records_answered_turns_a_crash_left_incomplete_as_lost_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b, c) = (
+            record("a", 1, &[5, 6]),
+            record("b", 1, &[7]),
+            record("a", 2, &[5, 6]),
+        );
+        let served: String = [&a, &b, &c]
+            .iter()
+            .map(|r| serde_json::to_string(r).unwrap() + "\n")
+            .collect();
+        std::fs::write(dir.path().join("served-v2.jsonl"), served).unwrap();
+        let mut done = a.clone();
+        done.next_state = Some(serde_json::json!({"role": "user", "content": "thanks"}));
+        done.end = Some(TurnEnd::NextState);
+        let turns = dir.path().join("turns-v2.jsonl");
+        std::fs::write(
+            &turns,
+            serde_json::to_string(&done).unwrap() + "\n{\"session_id\":\"b\",\"ver",
+        )
+        .unwrap();
+
+        let stats = SinkStats::default();
+        recover(dir.path(), true, &stats);
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        assert_eq!(
+            (load(&stats.torn_lines_cut), load(&stats.lost_by_crash)),
+            (1, 2)
+        );
+        let got = lines(&turns);
+        assert_eq!(got.len(), 3);
+        assert_eq!(got[0], done);
+        for (r, want) in got[1..].iter().zip([&b, &c]) {
+            assert_eq!(r.end, Some(TurnEnd::Lost));
+            assert_eq!(
+                (&r.session_id, r.created, &r.response_ids),
+                (&want.session_id, want.created, &want.response_ids)
+            );
+        }
+
+        let again = SinkStats::default();
+        recover(dir.path(), true, &again);
+        assert_eq!(
+            (load(&again.torn_lines_cut), load(&again.lost_by_crash)),
+            (0, 0)
+        );
+        assert_eq!(lines(&turns).len(), 3);
+    }
+
+    /// Without reconciling (dropped last turns have no complete record either) only torn lines
+    /// are repaired.
+    #[test]
+    fn without_reconciling_only_torn_lines_are_cut() {
+        let dir = tempfile::tempdir().unwrap();
+        let served = serde_json::to_string(&record("a", 1, &[5])).unwrap() + "\n{\"sess";
+        std::fs::write(dir.path().join("served-v2.jsonl"), served).unwrap();
+        let stats = SinkStats::default();
+        recover(dir.path(), false, &stats);
+        assert_eq!(stats.torn_lines_cut.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.lost_by_crash.load(Ordering::Relaxed), 0);
+        assert!(!dir.path().join("turns-v2.jsonl").exists());
+        assert_eq!(lines(&dir.path().join("served-v2.jsonl")).len(), 1);
     }
 }

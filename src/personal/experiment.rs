@@ -48,7 +48,7 @@ use crate::model::{
     EngineOptions, GenerationRequest, GenerationResult, LoadError, Qwen3, SamplingParams,
 };
 use crate::rl::{binary_samples, opd_advantages, AdvantageError, BinaryTurn};
-use crate::train::learner::{Learner, StepError};
+use crate::train::learner::{BurnLearner, StepError};
 use crate::train::{Sample, TrainConfig};
 use crate::watch::scalars::{JudgedPoint, ScalarWriter, StepPoint};
 use clawrl_actors::loops::Action;
@@ -695,7 +695,8 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
             batch_size: x.batch_size,
             ..TrainConfig::default()
         };
-        let mut learner: Learner = Learner::new(cfg, model, train, Default::default(), x.seed);
+        let mut learner: BurnLearner =
+            BurnLearner::new(cfg, model, train, Default::default(), x.seed);
         // Each method's scalars are a TensorBoard run of their own: `tb/<method>/`.
         let tb_dir = crate::watch::scalars::tb_dir(run_dir).join(method.name());
         let mut tb =

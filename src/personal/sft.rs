@@ -5,7 +5,7 @@
 //! the chat template, and `sft.json` describing the run), cached under a key that is the hash of
 //! the settings: a second run with the same settings reuses the directory.
 //!
-//! Training goes through the project's [`Learner`] (exact AdamW, gradient-norm clip): with every
+//! Training goes through the project's [`BurnLearner`] (exact AdamW, gradient-norm clip): with every
 //! advantage `1`, no KL term and old log-probs equal to the current ones, the gradient of the
 //! docs/design.md §1 loss is exactly that of the mean token negative log-likelihood, so one learner step
 //! is one supervised step.
@@ -23,7 +23,7 @@ use thiserror::Error;
 use super::corpus::{sft_example, SftExample};
 use super::tokenizer::{build_tokenizer, tokenizer_files, TokenizerError, CHAT_TEMPLATE, IM_END};
 use crate::model::{save_checkpoint_dir, ChatError, ChatTemplate, Qwen3, Qwen3Config, SaveError};
-use crate::train::learner::{Learner, StepError};
+use crate::train::learner::{BurnLearner, StepError};
 use crate::train::{Sample, TrainConfig};
 
 /// Bumped whenever the corpus, tokenizer or training recipe changes, so old caches are not
@@ -315,13 +315,14 @@ pub fn warm_start(
         ..TrainConfig::default()
     };
     let model = seeded_init(&cfg, settings.seed);
-    let mut learner: Learner = Learner::new(cfg, model, train, Default::default(), settings.seed);
+    let mut learner: BurnLearner =
+        BurnLearner::new(cfg, model, train, Default::default(), settings.seed);
     let mut rng = ChaCha8Rng::seed_from_u64(settings.seed ^ 0x5f7_c0de);
     let mut probe_rng = ChaCha8Rng::seed_from_u64(settings.seed ^ 0x9e37);
     let probe: Vec<Sample> = (0..64)
         .map(|_| encoder.sample(&sft_example(settings.instruct_rate, &mut probe_rng)))
         .collect::<Result<_, _>>()?;
-    let nll = |learner: &Learner| -> Result<f64, SftError> {
+    let nll = |learner: &BurnLearner| -> Result<f64, SftError> {
         let lps = learner
             .logprobs(&probe)
             .map_err(|source| SftError::Step { step: 0, source })?;

@@ -1,55 +1,45 @@
 //! The `personal` job kind: the OpenAI-compatible gateway ([`crate::gateway`]) serves the policy,
 //! and the conversations it records train it, live (docs/design.md §4).
 //!
-//! [`run_gateway_job`] builds, from the spec: the learner inside the `Trainer` actor (as
-//! [`super::run_job`]: checkpoints and resume under `<out>/checkpoints`), the gateway over the
-//! same checkpoint with [`GatewayPolicy::trainer_subscriber`] registered on the trainer (every
-//! published version is installed while serving, never paused), the judge
-//! ([`super::judge::PipelineJudge`]), the sample builder of the method
-//! ([`super::samples::MethodBuilder`], with the OPD teacher when the method needs one) and the
-//! job's `Recorder` (`<out>/records`). Every completed main turn the gateway records (next state
-//! arrived, or a session's last turn at `X-Session-Done` / idle timeout / shutdown, per the
-//! gateway's `on_session_end`) is handed over by [`crate::gateway::Gateway::tap_turns`], judged,
-//! built into samples as a one-turn episode and cast to the trainer. Side turns are never
-//! recorded by the gateway, so never trained on. The job stops at `[stop]` (`max_steps`,
-//! `max_samples`, `max_hours`) or when `shutdown` resolves (Ctrl-C); then the gateway stops
-//! (its open sessions end and their last turns are judged), every turn in hand is finished, the
-//! trainer's step in flight completes and a final checkpoint is written.
+//! [`run_gateway_job`] is a job like any other ([`super::parts`]: recorder, teacher, trainer and
+//! the job supervisor with the judge and the method's sample builder), whose serving side is the
+//! gateway over the same checkpoint (every version the trainer publishes is installed while
+//! serving, never paused) and whose turns are offered to the supervisor
+//! ([`TurnSource::Offered`]): every completed main turn the gateway records (next state arrived,
+//! or a session's last turn at `X-Session-Done` / idle timeout / shutdown, per the gateway's
+//! `on_session_end`) comes from [`crate::gateway::Gateway::tap_turns`] as a one-turn episode,
+//! and is judged, built and trained on there, with the counts and stop rules of every job. Side
+//! turns are never recorded by the gateway, so never trained on; the gateway's turn files hold
+//! the full turns (the job's records pair a short `turn` record with each `judge` record). The job stops at `[stop]` (`max_steps`, `max_samples`, `max_hours`)
+//! or when `shutdown` resolves (Ctrl-C); then the gateway stops (its open sessions end and their
+//! last turns are offered), every turn in hand is finished, the trainer's step in flight
+//! completes and a final checkpoint is written.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use clawrl_actors::loops::{
-    Action, EndReason, EpisodeTurns, JobCounts, JobPhase, JobSample, JudgedTurn, Judgement,
-    LocalPublisher, Observation, PolicyTurn, ProgressReport, Recorder, RecorderConfig,
-    RecorderHandle, RecorderMsg, RecorderStats, SampleBuilder, StepOutcome, Subscriber,
-    ToolCallAction, Trainer, TrainerArgs, TrainerEvent, TrainerLink, TrainerMsg, TrainerStats,
-    Turn, TurnJudge,
+    Action, JobCounts, JobMsg, JobPhase, LocalPublisher, Observation, PolicyTurn, ProgressReport,
+    RecorderStats, StepOutcome, StopCause, ToolCallAction, TrainerStats, Turn, TurnSource,
 };
-use ractor::{Actor, ActorRef};
 use serde::Serialize;
 use serde_json::Value;
 
-use super::{
-    actor_err, build_judge, samples, train_config, trainer_config, wait_serving, RunError,
-    KEEP_CHECKPOINTS,
-};
+use super::parts::{JobParts, LoadedPolicy};
+use super::RunError;
 #[cfg(feature = "cuda")]
 use crate::device::CudaAutodiff;
 use crate::device::{Device, DeviceError};
 use crate::gateway::{Gateway, GatewayConfig, GatewayError, PolicyStats, TurnEnd, TurnRecord};
 use crate::job::{JobKind, JobSpec};
-use crate::judge::PromptKind;
+use crate::model::load_checkpoint;
 use crate::model::Qwen3;
-use crate::model::{load_checkpoint, EngineOptions};
-use crate::rl::{AdvantageWeights, EpisodeKind};
-use crate::train::learner::Learner as BurnLearner;
 use crate::CpuAutodiff;
 
 /// The task id the gateway's one-turn episodes carry.
@@ -262,143 +252,6 @@ fn served_action(response: &Value, raw: String) -> Action {
     }
 }
 
-#[derive(Default)]
-struct Counters {
-    turns: AtomicU64,
-    with_next_state: AtomicU64,
-    judged: AtomicU64,
-    unjudged: AtomicU64,
-    votes_failed: AtomicU64,
-    votes_truncated: AtomicU64,
-    built: AtomicU64,
-    build_errors: AtomicU64,
-    submitted: AtomicU64,
-    refused: AtomicU64,
-    records_failed: AtomicU64,
-    sessions: Mutex<HashSet<String>>,
-    last_error: Mutex<Option<String>>,
-}
-
-impl Counters {
-    fn error(&self, e: String) {
-        tracing::error!("personal job: {e}");
-        *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-    }
-
-    fn snapshot(&self, phase: JobPhase, started: Instant, rec: &RecorderHandle) -> JobCounts {
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let r = rec.stats();
-        JobCounts {
-            phase,
-            elapsed_ms: started.elapsed().as_millis() as u64,
-            sessions_started: self
-                .sessions
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .len() as u64,
-            turns: l(&self.turns),
-            judged: l(&self.judged),
-            unjudged: l(&self.unjudged),
-            votes_failed: l(&self.votes_failed),
-            votes_truncated: l(&self.votes_truncated),
-            episodes_built: l(&self.built),
-            build_errors: l(&self.build_errors),
-            samples_submitted: l(&self.submitted),
-            samples_refused: l(&self.refused),
-            records_written: r.written,
-            records_waited: r.waited_full,
-            records_failed: l(&self.records_failed),
-            last_error: self
-                .last_error
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone(),
-            ..JobCounts::default()
-        }
-    }
-}
-
-struct Ctx {
-    judge: super::judge::PipelineJudge,
-    builder: samples::SharedBuilder,
-    trainer: ActorRef<TrainerMsg>,
-    rec: RecorderHandle,
-    counters: Counters,
-    judge_timeout: Duration,
-}
-
-impl Ctx {
-    async fn record(&self, version: u64, kind: &str, value: &Value) {
-        if let Err(e) = self.rec.record(version, kind, value).await {
-            self.counters.records_failed.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!("personal job: {kind} record not written: {e}");
-        }
-    }
-
-    /// Judges one turn, builds its samples and hands them to the trainer.
-    async fn handle(&self, turn: Turn) {
-        let c = &self.counters;
-        let judgement =
-            match tokio::time::timeout(self.judge_timeout, self.judge.judge(&turn)).await {
-                Ok(Ok(j)) => j,
-                Ok(Err(e)) => Judgement::unjudged(&turn, e),
-                Err(_) => Judgement::unjudged(&turn, "the judge timed out"),
-            };
-        if judgement.unjudged.is_some() {
-            c.unjudged.fetch_add(1, Ordering::Relaxed);
-        } else {
-            c.judged.fetch_add(1, Ordering::Relaxed);
-        }
-        c.votes_failed
-            .fetch_add(judgement.failed_votes.into(), Ordering::Relaxed);
-        c.votes_truncated
-            .fetch_add(judgement.truncated_votes.into(), Ordering::Relaxed);
-        let episode = EpisodeTurns {
-            session_id: turn.session_id.clone(),
-            task_id: GATEWAY_TASK.into(),
-            group: None,
-            reason: EndReason::Done { outcome: None },
-            turns: vec![JudgedTurn { turn, judgement }],
-        };
-        let episodes = Arc::new(vec![episode]);
-        let teacher = match self.builder.build(episodes.clone()).await {
-            Ok(built) => {
-                c.built.fetch_add(1, Ordering::Relaxed);
-                for s in &built.samples {
-                    self.record(s.version(), "sample", &s.record()).await;
-                }
-                let n = built.samples.len() as u64;
-                if n > 0 {
-                    match self.trainer.submit(built.samples) {
-                        Ok(()) => {
-                            c.submitted.fetch_add(n, Ordering::Relaxed);
-                        }
-                        Err(e) => {
-                            c.refused.fetch_add(n, Ordering::Relaxed);
-                            c.error(format!("the trainer refused {n} samples: {e}"));
-                        }
-                    }
-                }
-                built.teacher_versions
-            }
-            Err(e) => {
-                c.build_errors.fetch_add(1, Ordering::Relaxed);
-                c.error(format!("building samples: {e}"));
-                HashMap::new()
-            }
-        };
-        let jt = &episodes[0].turns[0];
-        let mut record = jt.judgement.record.clone();
-        if let (Some(v), Some(obj)) = (
-            teacher.get(&(jt.turn.session_id.clone(), jt.turn.turn)),
-            record.as_object_mut(),
-        ) {
-            obj.insert("teacher_version".into(), (*v).into());
-        }
-        self.record(jt.turn.policy.version, "judge", &record).await;
-    }
-}
-
 /// Runs a `personal` job until its stop condition or `shutdown`, on `[policy] device`.
 pub async fn run_gateway_job(
     spec: &JobSpec,
@@ -441,32 +294,21 @@ where
     let started = Instant::now();
     let job_id = options.job_id.clone();
     let out = options.out.clone();
-    let method = spec.method.kind;
-
-    // The learner's copy of the policy.
-    let ckpt_dir = spec.resolve(&spec.policy.checkpoint);
-    let ck_err = |e: crate::model::LoadError| RunError::Checkpoint {
-        path: ckpt_dir.clone(),
-        message: e.to_string(),
-    };
-    let ck = load_checkpoint::<AB>(&ckpt_dir, &device).map_err(ck_err)?;
-    let tokenizer = Arc::new(ck.tokenizer);
-    let template = Arc::new(ck.chat_template);
-    let learner = BurnLearner::new(
-        ck.config,
-        ck.model,
-        train_config(spec),
-        device.clone(),
-        spec.seed,
-    );
-    let model_config = learner.model_config().clone();
+    let policy = LoadedPolicy::<AB>::load(spec, device.clone())?;
+    let tokenizer = policy.tokenizer.clone();
 
     // The gateway's copy, serving version 0 until the trainer publishes.
     let cfg = gateway_config(spec, &out);
     let turns_dir = cfg.data_dir.clone();
     let listen = cfg.listen;
-    let serve_ck = load_checkpoint::<AB::InnerBackend>(&ckpt_dir, &device).map_err(ck_err)?;
-    let default_name = ckpt_dir
+    let serve_ck = load_checkpoint::<AB::InnerBackend>(&policy.ckpt_dir, &device).map_err(|e| {
+        RunError::Checkpoint {
+            path: policy.ckpt_dir.clone(),
+            message: e.to_string(),
+        }
+    })?;
+    let default_name = policy
+        .ckpt_dir
         .canonicalize()
         .ok()
         .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
@@ -479,100 +321,55 @@ where
         .tap_turns(record_queue)
         .expect("a new gateway is not tapped");
 
-    // Records.
-    let records_dir = out.join("records");
-    let (recorder, _) = Actor::spawn(None, Recorder, RecorderConfig::new(&records_dir, &job_id))
-        .await
-        .map_err(actor_err("recorder"))?;
-    let rec =
-        ractor::call_t!(recorder, RecorderMsg::Handle, 10_000).map_err(actor_err("recorder"))?;
-    crate::watch::scalars::tap_recorder(&rec, &out)
-        .await
-        .map_err(RunError::from)?;
-
-    // The OPD teacher.
-    let engine = EngineOptions {
-        max_batch: spec.policy.max_batch as usize,
-        max_context: spec.policy.max_context as usize,
-        prefix_cache_bytes: (spec.policy.prefix_cache_mib as usize) << 20,
-    };
-    let mut subscribers: Vec<Subscriber> = vec![gateway_policy.trainer_subscriber()];
-    let teacher = super::spawn_teacher(
-        spec,
-        file,
-        &model_config,
-        &template,
-        &tokenizer,
-        &mut subscribers,
-    )
-    .await?;
-
-    // The trainer; its steps go to the records.
-    let (trainer, _) = Actor::spawn(
-        None,
-        Trainer::new(),
-        TrainerArgs {
-            config: trainer_config(spec, &job_id, &out),
-            learner: super::learner::PolicyLearner::new(learner, KEEP_CHECKPOINTS),
-            publisher: Arc::new(LocalPublisher {
-                source: "local".into(),
-            }),
-            subscribers,
-        },
-    )
-    .await
-    .map_err(actor_err("trainer"))?;
-    let steps_rec = rec.clone();
-    let steps: Subscriber = Arc::new(move |ev: &TrainerEvent| {
-        if let TrainerEvent::Step(e) = ev {
-            if let Err(err) = steps_rec.try_record(e.version, "trainer_step", e) {
-                tracing::warn!("trainer_step record not written: {err}");
-            }
+    // The trainer installs every version it publishes into the gateway while it serves.
+    let publisher = Arc::new(LocalPublisher {
+        source: "local".into(),
+    });
+    let subscribers = vec![gateway_policy.trainer_subscriber()];
+    let parts = JobParts::start(spec, file, &job_id, &out, policy, publisher, subscribers).await?;
+    let listener = match tokio::net::TcpListener::bind(listen).await {
+        Ok(l) => l,
+        Err(source) => {
+            parts.abort();
+            return Err(GatewayJobError::Bind {
+                addr: listen,
+                source,
+            });
         }
-        true
-    });
-    trainer
-        .cast(TrainerMsg::Subscribe(steps, None))
-        .map_err(actor_err("trainer"))?;
-    if let Some(t) = &teacher {
-        wait_serving(std::slice::from_ref(t), "OPD teacher").await?;
-    }
+    };
+    let addr = match listener.local_addr() {
+        Ok(a) => a,
+        Err(source) => {
+            parts.abort();
+            return Err(GatewayJobError::Bind {
+                addr: listen,
+                source,
+            });
+        }
+    };
 
-    // The judge and the method.
-    let judge = build_judge(spec, file, &ckpt_dir, engine, PromptKind::StepToolCall)?;
-    let builder = samples::MethodBuilder::new(
-        job_id.clone(),
-        method,
-        AdvantageWeights {
-            w_binary: spec.method.w_binary as f32,
-            w_opd: spec.method.w_opd as f32,
-        },
-        teacher.clone(),
-        EpisodeKind::General,
-    )
-    .map_err(RunError::Judge)?;
-    let ctx = Arc::new(Ctx {
-        judge,
-        builder: samples::SharedBuilder(Arc::new(builder)),
-        trainer: trainer.clone(),
-        rec: rec.clone(),
-        counters: Counters::default(),
-        judge_timeout: Duration::from_secs_f64(spec.judge.timeout_s),
+    // The job supervisor takes the gateway's completed main turns; the caller's progress
+    // report also tells this task when the supervisor stops taking new work.
+    let (phase_tx, mut phase_rx) = tokio::sync::watch::channel(JobPhase::Running);
+    let caller = options.progress.clone();
+    let progress: ProgressReport = Arc::new(move |c: &JobCounts| {
+        phase_tx.send_replace(c.phase);
+        if let Some(p) = &caller {
+            p(c);
+        }
     });
+    let (job, done) = match parts
+        .spawn_job(TurnSource::Offered, Some(progress), options.poll)
+        .await
+    {
+        Ok(j) => j,
+        Err(e) => {
+            parts.abort();
+            return Err(e.into());
+        }
+    };
 
     // Serve.
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .map_err(|source| GatewayJobError::Bind {
-            addr: listen,
-            source,
-        })?;
-    let addr = listener
-        .local_addr()
-        .map_err(|source| GatewayJobError::Bind {
-            addr: listen,
-            source,
-        })?;
     gateway.dashboard_run(&out);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(gateway.serve(listener, async move {
@@ -582,145 +379,85 @@ where
         f(addr, &model);
     }
 
-    // Completed main turns → judge → samples → trainer, `judge.concurrency` at once.
+    // Completed main turns → the supervisor (judged, built, trained on there), in the order
+    // the gateway completed them; each session's turns are numbered from 0.
+    let with_next_state = Arc::new(AtomicU64::new(0));
     let consumer = {
-        let ctx = ctx.clone();
-        let tokenizer = tokenizer.clone();
-        let limit = Arc::new(tokio::sync::Semaphore::new(
-            spec.judge.concurrency.max(1) as usize
-        ));
+        let job = job.clone();
+        let with_next_state = with_next_state.clone();
         tokio::spawn(async move {
             let mut index: HashMap<String, u32> = HashMap::new();
-            let mut tasks = tokio::task::JoinSet::new();
             while let Some(rec) = tap.recv().await {
-                let c = &ctx.counters;
-                c.turns.fetch_add(1, Ordering::Relaxed);
                 if rec.next_state.is_some() {
-                    c.with_next_state.fetch_add(1, Ordering::Relaxed);
+                    with_next_state.fetch_add(1, Ordering::Relaxed);
                 }
-                c.sessions
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(rec.session_id.clone());
                 let i = index.entry(rec.session_id.clone()).or_insert(0);
                 let turn = turn_of(&rec, *i, &tokenizer);
                 *i += 1;
-                let permit = limit.clone().acquire_owned().await.expect("never closed");
-                let ctx = ctx.clone();
-                tasks.spawn(async move {
-                    ctx.handle(turn).await;
-                    drop(permit);
-                });
-                while tasks.try_join_next().is_some() {}
+                if let Err(e) = job.cast(JobMsg::Offer(Box::new(turn))) {
+                    tracing::error!("personal job: a served turn could not reach the job: {e}");
+                }
             }
-            while tasks.join_next().await.is_some() {}
         })
     };
 
-    // Wait for the stop condition or the shutdown signal.
-    let stop = &spec.stop;
-    let max_duration = stop.max_hours.map(|h| Duration::from_secs_f64(h * 3600.0));
+    // Serve until the supervisor's stop condition or the shutdown signal.
     tokio::pin!(shutdown);
-    let stopped_by = loop {
-        tokio::select! {
-            _ = &mut shutdown => break "interrupted",
-            _ = tokio::time::sleep(options.poll) => {}
+    let interrupted = tokio::select! {
+        _ = &mut shutdown => {
+            let _ = job.cast(JobMsg::Stop);
+            true
         }
-        let mut counts = ctx.counters.snapshot(JobPhase::Running, started, &rec);
-        match trainer.counts().await {
-            Ok(t) => counts.trainer = t,
-            Err(e) => ctx.counters.error(e),
-        }
-        if let Some(p) = &options.progress {
-            p(&counts);
-        }
-        if stop.max_steps.is_some_and(|m| counts.trainer.steps >= m) {
-            break "max_steps";
-        }
-        if stop
-            .max_samples
-            .is_some_and(|m| counts.samples_submitted >= m)
-        {
-            break "max_samples";
-        }
-        if max_duration.is_some_and(|d| started.elapsed() >= d) {
-            break "max_hours";
-        }
+        _ = phase_rx.wait_for(|p| *p != JobPhase::Running) => false,
     };
 
-    // Drain: stop serving (open sessions end, their last turns come through the tap), finish
-    // every turn in hand, let the step in flight complete, checkpoint.
-    if let Some(p) = &options.progress {
-        let mut c = ctx.counters.snapshot(JobPhase::Draining, started, &rec);
-        if let Ok(t) = trainer.counts().await {
-            c.trainer = t;
-        }
-        p(&c);
-    }
+    // Drain: stop serving (open sessions end and their last turns come through the tap), hand
+    // every turn in hand to the supervisor, then tell it no more come; it finishes judging and
+    // building, and waits for the trainer's step in flight.
     let _ = stop_tx.send(());
+    let mut errors = Vec::new();
     match server.await {
         Ok(Ok(())) => {}
-        Ok(Err(e)) => ctx.counters.error(format!("the gateway stopped: {e}")),
-        Err(e) => ctx.counters.error(format!("the gateway task failed: {e}")),
+        Ok(Err(e)) => errors.push(format!("the gateway stopped: {e}")),
+        Err(e) => errors.push(format!("the gateway task failed: {e}")),
     }
     if let Err(e) = consumer.await {
-        ctx.counters.error(format!("the turn consumer failed: {e}"));
+        errors.push(format!("the turn consumer failed: {e}"));
     }
-    if let Err(e) = ractor::call_t!(trainer, TrainerMsg::Idle, 600_000) {
-        ctx.counters.error(format!("waiting for the trainer: {e}"));
-    }
-    let final_checkpoint = match ractor::call_t!(trainer, TrainerMsg::Checkpoint, 600_000) {
-        Ok(Ok(p)) => Some(p),
-        Ok(Err(e)) => {
-            tracing::warn!("final checkpoint: {e}");
-            None
-        }
-        Err(e) => {
-            tracing::warn!("final checkpoint: {e}");
-            None
-        }
-    };
-    let trainer_stats =
-        ractor::call_t!(trainer, TrainerMsg::Stats, 60_000).map_err(actor_err("trainer"))?;
+    let _ = job.cast(JobMsg::SourceClosed);
+    let counts = done.await.map_err(|_| RunError::Lost);
+    let finished = parts.finish().await;
     // Versions published at the very end reach the gateway's policy handle too.
     let gateway_stats = gateway_policy.stats();
-    trainer.stop(None);
-    if let Some(t) = &teacher {
-        t.stop(None);
+    let mut counts = counts?;
+    let finished = finished?;
+    for e in errors {
+        tracing::error!("personal job: {e}");
+        counts.last_error = Some(e);
     }
-    let _ = rec.flush().await;
-    let records = rec.stats();
-    let mut counts = ctx.counters.snapshot(JobPhase::Finished, started, &rec);
-    counts.trainer = clawrl_actors::loops::TrainerCounts {
-        produced: trainer_stats.produced,
-        trained: trainer_stats.trained,
-        dropped_stale: trainer_stats.dropped_stale,
-        failed: trainer_stats.failed,
-        pending: trainer_stats.pending,
-        version: trainer_stats.version,
-        steps: trainer_stats.steps,
-    };
-    counts.records_written = records.written;
-    let _ = recorder
-        .stop_and_wait(None, Some(Duration::from_secs(60)))
-        .await;
+    counts.records_written = finished.records.written;
     if let Some(p) = &options.progress {
         p(&counts);
     }
+    let stopped_by = match counts.stopped_by {
+        Some(StopCause::Requested) if interrupted => "interrupted",
+        Some(cause) => cause.name(),
+        None => "unknown",
+    };
     Ok(GatewayJobReport {
         job: job_id,
-        method: method.name().into(),
+        method: spec.method.kind.name().into(),
         addr: addr.to_string(),
         model,
         stopped_by: stopped_by.into(),
-        turns_with_next_state: ctx.counters.with_next_state.load(Ordering::Relaxed),
+        turns_with_next_state: with_next_state.load(Ordering::Relaxed),
         counts,
-        trainer: trainer_stats,
+        trainer: finished.trainer,
         gateway: gateway_stats,
-        records,
-        records_dir,
+        records: finished.records,
+        records_dir: out.join("records"),
         turns_dir,
-        final_checkpoint,
+        final_checkpoint: finished.final_checkpoint,
         wall_s: started.elapsed().as_secs_f64(),
     })
 }

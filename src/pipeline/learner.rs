@@ -1,6 +1,6 @@
 //! The Qwen3 learner behind the job's [`Trainer`](clawrl_actors::loops::Trainer): it implements
 //! the actors crate's [`Learner`](clawrl_actors::loops::Learner) trait over
-//! [`crate::train::learner::Learner`] (optimizer steps of the docs/design.md §1 objective, versioned
+//! [`crate::train::learner::BurnLearner`] (optimizer steps of the docs/design.md §1 objective, versioned
 //! safetensors export, atomic checkpoints under [`crate::train::checkpoint`]).
 //!
 //! Truncated importance weights (the trainer's staleness mode `importance`) are computed here:
@@ -8,7 +8,7 @@
 //! the sample's rollout log-probs ([`crate::rl::staleness::truncated_importance_weights`]). They
 //! multiply the token's policy-gradient term; since `w ≥ 0` that is exactly the unweighted term
 //! with advantage `w_k·A_k` ([`crate::train::loss::policy_loss_weighted`] documents and tests the
-//! identity), which is how they reach [`crate::train::learner::Learner::step`]. The KL term is
+//! identity), which is how they reach [`crate::train::learner::BurnLearner::step`]. The KL term is
 //! not weighted, nor is an OPD term of the top-k form (a loss of its own, not an advantage).
 //!
 //! Replicas must load the exported weights with [`PolicyLearner::model_config`] (the learner's
@@ -19,14 +19,13 @@ use std::path::{Path, PathBuf};
 use burn::tensor::backend::AutodiffBackend;
 use bytes::Bytes;
 use clawrl_actors::loops::{
-    ExportedWeights, Importance, ImportanceSummary, Learner as TrainerLearner, SampleLimits,
-    StepReport, TrainSample,
+    ExportedWeights, Importance, ImportanceSummary, Learner, SampleLimits, StepReport, TrainSample,
 };
 
 use crate::model::{Qwen3Config, SaveError};
 use crate::rl::staleness::{truncated_importance_weights, StalenessError};
 use crate::train::checkpoint::{self, CheckpointError};
-use crate::train::learner::{Learner, StepError};
+use crate::train::learner::{BurnLearner, StepError};
 use crate::train::Sample;
 
 /// Why a learner operation failed.
@@ -80,7 +79,7 @@ pub enum PolicyLearnerError {
 
 /// The trainer's learner over the Qwen3 policy (CPU by default).
 pub struct PolicyLearner<B: AutodiffBackend = crate::CpuAutodiff> {
-    inner: Learner<B>,
+    inner: BurnLearner<B>,
     keep_checkpoints: usize,
 }
 
@@ -95,7 +94,7 @@ impl<B: AutodiffBackend> std::fmt::Debug for PolicyLearner<B> {
 
 impl<B: AutodiffBackend> PolicyLearner<B> {
     /// Wraps `inner`; checkpoints beyond the newest `keep_checkpoints` are removed (0 keeps all).
-    pub fn new(inner: Learner<B>, keep_checkpoints: usize) -> Self {
+    pub fn new(inner: BurnLearner<B>, keep_checkpoints: usize) -> Self {
         PolicyLearner {
             inner,
             keep_checkpoints,
@@ -103,7 +102,7 @@ impl<B: AutodiffBackend> PolicyLearner<B> {
     }
 
     /// The learner.
-    pub fn inner(&self) -> &Learner<B> {
+    pub fn inner(&self) -> &BurnLearner<B> {
         &self.inner
     }
 
@@ -185,9 +184,9 @@ impl<B: AutodiffBackend> PolicyLearner<B> {
     }
 }
 
-impl<B: AutodiffBackend> TrainerLearner for PolicyLearner<B>
+impl<B: AutodiffBackend> Learner for PolicyLearner<B>
 where
-    Learner<B>: Send + 'static,
+    BurnLearner<B>: Send + 'static,
 {
     type Error = PolicyLearnerError;
 
@@ -262,7 +261,7 @@ where
                 to,
             });
         }
-        self.inner = Learner::from_parts(
+        self.inner = BurnLearner::from_parts(
             l.model_config().clone(),
             l.policy().clone(),
             l.reference().cloned(),

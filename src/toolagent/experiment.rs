@@ -53,7 +53,7 @@ use crate::model::{
 };
 use crate::pipeline::policy::action_of;
 use crate::rl::{Aggregation, EpisodeKind};
-use crate::train::learner::{Learner, StepError};
+use crate::train::learner::{BurnLearner, StepError};
 use crate::train::{Sample, TrainConfig};
 use crate::watch::scalars::{JudgedPoint, ScalarWriter, StepPoint};
 use clawrl_actors::loops::{Environment, Episode};
@@ -765,7 +765,8 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
             batch_size: x.tasks_per_update * x.group_size,
             ..TrainConfig::default()
         };
-        let mut learner: Learner = Learner::new(cfg, model, train_cfg, Default::default(), x.seed);
+        let mut learner: BurnLearner =
+            BurnLearner::new(cfg, model, train_cfg, Default::default(), x.seed);
         // Each arm's scalars are a TensorBoard run of their own: `tb/<arm>/`.
         let tb_dir = crate::watch::scalars::tb_dir(run_dir).join(arm_name(mode));
         let mut tb =

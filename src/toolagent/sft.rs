@@ -31,7 +31,7 @@ use super::tokenizer::{
     build_tokenizer, chat_template, continuation_ids, tokenizer_files, TokenizerError, IM_END,
 };
 use crate::model::{save_checkpoint_dir, ChatError, ChatTemplate, Qwen3Config, SaveError};
-use crate::train::learner::{Learner, StepError};
+use crate::train::learner::{BurnLearner, StepError};
 use crate::train::{Sample, TrainConfig};
 
 /// The constant the per-token weight `L / 32` divides by (see the module doc).
@@ -324,8 +324,8 @@ pub fn warm_start(
         ..TrainConfig::default()
     };
     let model = crate::personal::sft::seeded_init(&cfg, settings.seed);
-    let mut learner: Learner =
-        Learner::new(cfg, model, train_cfg, Default::default(), settings.seed);
+    let mut learner: BurnLearner =
+        BurnLearner::new(cfg, model, train_cfg, Default::default(), settings.seed);
     let mut rng = ChaCha8Rng::seed_from_u64(settings.seed ^ 0x70_01a6);
     let mut probe_rng = ChaCha8Rng::seed_from_u64(settings.seed ^ 0x9e37);
     let draw = |rng: &mut ChaCha8Rng| -> Result<Sample, SftError> {
@@ -335,7 +335,7 @@ pub fn warm_start(
     let probe: Vec<Sample> = (0..32)
         .map(|_| draw(&mut probe_rng))
         .collect::<Result<_, _>>()?;
-    let nll = |learner: &Learner| -> Result<f64, SftError> {
+    let nll = |learner: &BurnLearner| -> Result<f64, SftError> {
         let lps = learner
             .logprobs(&probe)
             .map_err(|source| SftError::Step { step: 0, source })?;

@@ -1,4 +1,4 @@
-//! Learner checkpoints: weights, the reference model (when the KL term is on), AdamW's moments,
+//! BurnLearner checkpoints: weights, the reference model (when the KL term is on), AdamW's moments,
 //! the weight version, the step count, the training config and the RNG state, so that a resumed
 //! run's next step equals the uninterrupted run's.
 //!
@@ -29,7 +29,7 @@ use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
 use super::config::TrainConfig;
-use super::learner::Learner;
+use super::learner::BurnLearner;
 use super::optim::{AdamW, MomentsData};
 use crate::model::{model_from_safetensors, model_to_safetensors, Qwen3, Qwen3Config};
 
@@ -241,7 +241,7 @@ fn optimizer_from_bytes(
 /// `root/latest` at it; returns the checkpoint's directory. Older checkpoints beyond the newest
 /// `keep` are removed (`keep` of 0 keeps everything).
 pub fn save<B: AutodiffBackend>(
-    learner: &Learner<B>,
+    learner: &BurnLearner<B>,
     root: &Path,
     keep: usize,
 ) -> Result<PathBuf, CheckpointError> {
@@ -339,7 +339,7 @@ fn load_weights<B: burn::tensor::backend::Backend>(
 pub fn restore<B: AutodiffBackend>(
     dir: &Path,
     device: &B::Device,
-) -> Result<Learner<B>, CheckpointError> {
+) -> Result<BurnLearner<B>, CheckpointError> {
     let cfg_path = dir.join("config.json");
     let cfg_text =
         String::from_utf8(read(&cfg_path)?).map_err(|e| invalid(&cfg_path, e.to_string()))?;
@@ -371,7 +371,7 @@ pub fn restore<B: AutodiffBackend>(
     let moments = optimizer_from_bytes(&opt_path, &read(&opt_path)?)?;
     let mut optim = AdamW::new(super::learner::adamw_params(&state.train));
     optim.import_state(moments, device);
-    Ok(Learner::from_parts(
+    Ok(BurnLearner::from_parts(
         cfg,
         policy,
         reference,

@@ -1,6 +1,6 @@
 //! The learner: owns the policy (differentiable), AdamW's state, and a frozen reference model
-//! when the KL term is on. [`Learner::step`] runs one optimizer step of the docs/design.md §1 objective on
-//! a batch of samples; [`Learner::export_weights`] hands out the current weights as one
+//! when the KL term is on. [`BurnLearner::step`] runs one optimizer step of the docs/design.md §1 objective on
+//! a batch of samples; [`BurnLearner::export_weights`] hands out the current weights as one
 //! safetensors blob under Hugging Face names, tagged with a version that grows by one per applied
 //! step.
 
@@ -68,7 +68,7 @@ pub enum StepError {
 
 pub use clawrl_actors::loops::LogprobGap;
 
-/// What one call to [`Learner::step`] did.
+/// What one call to [`BurnLearner::step`] did.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct StepMetrics {
     /// Optimizer steps applied so far, this one included when applied.
@@ -116,7 +116,7 @@ pub struct VersionedWeights {
 }
 
 /// The learner. `B` is the autodiff backend (default: CPU).
-pub struct Learner<B: AutodiffBackend = crate::CpuAutodiff> {
+pub struct BurnLearner<B: AutodiffBackend = crate::CpuAutodiff> {
     model_config: Qwen3Config,
     train: TrainConfig,
     policy: Qwen3<B>,
@@ -128,9 +128,9 @@ pub struct Learner<B: AutodiffBackend = crate::CpuAutodiff> {
     rng: ChaCha8Rng,
 }
 
-impl<B: AutodiffBackend> std::fmt::Debug for Learner<B> {
+impl<B: AutodiffBackend> std::fmt::Debug for BurnLearner<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Learner")
+        f.debug_struct("BurnLearner")
             .field("train", &self.train)
             .field("version", &self.version)
             .field("steps", &self.steps)
@@ -150,7 +150,7 @@ pub(crate) fn adamw_params(t: &TrainConfig) -> AdamWParams {
 
 /// The learner computes in float32 whatever dtype the checkpoint was stored in, exactly as a
 /// float32 PyTorch model does: the config it keeps (and writes into checkpoints, and hands to
-/// replicas through [`Learner::model_config`]) declares `float32`, and the RoPE inverse
+/// replicas through [`BurnLearner::model_config`]) declares `float32`, and the RoPE inverse
 /// frequencies are the unrounded float32 ones. (`transformers` rounds that buffer to the
 /// checkpoint dtype only when the model is loaded in that dtype; the reference training step of
 /// `train_step_expected.json` runs in float32 and uses the unrounded buffer.)
@@ -173,7 +173,7 @@ pub fn float32_config(cfg: &Qwen3Config) -> Qwen3Config {
     cfg
 }
 
-impl<B: AutodiffBackend> Learner<B> {
+impl<B: AutodiffBackend> BurnLearner<B> {
     /// A learner starting from `policy` at version 0. When `train.kl_coef > 0`, a frozen copy of
     /// `policy` becomes the reference model. `seed` seeds the learner's RNG. The model is used
     /// in float32 (see [`float32_config`]).
@@ -314,7 +314,7 @@ impl<B: AutodiffBackend> Learner<B> {
         Ok(Some(layout.gather(&to_vec(lp))))
     }
 
-    /// One optimizer step on `samples` (one batch). See [`Learner::step_padded`].
+    /// One optimizer step on `samples` (one batch). See [`BurnLearner::step_padded`].
     pub fn step(&mut self, samples: &[Sample]) -> Result<StepMetrics, StepError> {
         self.step_padded(samples, None)
     }

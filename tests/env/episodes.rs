@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use clawrl::env::terminal::{TerminalEnv, TerminalTask};
 use clawrl::env::tool_call::ToolCallEnv;
-use clawrl::env::{build_environment, EnvOptions};
+use clawrl::env::{build_environment, EnvKind, EnvOptions};
 use clawrl_actors::loops::{Action, EnvError, Environment, StepOutcome, ToolCallAction};
 use serde_json::{json, Value};
 
@@ -145,7 +145,7 @@ async fn terminal_fixture_tasks_pass_when_solved_and_fail_when_not() {
 async fn terminal_observation_and_conversation() {
     let root = tempfile::tempdir().unwrap();
     let env = build_environment(
-        "terminal",
+        EnvKind::Terminal,
         &fixture("terminal.jsonl"),
         EnvOptions {
             observation_bytes: 256,
@@ -485,18 +485,22 @@ fn build_environment_knows_every_kind_and_names_bad_input() {
         ("tool_call", fixture("tool_call.jsonl"), 6, 17),
         ("swe", fixture("swe"), 5, 20),
     ] {
-        let env = build_environment(kind, &path, options(root.path())).unwrap();
+        let env = build_environment(kind.parse().unwrap(), &path, options(root.path())).unwrap();
         assert_eq!(env.kind(), kind);
         assert_eq!(env.task_count(), count, "{kind}");
         assert_eq!(env.max_steps(), steps, "{kind}");
     }
-    let e = build_environment("terminal", &fixture("missing.jsonl"), options(root.path()))
-        .err()
-        .unwrap();
+    let e = build_environment(
+        EnvKind::Terminal,
+        &fixture("missing.jsonl"),
+        options(root.path()),
+    )
+    .err()
+    .unwrap();
     assert!(e.to_string().contains("missing.jsonl"), "{e}");
     // A tool-call file given to the terminal kind: the first line names the missing key.
     let e = build_environment(
-        "terminal",
+        EnvKind::Terminal,
         &fixture("tool_call.jsonl"),
         options(root.path()),
     )
@@ -504,8 +508,6 @@ fn build_environment_knows_every_kind_and_names_bad_input() {
     .unwrap();
     let text = e.to_string();
     assert!(text.contains("tool_call.jsonl:1:"), "{text}");
-    let e = build_environment("browser", &fixture("terminal.jsonl"), options(root.path()))
-        .err()
-        .unwrap();
+    let e = "browser".parse::<EnvKind>().unwrap_err();
     assert!(e.to_string().contains("`browser`"), "{e}");
 }

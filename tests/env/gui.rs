@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clawrl::env::gui::{GuiEnv, GuiTask};
-use clawrl::env::{build_environment, EnvBuildError, EnvOptions};
+use clawrl::env::{build_environment, EnvBuildError, EnvKind, EnvOptions};
 use clawrl_actors::loops::{Action, EnvError, Environment, Episode, StepOutcome, ToolCallAction};
 use serde_json::{json, Value};
 
@@ -634,7 +634,7 @@ async fn deadline_fails_the_episode() {
 fn build_environment_knows_gui_and_names_bad_input() {
     let root = tempfile::tempdir().unwrap();
     let env = built(build_environment(
-        "gui",
+        EnvKind::Gui,
         &fixture("tasks.jsonl"),
         options(root.path()),
     ));
@@ -642,9 +642,13 @@ fn build_environment_knows_gui_and_names_bad_input() {
     assert_eq!(env.task_count(), 7);
     assert_eq!(env.max_steps(), 30);
     // A terminal task file given to the gui kind: the first line names the missing key.
-    let e = build_environment("gui", &fixture("../terminal.jsonl"), options(root.path()))
-        .err()
-        .unwrap();
+    let e = build_environment(
+        EnvKind::Gui,
+        &fixture("../terminal.jsonl"),
+        options(root.path()),
+    )
+    .err()
+    .unwrap();
     let text = e.to_string();
     assert!(text.contains("terminal.jsonl:1:"), "{text}");
     assert!(
@@ -653,7 +657,7 @@ fn build_environment_knows_gui_and_names_bad_input() {
     );
     // More ready browsers than may be alive at once.
     let e = build_environment(
-        "gui",
+        EnvKind::Gui,
         &fixture("tasks.jsonl"),
         EnvOptions {
             warm_browsers: 5,

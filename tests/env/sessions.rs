@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use clawrl::env::{build_environment, EnvOptions};
+use clawrl::env::{build_environment, EnvKind, EnvOptions};
 use clawrl_actors::loops::{
     Action, BoxFuture, EndReason, EnvSession, Observation, PolicyError, PolicyTurn, SessionArgs,
     SessionEvent, ToolCallAction, TurnPolicy,
@@ -74,7 +74,7 @@ async fn many_concurrent_terminal_sessions_all_finish_with_success() {
     let tasks =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/env/terminal.jsonl");
     let env = build_environment(
-        "terminal",
+        EnvKind::Terminal,
         &tasks,
         EnvOptions {
             work_root: Some(root.path().to_path_buf()),

@@ -23,7 +23,7 @@ use clawrl::model::checkpoint::{load_tokenizer_files, TokenizerFiles};
 use clawrl::model::{save_checkpoint_dir, ChatTemplate, Qwen3Config};
 use clawrl::pipeline::fit::FitError;
 use clawrl::pipeline::{run_job, RunError, RunOptions, RunReport};
-use clawrl::train::learner::Learner;
+use clawrl::train::learner::BurnLearner;
 use clawrl::train::{Sample, TrainConfig};
 use serde_json::Value;
 
@@ -52,7 +52,7 @@ fn tokenizer_files(template: Option<&str>) -> TokenizerFiles {
     files
 }
 
-fn learner(positions: usize, lr: f64) -> Learner {
+fn learner(positions: usize, lr: f64) -> BurnLearner {
     let cfg = config(positions);
     let model = clawrl::personal::sft::seeded_init(&cfg, 11);
     let train = TrainConfig {
@@ -62,10 +62,10 @@ fn learner(positions: usize, lr: f64) -> Learner {
         batch_size: 1,
         ..TrainConfig::default()
     };
-    Learner::new(cfg, model, train, Default::default(), 11)
+    BurnLearner::new(cfg, model, train, Default::default(), 11)
 }
 
-fn save(learner: &Learner, dir: &Path, files: &TokenizerFiles) {
+fn save(learner: &BurnLearner, dir: &Path, files: &TokenizerFiles) {
     save_checkpoint_dir(
         dir,
         learner.model_config(),
@@ -402,7 +402,9 @@ async fn tuned_policy(dir: &Path, tasks: &Path) -> PathBuf {
     .unwrap();
     let (tokenizer, _, _) = load_tokenizer_files(Path::new(FIXTURE)).unwrap();
     // The first observation exactly as the job's sessions will see it.
-    let env = clawrl::env::build_environment("terminal", tasks, Default::default()).unwrap();
+    let env =
+        clawrl::env::build_environment(clawrl::env::EnvKind::Terminal, tasks, Default::default())
+            .unwrap();
     let episode = env.start(0, 0).await.unwrap();
     let obs = episode.observation();
     episode.close().await;

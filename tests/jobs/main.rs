@@ -4,6 +4,7 @@
 //! crates it tests.
 
 mod agent_jobs;
+mod crash_run;
 mod judge_gateway;
 mod judge_opd;
 mod judge_openai;

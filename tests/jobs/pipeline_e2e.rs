@@ -301,7 +301,13 @@ fn check_step_records<'a>(
         .iter()
         .map(|s| s["logprob_gap"]["max_abs"].as_f64().unwrap())
         .fold(0.0, f64::max);
-    assert_eq!(job_gap.max_abs, max, "{method}");
+    // The step records are read back from JSON text, and serde_json's default float parser
+    // may land one ulp off the value written (it is exact only with `float_roundtrip`).
+    assert!(
+        (job_gap.max_abs - max).abs() <= 1e-12 * max.abs(),
+        "{method}: {} vs {max}",
+        job_gap.max_abs
+    );
     steps
 }
 

@@ -14,7 +14,7 @@ use clawrl::model::{load_model, EngineOptions, GenerationRequest, SamplingParams
 use clawrl::pipeline::learner::PolicyLearner;
 use clawrl::rl::staleness::truncated_importance_weights;
 use clawrl::serve::EnginePolicy;
-use clawrl::train::learner::Learner;
+use clawrl::train::learner::BurnLearner;
 use clawrl::train::{Sample, TrainConfig};
 use clawrl::{CpuAutodiff, CpuBackend};
 use clawrl_actors::loops::{
@@ -27,7 +27,7 @@ use ractor::{Actor, ActorRef};
 const DIR: &str = "tests/fixtures/qwen3-tiny";
 type Policy = EnginePolicy<CpuBackend>;
 
-fn learner(seed: u64) -> Learner<CpuAutodiff> {
+fn learner(seed: u64) -> BurnLearner<CpuAutodiff> {
     let device = Default::default();
     let (cfg, model) = load_model::<CpuAutodiff>(Path::new(DIR), &device).unwrap();
     let train = TrainConfig {
@@ -35,7 +35,7 @@ fn learner(seed: u64) -> Learner<CpuAutodiff> {
         kl_coef: 0.0,
         ..TrainConfig::default()
     };
-    Learner::new(cfg, model, train, device, seed)
+    BurnLearner::new(cfg, model, train, device, seed)
 }
 
 async fn serving(w: &ActorRef<RolloutMsg<Policy>>, version: u64) {

@@ -21,7 +21,7 @@ use clawrl::model::{
     load_adapter, load_checkpoint, load_model, save_adapter, LoraConfig, LoraTarget, LoraWeights,
     Qwen3,
 };
-use clawrl::train::learner::Learner;
+use clawrl::train::learner::BurnLearner;
 use clawrl::{CpuAutodiff, CpuBackend};
 use serde_json::{json, Value};
 
@@ -205,7 +205,7 @@ fn adapter_only_step_matches_peft_and_leaves_the_base_unchanged() {
     let (cfg, model) = adapted::<CpuAutodiff>();
     let lora_cfg = load_adapter(&adapter_dir(), &cfg).unwrap().weights.config;
     let base_before = base_tensors(&model.valid());
-    let mut learner = Learner::new(
+    let mut learner = BurnLearner::new(
         cfg,
         model,
         reference_train_config(&exp["hyper"]),

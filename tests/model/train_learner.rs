@@ -1,22 +1,22 @@
-//! Learner behaviour on the tiny Qwen3 fixture: versioned weight export, checkpoint resume,
+//! BurnLearner behaviour on the tiny Qwen3 fixture: versioned weight export, checkpoint resume,
 //! batching invariance, recomputed old log-probs, the rollout gap and skipped steps.
 
 use std::path::Path;
 
 use clawrl::model::{load_model, model_from_safetensors};
 use clawrl::train::checkpoint;
-use clawrl::train::learner::{sample_logprobs, Learner};
+use clawrl::train::learner::{sample_logprobs, BurnLearner};
 use clawrl::train::{OpdLossKind, Sample, TrainConfig};
 use clawrl::{CpuAutodiff, CpuBackend};
 use rand::Rng;
 
 const DIR: &str = "tests/fixtures/qwen3-tiny";
 
-fn learner(kl_coef: f64) -> Learner {
+fn learner(kl_coef: f64) -> BurnLearner {
     learner_with(kl_coef, OpdLossKind::Advantage)
 }
 
-fn learner_with(kl_coef: f64, opd_loss: OpdLossKind) -> Learner {
+fn learner_with(kl_coef: f64, opd_loss: OpdLossKind) -> BurnLearner {
     let device = Default::default();
     let (cfg, model) = load_model::<CpuAutodiff>(Path::new(DIR), &device).unwrap();
     let train = TrainConfig {
@@ -26,7 +26,7 @@ fn learner_with(kl_coef: f64, opd_loss: OpdLossKind) -> Learner {
         opd_loss,
         ..TrainConfig::default()
     };
-    Learner::new(cfg, model, train, device, 7)
+    BurnLearner::new(cfg, model, train, device, 7)
 }
 
 /// Three samples of different prompt and response lengths with mixed-sign advantages.
@@ -49,7 +49,7 @@ fn samples() -> Vec<Sample> {
 }
 
 /// A second batch: the first one's responses with noisy old log-probs so that ratios clip.
-fn samples_with_old(l: &Learner) -> Vec<Sample> {
+fn samples_with_old(l: &BurnLearner) -> Vec<Sample> {
     let mut s = samples();
     let own = l.logprobs(&s).unwrap();
     for (i, (s, own)) in s.iter_mut().zip(own).enumerate() {
@@ -112,7 +112,7 @@ fn resumed_run_continues_exactly() {
         .collect();
     assert!(names.iter().all(|n| !n.starts_with('.')), "{names:?}");
 
-    let mut b: Learner = checkpoint::restore(&saved, &Default::default()).unwrap();
+    let mut b: BurnLearner = checkpoint::restore(&saved, &Default::default()).unwrap();
     assert_eq!((b.version(), b.steps()), (a.version(), a.steps()));
     assert_eq!(b.rng().random::<u64>(), a.rng().random::<u64>());
 
@@ -357,7 +357,7 @@ fn the_topk_opd_loss_is_a_term_of_its_own() {
     let k = 8;
     // The teacher's top-k of each sample's response, scored by the learner's own policy on
     // `prompt_of(sample)`.
-    let with_teacher = |l: &Learner, prompt_of: &dyn Fn(&Sample) -> Vec<u32>, weight: f32| {
+    let with_teacher = |l: &BurnLearner, prompt_of: &dyn Fn(&Sample) -> Vec<u32>, weight: f32| {
         let policy = l.policy().valid();
         let mut s = samples();
         for s in &mut s {

@@ -6,7 +6,7 @@ use std::path::Path;
 use burn::module::AutodiffModule;
 use burn::tensor::{Int, Tensor, TensorData};
 use clawrl::model::load_model;
-use clawrl::train::learner::Learner;
+use clawrl::train::learner::BurnLearner;
 use clawrl::train::{Sample, TrainConfig};
 use clawrl::{CpuAutodiff, CpuBackend};
 use serde_json::Value;
@@ -83,7 +83,7 @@ fn one_step_matches_pytorch_reference() {
 
     let device = Default::default();
     let (cfg, model) = load_model::<CpuAutodiff>(Path::new(DIR), &device).unwrap();
-    let mut learner = Learner::new(cfg, model, train, device, 0);
+    let mut learner = BurnLearner::new(cfg, model, train, device, 0);
     let m = learner.step(&samples).unwrap();
     assert_eq!(m.skipped, None);
     assert_eq!((m.step, m.version, m.tokens, m.samples), (1, 1, 32, 2));

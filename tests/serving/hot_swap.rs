@@ -20,7 +20,7 @@ use clawrl::model::{
     EngineOptions, GenerationRequest, SamplingParams,
 };
 use clawrl::serve::local_announce;
-use clawrl::train::learner::Learner;
+use clawrl::train::learner::BurnLearner;
 use clawrl::train::{Sample, TrainConfig};
 use clawrl::{CpuAutodiff, CpuBackend};
 use clawrl_actors::loops::TrainerEvent;
@@ -122,7 +122,7 @@ async fn gateway_switches_five_weight_versions_without_pausing() {
         batch_size: 2,
         ..TrainConfig::default()
     };
-    let mut learner = Learner::new(cfg, model, train, device, 5);
+    let mut learner = BurnLearner::new(cfg, model, train, device, 5);
     let mut blobs = Vec::new();
     for v in 1..=LAST {
         let samples: Vec<Sample> = (0..2u32)

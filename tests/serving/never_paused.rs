@@ -15,7 +15,7 @@ use clawrl::model::{
     GenerationResult, SamplingParams,
 };
 use clawrl::serve::{local_announce, EnginePolicy};
-use clawrl::train::learner::Learner;
+use clawrl::train::learner::BurnLearner;
 use clawrl::train::{Sample, TrainConfig};
 use clawrl::{CpuAutodiff, CpuBackend};
 use clawrl_actors::loops::{
@@ -55,7 +55,7 @@ async fn generation_never_pauses_while_five_weight_versions_land() {
         batch_size: 4,
         ..TrainConfig::default()
     };
-    let mut learner = Learner::new(cfg, model, train, device, 11);
+    let mut learner = BurnLearner::new(cfg, model, train, device, 11);
     let mut blobs = vec![learner.export_weights().unwrap()];
     let options = EngineOptions {
         max_batch: 8,

@@ -1,6 +1,7 @@
 //! A `personal` job run by the built binary (`clawrl run --json --out OUT SPEC`): the spec of a
 //! small one over the fixture policy, a chat request to it, the gateway address it announces on stderr, the stderr
-//! kept for failure messages, and the JSON summary it prints after SIGTERM. Shared by the
+//! kept for failure messages, and the JSON summary it prints after SIGTERM ([`spawn_run`]
+//! starts any job kind the same way). Shared by the
 //! `jobs` and `serving` test binaries (`#[path]`).
 
 use std::io::{BufRead, BufReader, Read};
@@ -103,31 +104,44 @@ pub struct PersonalRun {
     log: Arc<Mutex<String>>,
 }
 
+/// Starts `clawrl run --json --out OUT SPEC` (stdout piped) with its stderr collected, line by
+/// line, into the returned log, each line also handed to `on_line`.
+pub fn spawn_run(
+    spec: &Path,
+    out: &Path,
+    mut on_line: impl FnMut(&str) + Send + 'static,
+) -> (Child, Arc<Mutex<String>>) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_clawrl"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("RUST_LOG", "warn")
+        .args(["run", "--json", "--out"])
+        .arg(out)
+        .arg(spec)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting clawrl run");
+    let stderr = child.stderr.take().unwrap();
+    let log = Arc::new(Mutex::new(String::new()));
+    let log2 = log.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            log2.lock().unwrap().push_str(&format!("{line}\n"));
+            on_line(&line);
+        }
+    });
+    (child, log)
+}
+
 impl PersonalRun {
     /// Starts `clawrl run` on `spec` (its gateway listening on a port of its choosing) and
     /// waits up to `wait` for the address it announces.
     pub fn start(spec: &Path, out: &Path, wait: Duration) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_clawrl"))
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .env("RUST_LOG", "warn")
-            .args(["run", "--json", "--out"])
-            .arg(out)
-            .arg(spec)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("starting clawrl run");
-        let stderr = child.stderr.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel::<String>();
-        let log = Arc::new(Mutex::new(String::new()));
-        let log2 = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                log2.lock().unwrap().push_str(&format!("{line}\n"));
-                if let Some(i) = line.find("listening on http://") {
-                    let rest = &line[i + "listening on ".len()..];
-                    let _ = tx.send(rest.split_whitespace().next().unwrap().to_string());
-                }
+        let (child, log) = spawn_run(spec, out, move |line| {
+            if let Some(i) = line.find("listening on http://") {
+                let rest = &line[i + "listening on ".len()..];
+                let _ = tx.send(rest.split_whitespace().next().unwrap().to_string());
             }
         });
         let mut run = Self {

@@ -28,13 +28,22 @@
 //! deadlock; draining opens the gate for good, and while the trainer's counters cannot be read
 //! the gate counts nothing as queued there (it fails open).
 //!
+//! Turn sources ([`TurnSource`]): the supervisor runs the sessions itself over an environment,
+//! or turns are produced elsewhere and offered to it ([`JobMsg::Offer`], e.g. the turns a gateway
+//! served, which its clients' next messages completed): each offered turn is a one-turn episode,
+//! judged, built and submitted like any other; its producer keeps the full turn, and the job's
+//! records get a short `turn` record (session and turn index) that its `judge` record pairs.
+//! Counting, judging and the stop rules are the same for both.
+//!
 //! Stop: when the trainer has made `max_trainer_steps` steps, or `max_turns` turns were produced,
-//! or `max_duration` passed, no new session starts and running ones are stopped (each closes its
-//! episode); the job then drains: every turn already produced is judged, built and submitted, and
-//! the final [`JobSummary`] (counts that balance: `produced = trained + dropped_stale + pending`
-//! on the trainer side) is sent to whoever started the job.
+//! or `max_samples` samples submitted, or `max_duration` passed (or [`JobMsg::Stop`] came), no
+//! new session starts and running ones are stopped (each closes its episode); the job then
+//! drains: every turn already produced is judged, built and submitted (an offering source first
+//! says it has no more with [`JobMsg::SourceClosed`]), and the final counts (which balance:
+//! `produced = trained + dropped_stale + failed + pending` on the trainer side; `stopped_by` says
+//! why) go to whoever started the job.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -258,6 +267,38 @@ impl Default for JobSettings {
     }
 }
 
+/// Why a job stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopCause {
+    /// `max_trainer_steps` trainer steps were made.
+    MaxSteps,
+    /// `max_turns` turns were produced.
+    MaxTurns,
+    /// `max_samples` samples were submitted.
+    MaxSamples,
+    /// `max_duration` passed.
+    MaxDuration,
+    /// [`JobMsg::Stop`] came (a cancel, a signal).
+    Requested,
+    /// Every session failed before one finished.
+    GaveUp,
+}
+
+impl StopCause {
+    /// The spec key (or event) the cause stands for.
+    pub fn name(self) -> &'static str {
+        match self {
+            StopCause::MaxSteps => "max_steps",
+            StopCause::MaxTurns => "max_turns",
+            StopCause::MaxSamples => "max_samples",
+            StopCause::MaxDuration => "max_hours",
+            StopCause::Requested => "requested",
+            StopCause::GaveUp => "gave_up",
+        }
+    }
+}
+
 /// Where the job is.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -328,6 +369,9 @@ pub struct JobCounts {
     /// What became of GRPO groups, in a job with groups.
     #[serde(default)]
     pub groups: Option<GroupCounts>,
+    /// Why the job stopped, once it did.
+    #[serde(default)]
+    pub stopped_by: Option<StopCause>,
 }
 
 impl JobCounts {
@@ -342,14 +386,40 @@ impl JobCounts {
 /// Called with the counters at every poll and at the end.
 pub type ProgressReport = Arc<dyn Fn(&JobCounts) + Send + Sync>;
 
+/// Where a job's turns come from.
+pub enum TurnSource {
+    /// `parallelism` [`EnvSession`]s the supervisor keeps running over `env`'s tasks, each
+    /// asking `policy` for its actions; their turns are recorded (kind `turn`).
+    Sessions {
+        /// The task set.
+        env: Arc<dyn Environment>,
+        /// The policy.
+        policy: Arc<dyn TurnPolicy>,
+    },
+    /// Turns produced outside the job and handed in with [`JobMsg::Offer`], each a one-turn
+    /// episode of its own, recorded in full by their producer. The job drains only after
+    /// [`JobMsg::SourceClosed`].
+    Offered,
+}
+
+/// The environment and policy of a [`TurnSource::Sessions`].
+type SessionParts<'a> = (&'a Arc<dyn Environment>, &'a Arc<dyn TurnPolicy>);
+
+impl TurnSource {
+    fn sessions(&self) -> Option<SessionParts<'_>> {
+        match self {
+            TurnSource::Sessions { env, policy } => Some((env, policy)),
+            TurnSource::Offered => None,
+        }
+    }
+}
+
 /// How a job starts.
 pub struct JobArgs<S> {
     /// The job's id (names sessions and records).
     pub job: String,
-    /// The task set.
-    pub env: Arc<dyn Environment>,
-    /// The policy.
-    pub policy: Arc<dyn TurnPolicy>,
+    /// Where its turns come from.
+    pub source: TurnSource,
     /// The judge.
     pub judge: Arc<dyn TurnJudge>,
     /// The sample builder.
@@ -384,6 +454,11 @@ pub enum JobMsg<S> {
     /// Replace the trainer-step bound of the stop condition (and the trainer's own limit). A
     /// job already draining keeps draining.
     SetMaxSteps(u64),
+    /// A turn produced outside the job ([`TurnSource::Offered`]): judged, built as a one-turn
+    /// episode and submitted. Taken while running and while draining.
+    Offer(Box<Turn>),
+    /// An offering source has no more turns: the job may finish once it drains.
+    SourceClosed,
     /// Write a record (e.g. a trainer step event) to the job's records.
     Record {
         /// The weight version the record belongs to.
@@ -438,7 +513,7 @@ struct Assembly {
 const TURNS_AS_RECEIVED: u32 = u32::MAX;
 
 /// The supervisor's state.
-pub struct JobState<S> {
+pub struct SupervisorState<S> {
     args: JobArgs<S>,
     started: Instant,
     voter: ActorRef<VoterMsg>,
@@ -463,9 +538,13 @@ pub struct JobState<S> {
     trainer_unreachable: bool,
     /// The GRPO groups, in a job with groups.
     groups: Option<Groups<EpisodeTurns>>,
+    /// Whether more turns may still be offered (never, for a job running its own sessions).
+    source_open: bool,
+    /// The sessions offered turns belong to.
+    offered_sessions: HashSet<String>,
 }
 
-impl<S: JobSample> JobState<S> {
+impl<S: JobSample> SupervisorState<S> {
     fn judging(&self) -> u64 {
         self.counts.turns - self.counts.judged - self.counts.unjudged
     }
@@ -493,19 +572,22 @@ impl<S: JobSample> JobState<S> {
         let report: super::session::SessionReport = Arc::new(move |ev| {
             let _ = me.cast(JobMsg::Session(ev));
         });
+        let Some((env, policy)) = self.args.source.sessions() else {
+            return Ok(());
+        };
         let args = SessionArgs {
             session_id: session_id.clone(),
-            env: self.args.env.clone(),
+            env: env.clone(),
             task_index,
             seed: self.args.settings.seed.wrapping_add(n),
             policy: match &self.gate {
                 Some(gate) => Arc::new(GatedPolicy::new(
-                    self.args.policy.clone(),
+                    policy.clone(),
                     gate.clone(),
                     session_id.clone(),
                     n,
                 )) as Arc<dyn TurnPolicy>,
-                None => self.args.policy.clone(),
+                None => policy.clone(),
             },
             deadline: self.args.settings.episode_deadline,
             max_steps: self.args.settings.max_episode_steps,
@@ -535,8 +617,16 @@ impl<S: JobSample> JobState<S> {
         Ok(())
     }
 
+    /// Tasks of the environment (none with offered turns).
+    fn task_count(&self) -> usize {
+        self.args
+            .source
+            .sessions()
+            .map_or(0, |(env, _)| env.task_count())
+    }
+
     fn take_task(&mut self) -> usize {
-        let t = self.next_task % self.args.env.task_count().max(1);
+        let t = self.next_task % self.task_count().max(1);
         self.next_task += 1;
         t
     }
@@ -544,15 +634,16 @@ impl<S: JobSample> JobState<S> {
     /// Starts sessions until `parallelism` run (only while running, and while the admission
     /// gate, if any, would admit a turn).
     async fn fill(&mut self, myself: &ActorRef<JobMsg<S>>) -> Result<(), ActorProcessingErr> {
-        while self.counts.phase == JobPhase::Running
+        while self.args.source.sessions().is_some()
+            && self.counts.phase == JobPhase::Running
             && self.live.len() < self.args.settings.parallelism
         {
             if self.gate.as_ref().is_some_and(|g| !g.admits_start()) {
                 break;
             }
+            let count = self.task_count().max(1);
             let (task, group) = match &mut self.groups {
                 Some(groups) => {
-                    let count = self.args.env.task_count().max(1);
                     let next = &mut self.next_task;
                     let Some((group, task)) = groups.assign(|| {
                         let t = *next % count;
@@ -570,37 +661,38 @@ impl<S: JobSample> JobState<S> {
         Ok(())
     }
 
-    fn stop_condition(&self) -> Option<String> {
+    fn stop_condition(&self) -> Option<(StopCause, String)> {
         let s = &self.args.settings.stop;
         if let Some(m) = s.max_trainer_steps {
             if self.counts.trainer.steps >= m {
-                return Some(format!("{m} trainer steps"));
+                return Some((StopCause::MaxSteps, format!("{m} trainer steps")));
             }
         }
         if let Some(m) = s.max_turns {
             if self.counts.turns >= m {
-                return Some(format!("{m} turns"));
+                return Some((StopCause::MaxTurns, format!("{m} turns")));
             }
         }
         if let Some(m) = s.max_samples {
             if self.counts.samples_submitted >= m {
-                return Some(format!("{m} samples"));
+                return Some((StopCause::MaxSamples, format!("{m} samples")));
             }
         }
         if let Some(d) = s.max_duration {
             if self.started.elapsed() >= d {
-                return Some(format!("{d:?} elapsed"));
+                return Some((StopCause::MaxDuration, format!("{d:?} elapsed")));
             }
         }
         None
     }
 
-    fn begin_drain(&mut self, myself: &ActorRef<JobMsg<S>>, why: &str) {
+    fn begin_drain(&mut self, myself: &ActorRef<JobMsg<S>>, cause: StopCause, why: &str) {
         if self.counts.phase != JobPhase::Running {
             return;
         }
         tracing::info!(job = %self.args.job, "stop condition reached ({why}): draining");
         self.counts.phase = JobPhase::Draining;
+        self.counts.stopped_by = Some(cause);
         if let Some(gate) = &self.gate {
             gate.open_all();
         }
@@ -627,7 +719,8 @@ impl<S: JobSample> JobState<S> {
                     a.received += 1;
                 }
                 let version = turn.policy.version;
-                self.record(version, "turn", &TurnRecord::of(&turn)).await;
+                self.record(version, "turn", &SessionTurnRecord::of(&turn))
+                    .await;
                 if let Err(e) = self.voter.cast(VoterMsg::Judge(turn)) {
                     // The voter is gone: the turn cannot be judged; keep the books straight.
                     self.counts.last_error = Some(format!("the voter refused a turn: {e}"));
@@ -640,8 +733,8 @@ impl<S: JobSample> JobState<S> {
                         })))?;
                     }
                 }
-                if let Some(why) = self.stop_condition() {
-                    self.begin_drain(myself, &why);
+                if let Some((cause, why)) = self.stop_condition() {
+                    self.begin_drain(myself, cause, &why);
                 }
                 // Counted as produced first, then no longer as admitted: the gate never sees
                 // the turn missing from both.
@@ -723,6 +816,41 @@ impl<S: JobSample> JobState<S> {
         Ok(())
     }
 
+    /// A turn offered from outside: counted, its session noted, and sent to the voter (the
+    /// judged turn then becomes a one-turn episode). A finished job takes no more.
+    async fn on_offered(&mut self, myself: &ActorRef<JobMsg<S>>, turn: Box<Turn>) {
+        if self.counts.phase == JobPhase::Finished || self.args.source.sessions().is_some() {
+            tracing::warn!(
+                job = %self.args.job,
+                "a turn of session {} offered to a job that takes none now", turn.session_id
+            );
+            self.counts.last_error = Some("a turn was offered to a job that takes none".into());
+            return;
+        }
+        self.counts.turns += 1;
+        if self.offered_sessions.insert(turn.session_id.clone()) {
+            self.counts.sessions_started += 1;
+        }
+        // A turn record now (its producer keeps the full turn), its judge record once judged:
+        // a turn the process dies holding is found unpaired by the next start's recorder and
+        // recorded as lost.
+        let key = serde_json::json!({"session_id": turn.session_id, "turn": turn.turn});
+        self.record(turn.policy.version, "turn", &key).await;
+        if let Err(e) = self.voter.cast(VoterMsg::Judge(turn)) {
+            self.counts.last_error = Some(format!("the voter refused a turn: {e}"));
+            if let ractor::MessagingErr::SendErr(VoterMsg::Judge(turn)) = e {
+                let judgement = super::voter::Judgement::unjudged(&turn, "the voter is gone");
+                let _ = myself.cast(JobMsg::Judged(Box::new(JudgedTurn {
+                    turn: *turn,
+                    judgement,
+                })));
+            }
+        }
+        if let Some((cause, why)) = self.stop_condition() {
+            self.begin_drain(myself, cause, &why);
+        }
+    }
+
     async fn refill(
         &mut self,
         myself: &ActorRef<JobMsg<S>>,
@@ -760,7 +888,7 @@ impl<S: JobSample> JobState<S> {
                 tracing::error!(job = %self.args.job, "{why}");
                 self.counts.last_error = Some(why.clone());
                 self.counts.gave_up = Some(why.clone());
-                self.begin_drain(myself, &why);
+                self.begin_drain(myself, StopCause::GaveUp, &why);
                 return Ok(());
             }
         }
@@ -988,6 +1116,7 @@ impl<S: JobSample> JobState<S> {
 
     fn drained(&self) -> bool {
         self.counts.phase == JobPhase::Draining
+            && !self.source_open
             && self.live.is_empty()
             && self.judging() == 0
             && self.assemblies.is_empty()
@@ -1005,7 +1134,7 @@ impl<S: JobSample> JobState<S> {
 /// The turn record (kind `turn`): messages, prompt and response text, tool calls, next state,
 /// token counts and the version of the tokens.
 #[derive(Debug, Serialize)]
-pub struct TurnRecord<'a> {
+pub struct SessionTurnRecord<'a> {
     /// The session.
     pub session_id: &'a str,
     /// The task.
@@ -1038,10 +1167,10 @@ pub struct TurnRecord<'a> {
     pub info: &'a serde_json::Value,
 }
 
-impl<'a> TurnRecord<'a> {
+impl<'a> SessionTurnRecord<'a> {
     /// The record of `turn`.
     pub fn of(turn: &'a Turn) -> Self {
-        TurnRecord {
+        SessionTurnRecord {
             session_id: &turn.session_id,
             task_id: &turn.task_id,
             turn: turn.turn,
@@ -1063,16 +1192,16 @@ impl<'a> TurnRecord<'a> {
 
 impl<S: JobSample> Actor for JobSupervisor<S> {
     type Msg = JobMsg<S>;
-    type State = JobState<S>;
+    type State = SupervisorState<S>;
     type Arguments = JobArgs<S>;
 
     async fn pre_start(
         &self,
         myself: ActorRef<JobMsg<S>>,
         args: JobArgs<S>,
-    ) -> Result<JobState<S>, ActorProcessingErr> {
+    ) -> Result<SupervisorState<S>, ActorProcessingErr> {
         let s = &args.settings;
-        if s.parallelism == 0 {
+        if s.parallelism == 0 && args.source.sessions().is_some() {
             return Err("job: parallelism must be at least 1".into());
         }
         if s.stop.max_trainer_steps.is_none()
@@ -1082,7 +1211,11 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
         {
             return Err("job: the stop condition sets no bound".into());
         }
-        if args.env.task_count() == 0 {
+        if args
+            .source
+            .sessions()
+            .is_some_and(|(env, _)| env.task_count() == 0)
+        {
             return Err("job: the environment has no tasks".into());
         }
         let gate = match s.admission {
@@ -1090,6 +1223,7 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
             None => None,
         };
         let groups = s.group_size.map(Groups::new);
+        let offered = matches!(args.source, TurnSource::Offered);
         let me = myself.clone();
         let (voter, _) = Actor::spawn_linked(
             None,
@@ -1105,7 +1239,7 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
             myself.get_cell(),
         )
         .await?;
-        Ok(JobState {
+        Ok(SupervisorState {
             args,
             started: Instant::now(),
             voter,
@@ -1121,21 +1255,26 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
             submitted_since_poll: 0,
             trainer_unreachable: false,
             groups,
+            source_open: offered,
+            offered_sessions: HashSet::new(),
         })
     }
 
     async fn post_start(
         &self,
         myself: ActorRef<JobMsg<S>>,
-        state: &mut JobState<S>,
+        state: &mut SupervisorState<S>,
     ) -> Result<(), ActorProcessingErr> {
-        tracing::info!(
-            job = %state.args.job,
-            "job started: {} sessions over {} tasks of `{}`",
-            state.args.settings.parallelism,
-            state.args.env.task_count(),
-            state.args.env.kind()
-        );
+        match state.args.source.sessions() {
+            Some((env, _)) => tracing::info!(
+                job = %state.args.job,
+                "job started: {} sessions over {} tasks of `{}`",
+                state.args.settings.parallelism,
+                env.task_count(),
+                env.kind()
+            ),
+            None => tracing::info!(job = %state.args.job, "job started: taking offered turns"),
+        }
         state.fill(&myself).await?;
         myself.send_interval(state.args.settings.poll, || JobMsg::Tick);
         Ok(())
@@ -1145,7 +1284,7 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
         &self,
         myself: ActorRef<JobMsg<S>>,
         msg: JobMsg<S>,
-        state: &mut JobState<S>,
+        state: &mut SupervisorState<S>,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             JobMsg::Session(ev) => state.on_session_event(&myself, ev).await?,
@@ -1157,6 +1296,18 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
                 }
                 state.counts.votes_failed += u64::from(jt.judgement.failed_votes);
                 state.counts.votes_truncated += u64::from(jt.judgement.truncated_votes);
+                if state.args.source.sessions().is_none() {
+                    // An offered turn is an episode of its own.
+                    let episode = EpisodeTurns {
+                        session_id: jt.turn.session_id.clone(),
+                        task_id: jt.turn.task_id.clone(),
+                        group: None,
+                        reason: EndReason::Done { outcome: None },
+                        turns: vec![*jt],
+                    };
+                    state.start_build(&myself, vec![episode]);
+                    return Ok(());
+                }
                 let sid = jt.turn.session_id.clone();
                 match state.assemblies.get_mut(&sid) {
                     Some(a) => a.judged.push(*jt),
@@ -1171,8 +1322,8 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
                     return Ok(());
                 }
                 state.poll().await;
-                if let Some(why) = state.stop_condition() {
-                    state.begin_drain(&myself, &why);
+                if let Some((cause, why)) = state.stop_condition() {
+                    state.begin_drain(&myself, cause, &why);
                 }
                 // Slots left empty by admission control start when the backlog allows.
                 state.fill(&myself).await?;
@@ -1195,7 +1346,9 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
                     state.report();
                 }
             }
-            JobMsg::Stop => state.begin_drain(&myself, "stop requested"),
+            JobMsg::Stop => state.begin_drain(&myself, StopCause::Requested, "stop requested"),
+            JobMsg::Offer(turn) => state.on_offered(&myself, turn).await,
+            JobMsg::SourceClosed => state.source_open = false,
             JobMsg::SetMaxSteps(max_steps) => {
                 tracing::info!(job = %state.args.job, max_steps, "the job's step limit changed");
                 state.args.settings.stop.max_trainer_steps = Some(max_steps);
@@ -1219,7 +1372,7 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
         &self,
         myself: ActorRef<JobMsg<S>>,
         evt: SupervisionEvent,
-        state: &mut JobState<S>,
+        state: &mut SupervisorState<S>,
     ) -> Result<(), ActorProcessingErr> {
         match evt {
             SupervisionEvent::ActorFailed(cell, err) => {

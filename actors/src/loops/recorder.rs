@@ -23,7 +23,17 @@
 //! - **Torn lines are cut.** A crash can leave a file's last line half written. When the
 //!   recorder opens a file that does not end in a newline, it cuts the torn tail back to the
 //!   last complete line, logs it and counts it in [`RecorderStats::torn_lines_cut`], so every
-//!   line of every file parses.
+//!   line of every file parses. At start it does the same for every record file already in its
+//!   directory, whatever its prefix (a job re-run on the same run directory records under a new
+//!   prefix, so the crashed run's files would otherwise never be reopened): a record directory
+//!   belongs to one job's recorder at a time.
+//! - **What a crash lost is counted.** Every turn a job produces gets a `turn` record at once
+//!   and a `judge` record when its episode is settled; a turn the process died holding has the
+//!   first and not the second. At start the recorder pairs them over every file in its
+//!   directory and, for each `turn` record (keyed by `session_id` and `turn`) left without a
+//!   `judge` or `lost` record, writes a `lost` record (`{session_id, turn, reason}`, in its own
+//!   file of that turn's version) and counts it in [`RecorderStats::lost_by_crash`], so the
+//!   books say what the crash lost, once: a later start finds it paired.
 //! - **Private.** Record files are created with mode 0600.
 //! - **Taps.** A [`RecordTap`] installed with [`RecorderHandle::tap`] sees every record the
 //!   writer writes, in the order written, on the writer's thread: derived logs (training
@@ -142,6 +152,10 @@ pub struct RecorderStats {
     /// fsyncs of the record files.
     #[serde(default)]
     pub syncs: u64,
+    /// Turns found at start recorded without a judge record (their process died holding them),
+    /// each now recorded as `lost`.
+    #[serde(default)]
+    pub lost_by_crash: u64,
     /// The last write error.
     pub last_error: Option<String>,
 }
@@ -166,6 +180,7 @@ struct Counters {
     files_opened: AtomicU64,
     torn_lines_cut: AtomicU64,
     syncs: AtomicU64,
+    lost_by_crash: AtomicU64,
     last_error: Mutex<Option<String>>,
 }
 
@@ -181,6 +196,7 @@ impl Counters {
             files_opened: self.files_opened.load(Ordering::Relaxed),
             torn_lines_cut: self.torn_lines_cut.load(Ordering::Relaxed),
             syncs: self.syncs.load(Ordering::Relaxed),
+            lost_by_crash: self.lost_by_crash.load(Ordering::Relaxed),
             last_error: self
                 .last_error
                 .lock()
@@ -431,8 +447,8 @@ struct Writer {
 
 /// Cuts a torn last line (one without its newline) off `file`; returns the bytes cut (0 when
 /// the file is empty or ends in a newline). Scans back from the end in blocks, so only the
-/// torn tail is read.
-fn cut_torn_tail(file: &mut File) -> std::io::Result<u64> {
+/// torn tail is read. The file must be open for reading and writing.
+pub fn cut_torn_tail(file: &mut File) -> std::io::Result<u64> {
     const BLOCK: u64 = 64 * 1024;
     let len = file.metadata()?.len();
     let mut end = len;
@@ -460,7 +476,129 @@ fn cut_torn_tail(file: &mut File) -> std::io::Result<u64> {
     Ok(len)
 }
 
+/// Whether `name` is a record file's: `<prefix>.v<8 or more digits>.jsonl`.
+fn is_record_file(name: &str) -> bool {
+    let Some(stem) = name.strip_suffix(".jsonl") else {
+        return false;
+    };
+    let Some(i) = stem.rfind(".v") else {
+        return false;
+    };
+    let digits = &stem[i + 2..];
+    i > 0 && digits.len() >= 8 && digits.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// The record files in `dir`, any prefix, in name order.
+fn record_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        if entry.file_type()?.is_file() && is_record_file(&entry.file_name().to_string_lossy()) {
+            files.push(entry.path());
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
 impl Writer {
+    /// Runs once, before any record is written: cuts the torn tail of every record file in the
+    /// directory, then records as `lost` every turn left without a judge (or lost) record.
+    fn recover(&mut self) {
+        let files = match record_files(&self.dir) {
+            Ok(f) => f,
+            Err(e) => {
+                self.fail(0, format!("listing {}: {e}", self.dir.display()));
+                return;
+            }
+        };
+        // (session, turn) → (the turn's version, turn records less judge and lost records).
+        let mut open: std::collections::HashMap<(String, u64), (u64, i64)> = Default::default();
+        for path in files {
+            let cut = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .and_then(|mut f| cut_torn_tail(&mut f));
+            match cut {
+                Ok(0) => {}
+                Ok(cut) => {
+                    tracing::warn!(
+                        "recorder: {} ended in a torn line (a crash mid-write); cut its last {cut} bytes",
+                        path.display()
+                    );
+                    self.counters.torn_lines_cut.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    self.fail(
+                        0,
+                        format!("checking the last line of {}: {e}", path.display()),
+                    );
+                    continue;
+                }
+            }
+            let file = match read_records(&path) {
+                Ok(f) => f,
+                Err(e) => {
+                    self.fail(0, e.to_string());
+                    continue;
+                }
+            };
+            for line in file.lines {
+                let delta = match line.kind.as_str() {
+                    "turn" => 1,
+                    "judge" | "lost" => -1,
+                    _ => continue,
+                };
+                let r = &line.record;
+                let (Some(session), Some(turn)) = (
+                    r.get("session_id").and_then(serde_json::Value::as_str),
+                    r.get("turn").and_then(serde_json::Value::as_u64),
+                ) else {
+                    continue;
+                };
+                let e = open
+                    .entry((session.to_string(), turn))
+                    .or_insert((line.version, 0));
+                if delta > 0 {
+                    e.0 = line.version;
+                }
+                e.1 += delta;
+            }
+        }
+        let mut lost: Vec<_> = open.into_iter().filter(|(_, (_, n))| *n > 0).collect();
+        lost.sort();
+        let mut count = 0u64;
+        for ((session_id, turn), (version, n)) in lost {
+            let record = serde_json::json!({
+                "session_id": session_id,
+                "turn": turn,
+                "reason": "the process stopped before the turn was judged (a crash)",
+            });
+            let text = serde_json::to_string(&Envelope {
+                version,
+                kind: "lost",
+                record: &record,
+            })
+            .expect("a lost record serializes");
+            for _ in 0..n {
+                self.counters.accepted.fetch_add(1, Ordering::AcqRel);
+                self.write(version, &text);
+                count += 1;
+            }
+        }
+        if count > 0 {
+            self.counters
+                .lost_by_crash
+                .fetch_add(count, Ordering::Relaxed);
+            tracing::warn!(
+                "recorder: {count} turns in {} were recorded without a judge record (their process stopped holding them); recorded as lost",
+                self.dir.display()
+            );
+            self.flush_all(true);
+        }
+    }
+
     fn fail(&self, lines: u64, error: String) {
         self.counters
             .write_errors
@@ -576,6 +714,7 @@ impl Writer {
     }
 
     fn run(mut self, mut rx: mpsc::Receiver<Item>) {
+        self.recover();
         while let Some(item) = rx.blocking_recv() {
             self.handle(item, &mut rx);
             // Write whatever is already queued, then flush once the queue is idle.

@@ -11,7 +11,8 @@
 //! - Versions never go backwards: an announcement not newer than every version served, loading
 //!   or queued is ignored and counted ([`RolloutStats::stale_updates`]). One load runs at a
 //!   time; a newer update arriving meanwhile waits, replacing (and counting as superseded) any
-//!   older one waiting.
+//!   older one waiting. These decisions are the pure rule of [`super::swap`]; the worker holds
+//!   the payloads (bytes, reply ports) beside it.
 //! - A failed fetch, hash check or load leaves the serving version in place; it is counted,
 //!   kept in [`RolloutStats::last_update_error`], logged, and answered to whoever asked.
 
@@ -22,7 +23,8 @@ use bytes::Bytes;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde::{Deserialize, Serialize};
 
-use super::{content_hash, PolicyReplica, WeightAnnounce, WeightSource};
+use super::swap::{LoadOutcome, Offer, VersionSwap};
+use super::{PolicyReplica, WeightAnnounce, WeightSource};
 
 /// A result with the version of the weights that produced it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -181,6 +183,8 @@ pub struct RolloutState<P: PolicyReplica> {
     policy: Arc<P>,
     source: Option<Arc<dyn WeightSource>>,
     current: Option<(u64, Arc<P::Loaded>)>,
+    /// Which version serves, loads and waits; `loading` and `queued` hold their payloads.
+    swap: VersionSwap,
     loading: Option<Update>,
     queued: Option<Update>,
     shared: Arc<Shared>,
@@ -188,44 +192,34 @@ pub struct RolloutState<P: PolicyReplica> {
 }
 
 impl<P: PolicyReplica> RolloutState<P> {
-    /// The newest version served, loading or queued.
-    fn newest(&self) -> Option<u64> {
-        [
-            self.current.as_ref().map(|c| c.0),
-            self.loading.as_ref().map(|u| u.announce.version),
-            self.queued.as_ref().map(|u| u.announce.version),
-        ]
-        .into_iter()
-        .flatten()
-        .max()
-    }
-
     fn offer(&mut self, myself: &ActorRef<RolloutMsg<P>>, update: Update) {
         let version = update.announce.version;
-        if let Some(newest) = self.newest().filter(|&n| version <= n) {
-            self.stats.stale_updates += 1;
-            tracing::debug!(
-                version,
-                newest,
-                "ignoring a weight version not newer than {newest}"
-            );
-            reply(update.reply, UpdateOutcome::Stale { version, newest });
-            return;
-        }
-        if self.loading.is_some() {
-            if let Some(old) = self.queued.replace(update) {
-                self.stats.superseded_updates += 1;
-                let outcome = UpdateOutcome::Superseded {
-                    version: old.announce.version,
-                    by: version,
-                };
-                reply(old.reply, outcome);
+        match self.swap.offer(version) {
+            Offer::Stale { newest } => {
+                self.stats.stale_updates += 1;
+                tracing::debug!(
+                    version,
+                    newest,
+                    "ignoring a weight version not newer than {newest}"
+                );
+                reply(update.reply, UpdateOutcome::Stale { version, newest });
             }
-            return;
+            Offer::Queue { superseded } => {
+                if let Some(old) = self.queued.replace(update) {
+                    debug_assert_eq!(superseded, Some(old.announce.version));
+                    self.stats.superseded_updates += 1;
+                    let outcome = UpdateOutcome::Superseded {
+                        version: old.announce.version,
+                        by: version,
+                    };
+                    reply(old.reply, outcome);
+                }
+            }
+            Offer::Load => self.start_load(myself, update),
         }
-        self.start_load(myself, update);
     }
 
+    /// Loads `update`, which the swap rule has just marked as loading.
     fn start_load(&mut self, myself: &ActorRef<RolloutMsg<P>>, mut update: Update) {
         let announce = update.announce.clone();
         let bytes = update.bytes.take();
@@ -248,6 +242,13 @@ impl<P: PolicyReplica> RolloutState<P> {
         version: u64,
         result: Result<Arc<P::Loaded>, String>,
     ) {
+        let finished = match self.swap.finish(version, result.is_ok()) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::warn!(version, "{e}");
+                return;
+            }
+        };
         let Some(update) = self.loading.take() else {
             tracing::warn!(version, "a load finished that was never started");
             return;
@@ -255,10 +256,8 @@ impl<P: PolicyReplica> RolloutState<P> {
         self.stats.loading = None;
         let outcome = match result {
             Ok(loaded) => {
-                // `offer` only starts loads newer than everything known, so this is a switch.
-                let previous = self.current.as_ref().map(|c| c.0);
-                debug_assert!(previous.is_none_or(|p| p < version));
-                self.current = Some((version, loaded));
+                let previous = self.current.replace((version, loaded)).map(|c| c.0);
+                debug_assert_eq!(finished.outcome, LoadOutcome::Switched { previous });
                 self.shared.serving.store(version, Ordering::Release);
                 self.stats.version = Some(version);
                 self.stats.switches += 1;
@@ -273,8 +272,10 @@ impl<P: PolicyReplica> RolloutState<P> {
             }
         };
         reply(update.reply, outcome);
-        if let Some(next) = self.queued.take() {
-            self.offer(myself, next);
+        if finished.next.is_some() {
+            if let Some(next) = self.queued.take() {
+                self.start_load(myself, next);
+            }
         }
     }
 
@@ -345,33 +346,14 @@ async fn load<P: PolicyReplica>(
                 .map_err(|e| e.to_string())?
         }
     };
-    verify(&announce, &bytes)?;
+    announce
+        .check(&bytes)
+        .map_err(|e| format!("version {version}: {e}"))?;
     tokio::task::spawn_blocking(move || policy.load(version, &bytes))
         .await
         .map_err(|e| format!("version {version}: the load task died: {e}"))?
         .map(Arc::new)
         .map_err(|e| format!("version {version}: loading the weights failed: {e}"))
-}
-
-/// Checks the bytes against the announced size and content hash.
-pub fn verify(announce: &WeightAnnounce, bytes: &[u8]) -> Result<(), String> {
-    let version = announce.version;
-    if bytes.len() as u64 != announce.size {
-        return Err(format!(
-            "version {version}: blob {} has {} bytes, the announcement says {}",
-            announce.blob,
-            bytes.len(),
-            announce.size
-        ));
-    }
-    let got = content_hash(bytes);
-    if got != announce.hash {
-        return Err(format!(
-            "version {version}: blob {} hashes to {got}, the announcement says {:?}",
-            announce.blob, announce.hash
-        ));
-    }
-    Ok(())
 }
 
 impl<P: PolicyReplica> Actor for RolloutWorker<P> {
@@ -393,6 +375,7 @@ impl<P: PolicyReplica> Actor for RolloutWorker<P> {
         Ok(RolloutState {
             policy: args.policy,
             source: args.source,
+            swap: VersionSwap::new(args.initial.as_ref().map(|(v, _)| *v)),
             current: args.initial,
             loading: None,
             queued: None,

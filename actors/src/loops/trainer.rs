@@ -35,25 +35,39 @@
 //!   does not cover (the step in flight and the queue). A restarted trainer replays the journal
 //!   into its queue ([`TrainerStats::recovered`]), so samples pending at the crash, and samples
 //!   trained only into versions lost with the old trainer, are trained again from the
-//!   checkpoint. The journal is flushed to the OS on every append (it survives a killed
+//!   checkpoint (under this trainer's job id: a job re-run on the same run directory gets a
+//!   new one). The journal is flushed to the OS on every append (it survives a killed
 //!   process; not a power cut). Counters are per incarnation: recovered samples count in the
 //!   new one's `produced`.
+//!
+//! The actor's parts live beside it: `learner` (the [`Learner`] contract and the thread that
+//! owns it), `publish` (where versions go and who hears of them), and `journal` (the
+//! pending samples on disk).
+
+mod journal;
+mod learner;
+mod publish;
 
 use std::collections::VecDeque;
-use std::io::{BufRead, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
-use super::rollout::RolloutMsg;
-use super::{content_hash, PolicyReplica, WeightAnnounce};
-use crate::bulk::{BulkConfig, BulkPlane, Manifest, PeerConnector};
+use super::{content_hash, WeightAnnounce};
+use journal::Journal;
+use learner::{learner_thread, Job};
+
+pub use learner::Learner;
+pub use publish::{
+    rollout_subscriber, Delivery, LocalPublisher, PublishFailed, RelayPublisher, Subscriber,
+    WeightPublisher,
+};
 
 /// One training sample as the job produces it: token ids exactly as served and sampled, one
 /// advantage per response token, and the weight version that produced every response token.
@@ -303,165 +317,6 @@ pub struct SampleLimits {
     pub max_tokens: Option<usize>,
 }
 
-/// The learner behind a [`Trainer`], implemented by the root crate (and by small deterministic
-/// learners in tests). Every method runs on the trainer's learner thread.
-pub trait Learner: Send + 'static {
-    /// Why an operation failed.
-    type Error: std::error::Error + Send + Sync + 'static;
-
-    /// The current weight version (grows by one per applied step).
-    fn version(&self) -> u64;
-    /// Optimizer steps applied so far.
-    fn steps(&self) -> u64;
-    /// What a sample must satisfy to be accepted.
-    fn limits(&self) -> SampleLimits;
-    /// One optimizer step on `batch`; `importance[i]` says how to weight sample `i`.
-    fn step(
-        &mut self,
-        batch: &[TrainSample],
-        importance: &[Importance],
-    ) -> Result<StepReport, Self::Error>;
-    /// The current weights.
-    fn export(&self) -> Result<ExportedWeights, Self::Error>;
-    /// Saves a checkpoint under `root` atomically (a crash leaves the previous one valid) and
-    /// makes it the one [`Learner::resume`] finds; returns its directory.
-    fn save_checkpoint(&mut self, root: &Path) -> Result<PathBuf, Self::Error>;
-    /// Replaces the learner's state with the newest checkpoint under `root`; `Ok(false)` when
-    /// `root` holds none.
-    fn resume(&mut self, root: &Path) -> Result<bool, Self::Error>;
-    /// Sets the version to `to` (> the current one) without touching the weights.
-    fn advance_version(&mut self, to: u64) -> Result<(), Self::Error>;
-}
-
-/// Where the trainer puts a new version's bytes: the bulk plane, or nowhere (in-process
-/// installs only).
-pub trait WeightPublisher: Send + Sync + 'static {
-    /// Makes `weights` fetchable and returns the announcement that names them.
-    fn publish(&self, weights: &ExportedWeights) -> Result<WeightAnnounce, PublishFailed>;
-    /// Frees an older version nobody should fetch any more.
-    fn retire(&self, _announce: &WeightAnnounce) {}
-}
-
-/// Why a version could not be published.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("publishing weight version {version}: {reason}")]
-pub struct PublishFailed {
-    /// The version.
-    pub version: u64,
-    /// What went wrong.
-    pub reason: String,
-}
-
-impl<C: PeerConnector> WeightPublisher for BulkPlane<C> {
-    fn publish(&self, weights: &ExportedWeights) -> Result<WeightAnnounce, PublishFailed> {
-        let blob = BulkPlane::publish(self, weights.bytes.clone()).map_err(|e| PublishFailed {
-            version: weights.version,
-            reason: e.to_string(),
-        })?;
-        Ok(WeightAnnounce {
-            version: weights.version,
-            blob,
-            size: weights.bytes.len() as u64,
-            hash: weights.hash.clone(),
-            source: self.config().local_name.clone(),
-        })
-    }
-
-    fn retire(&self, announce: &WeightAnnounce) {
-        self.remove(&announce.blob);
-    }
-}
-
-/// A publisher that, after publishing on the bulk plane, pushes the blob to `targets` (node
-/// names) through the plane's relay groups ([`BulkPlane::broadcast`]) before the version is
-/// announced: the trainer's uplink sends about one copy whatever the number of replicas, and
-/// the replicas' fetches find the blob already local. A target the relay could not reach is
-/// logged and fetches the blob from the trainer itself when the announcement arrives.
-pub struct RelayPublisher<C> {
-    plane: BulkPlane<C>,
-    targets: std::sync::Mutex<Vec<String>>,
-    runtime: tokio::runtime::Handle,
-}
-
-impl<C: PeerConnector> RelayPublisher<C> {
-    /// A relaying publisher on `plane`; must be called inside a tokio runtime (the broadcast
-    /// runs on it, driven from the learner thread).
-    pub fn new(plane: BulkPlane<C>, targets: Vec<String>) -> Result<Self, PublishFailed> {
-        let runtime = tokio::runtime::Handle::try_current().map_err(|e| PublishFailed {
-            version: 0,
-            reason: format!("a relaying publisher needs a tokio runtime: {e}"),
-        })?;
-        Ok(RelayPublisher {
-            plane,
-            targets: std::sync::Mutex::new(targets),
-            runtime,
-        })
-    }
-
-    /// Replaces the relay targets (e.g. when replicas join or leave).
-    pub fn set_targets(&self, targets: Vec<String>) {
-        *self.targets.lock().unwrap_or_else(|p| p.into_inner()) = targets;
-    }
-}
-
-impl<C: PeerConnector> WeightPublisher for RelayPublisher<C> {
-    fn publish(&self, weights: &ExportedWeights) -> Result<WeightAnnounce, PublishFailed> {
-        let announce = WeightPublisher::publish(&self.plane, weights)?;
-        let targets = self
-            .targets
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        if !targets.is_empty() {
-            match self
-                .runtime
-                .block_on(self.plane.broadcast(announce.blob, &targets))
-            {
-                Ok(report) => tracing::debug!(
-                    version = announce.version,
-                    delivered = ?report.delivered,
-                    retried = ?report.retried,
-                    "weights relayed"
-                ),
-                Err(e) => tracing::warn!(
-                    version = announce.version,
-                    "relaying the weights failed for some replicas (they will fetch): {e}"
-                ),
-            }
-        }
-        Ok(announce)
-    }
-
-    fn retire(&self, announce: &WeightAnnounce) {
-        self.plane.remove(&announce.blob);
-    }
-}
-
-/// A publisher without a bulk plane: the announcement names the blob id the plane would give
-/// the bytes (default chunk size) and node `source`; subscribers get the bytes in-process.
-#[derive(Debug, Clone)]
-pub struct LocalPublisher {
-    /// The node named as the source.
-    pub source: String,
-}
-
-impl WeightPublisher for LocalPublisher {
-    fn publish(&self, weights: &ExportedWeights) -> Result<WeightAnnounce, PublishFailed> {
-        let manifest = Manifest::build(&weights.bytes, BulkConfig::new(&self.source).chunk_size)
-            .map_err(|e| PublishFailed {
-                version: weights.version,
-                reason: e.to_string(),
-            })?;
-        Ok(WeightAnnounce {
-            version: weights.version,
-            blob: manifest.id(),
-            size: weights.bytes.len() as u64,
-            hash: weights.hash.clone(),
-            source: self.source.clone(),
-        })
-    }
-}
-
 /// What the trainer does with a sample that is too stale.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "mode")]
@@ -703,39 +558,6 @@ pub enum TrainerEvent {
     },
 }
 
-/// A subscriber: called on the trainer's message loop for every event, so it must be quick
-/// (cast, push to a channel). Returning `false` unsubscribes it.
-pub type Subscriber = Arc<dyn Fn(&TrainerEvent) -> bool + Send + Sync>;
-
-/// How a rollout worker subscriber receives new versions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Delivery {
-    /// [`RolloutMsg::Announce`]: the worker fetches the bytes through its weight source.
-    Announce,
-    /// [`RolloutMsg::Install`]: the bytes handed over in-process.
-    Install,
-}
-
-/// A subscriber forwarding every published version to `worker`; it unsubscribes when the
-/// worker is gone.
-pub fn rollout_subscriber<P: PolicyReplica>(
-    worker: ActorRef<RolloutMsg<P>>,
-    delivery: Delivery,
-) -> Subscriber {
-    Arc::new(move |event| match event {
-        TrainerEvent::Published {
-            announce, bytes, ..
-        } => {
-            let msg = match delivery {
-                Delivery::Announce => RolloutMsg::Announce(announce.clone(), None),
-                Delivery::Install => RolloutMsg::Install(announce.clone(), bytes.clone(), None),
-            };
-            worker.cast(msg).is_ok()
-        }
-        _ => true,
-    })
-}
-
 /// Messages of a [`Trainer`].
 pub enum TrainerMsg {
     /// New samples (cast). Accepted ones are never lost silently; refused ones are counted.
@@ -808,16 +630,6 @@ impl<L> Default for Trainer<L> {
     }
 }
 
-/// Work for the learner thread.
-enum Job {
-    Step {
-        batch: Arc<Vec<TrainSample>>,
-        importance: Vec<Importance>,
-        checkpoint: Option<PathBuf>,
-    },
-    Checkpoint(PathBuf),
-}
-
 struct InStep {
     batch: Arc<Vec<TrainSample>>,
     importance: Vec<Importance>,
@@ -850,292 +662,7 @@ pub struct TrainerState {
     journal: Option<Journal>,
 }
 
-/// What the learner thread reports after start.
-struct Started {
-    version: u64,
-    steps: u64,
-    limits: SampleLimits,
-    resumed_from: Option<u64>,
-    initial: Result<(WeightAnnounce, Bytes), String>,
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
-fn published_mark(root: &Path) -> PathBuf {
-    root.join("published")
-}
-
-/// Records `version` as published under `root` (temporary file, synced, renamed).
-fn write_published(root: &Path, version: u64) -> Result<(), String> {
-    use std::io::Write;
-    std::fs::create_dir_all(root).map_err(|e| format!("{}: {e}", root.display()))?;
-    let path = published_mark(root);
-    let tmp = root.join(".published.tmp");
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(version.to_string().as_bytes())?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &path)
-    };
-    write().map_err(|e| format!("{}: {e}", path.display()))
-}
-
-fn read_published(root: &Path) -> Result<Option<u64>, String> {
-    let path = published_mark(root);
-    match std::fs::read_to_string(&path) {
-        Ok(text) => text.trim().parse().map(Some).map_err(|_| {
-            format!(
-                "{}: expected a version number, found {:?}",
-                path.display(),
-                text.trim()
-            )
-        }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(format!("{}: {e}", path.display())),
-    }
-}
-
-fn export_and_publish<L: Learner>(
-    learner: &L,
-    publisher: &dyn WeightPublisher,
-    root: Option<&Path>,
-) -> (Result<(WeightAnnounce, Bytes), String>, f64, f64) {
-    let t = Instant::now();
-    let weights = match learner.export() {
-        Ok(w) => w,
-        Err(e) => {
-            return (
-                Err(format!("exporting the weights: {e}")),
-                ms(t.elapsed()),
-                0.0,
-            )
-        }
-    };
-    let export_ms = ms(t.elapsed());
-    let t = Instant::now();
-    let result = publisher
-        .publish(&weights)
-        .map_err(|e| e.to_string())
-        .and_then(|announce| {
-            if let Some(root) = root {
-                write_published(root, announce.version)?;
-            }
-            Ok((announce, weights.bytes))
-        });
-    (result, export_ms, ms(t.elapsed()))
-}
-
-/// Resumes, then announces the starting version; runs on the learner thread.
-fn start_learner<L: Learner>(
-    learner: &mut L,
-    publisher: &dyn WeightPublisher,
-    root: Option<&Path>,
-) -> Result<Started, String> {
-    let mut resumed_from = None;
-    if let Some(root) = root {
-        if learner
-            .resume(root)
-            .map_err(|e| format!("resuming from {}: {e}", root.display()))?
-        {
-            resumed_from = Some(learner.version());
-        }
-        if let Some(published) = read_published(root)? {
-            if published > learner.version() {
-                // Versions after the checkpoint were served and are lost with the old trainer:
-                // the resumed weights become the next version above them.
-                learner
-                    .advance_version(published + 1)
-                    .map_err(|e| format!("advancing the version past {published}: {e}"))?;
-            }
-        }
-    }
-    let (initial, _, _) = export_and_publish(learner, publisher, root);
-    Ok(Started {
-        version: learner.version(),
-        steps: learner.steps(),
-        limits: learner.limits(),
-        resumed_from,
-        initial,
-    })
-}
-
-fn learner_thread<L: Learner>(
-    mut learner: L,
-    publisher: Arc<dyn WeightPublisher>,
-    root: Option<PathBuf>,
-    started: oneshot::Sender<Result<Started, String>>,
-    jobs: std_mpsc::Receiver<Job>,
-    me: ActorRef<TrainerMsg>,
-) {
-    let run = std::panic::AssertUnwindSafe(|| {
-        let start = start_learner(&mut learner, publisher.as_ref(), root.as_deref());
-        let ok = start.is_ok();
-        if started.send(start).is_err() || !ok {
-            return;
-        }
-        while let Ok(job) = jobs.recv() {
-            match job {
-                Job::Step {
-                    batch,
-                    importance,
-                    checkpoint,
-                } => {
-                    let t = Instant::now();
-                    let result = learner.step(&batch, &importance).map_err(|e| e.to_string());
-                    let step_finished = Instant::now();
-                    let step_ms = ms(step_finished - t);
-                    let applied = matches!(&result, Ok(r) if r.skipped.is_none());
-                    let (published, export_ms, publish_ms) = if applied {
-                        let (p, e, u) =
-                            export_and_publish(&learner, publisher.as_ref(), root.as_deref());
-                        (Some(p), e, u)
-                    } else {
-                        (None, 0.0, 0.0)
-                    };
-                    let done = StepDone {
-                        result,
-                        published,
-                        step_finished,
-                        step_ms,
-                        export_ms,
-                        publish_ms,
-                    };
-                    if me.cast(TrainerMsg::StepDone(Box::new(done))).is_err() {
-                        return;
-                    }
-                    if let (true, Some(root)) = (applied, checkpoint) {
-                        let r = learner
-                            .save_checkpoint(&root)
-                            .map(|p| (learner.version(), p))
-                            .map_err(|e| format!("checkpoint under {}: {e}", root.display()));
-                        if me.cast(TrainerMsg::CheckpointDone(r)).is_err() {
-                            return;
-                        }
-                    }
-                }
-                Job::Checkpoint(root) => {
-                    let r = learner
-                        .save_checkpoint(&root)
-                        .map(|p| (learner.version(), p))
-                        .map_err(|e| format!("checkpoint under {}: {e}", root.display()));
-                    if me.cast(TrainerMsg::CheckpointDone(r)).is_err() {
-                        return;
-                    }
-                }
-            }
-        }
-    });
-    if let Err(panic) = std::panic::catch_unwind(run) {
-        let what = panic
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a panic".into());
-        let _ = me.cast(TrainerMsg::LearnerLost(what));
-    }
-}
-
-/// The pending-sample journal under the checkpoint directory (see the module docs).
-struct Journal {
-    path: PathBuf,
-    file: std::io::BufWriter<std::fs::File>,
-}
-
-impl Journal {
-    fn path(root: &Path) -> PathBuf {
-        root.join("pending.jsonl")
-    }
-
-    /// The samples a previous incarnation left, in order.
-    fn replay(root: &Path) -> Result<Vec<TrainSample>, String> {
-        let path = Self::path(root);
-        let file = match std::fs::File::open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(format!("{}: {e}", path.display())),
-        };
-        let mut out = Vec::new();
-        for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
-            let line = line.map_err(|e| format!("{}: {e}", path.display()))?;
-            if line.trim().is_empty() {
-                continue;
-            }
-            match serde_json::from_str::<TrainSample>(&line) {
-                Ok(s) => out.push(s),
-                // A line cut short by a crash mid-append can only be the last one.
-                Err(e) => tracing::warn!(
-                    "{}: line {} is not a sample ({e}); skipped",
-                    path.display(),
-                    i + 1
-                ),
-            }
-        }
-        Ok(out)
-    }
-
-    /// Rewrites the journal to hold exactly `samples` and opens it for appending.
-    fn rewrite<'a>(
-        root: &Path,
-        samples: impl Iterator<Item = &'a TrainSample>,
-    ) -> Result<Journal, String> {
-        let path = Self::path(root);
-        let tmp = root.join(".pending.jsonl.tmp");
-        let io = |e: std::io::Error| format!("{}: {e}", tmp.display());
-        std::fs::create_dir_all(root).map_err(|e| format!("{}: {e}", root.display()))?;
-        {
-            let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(io)?);
-            for s in samples {
-                serde_json::to_writer(&mut w, s).map_err(|e| e.to_string())?;
-                w.write_all(b"\n").map_err(io)?;
-            }
-            w.into_inner()
-                .map_err(|e| io(e.into_error()))?
-                .sync_all()
-                .map_err(io)?;
-        }
-        std::fs::rename(&tmp, &path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let file = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&path)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        Ok(Journal {
-            path,
-            file: std::io::BufWriter::new(file),
-        })
-    }
-
-    fn append(&mut self, samples: &[TrainSample]) -> Result<(), String> {
-        let io = |e: std::io::Error| format!("{}: {e}", self.path.display());
-        for s in samples {
-            serde_json::to_writer(&mut self.file, s).map_err(|e| e.to_string())?;
-            self.file.write_all(b"\n").map_err(io)?;
-        }
-        self.file.flush().map_err(io)
-    }
-}
-
 impl TrainerState {
-    /// Rewrites the journal to the samples the newest checkpoint does not cover.
-    fn compact_journal(&mut self) {
-        let Some(root) = self.config.checkpoint_dir.clone() else {
-            return;
-        };
-        let in_step = self.in_step.as_ref().map(|s| s.batch.clone());
-        let samples = in_step
-            .iter()
-            .flat_map(|b| b.iter())
-            .chain(self.queue.iter());
-        match Journal::rewrite(&root, samples) {
-            Ok(j) => self.journal = Some(j),
-            Err(e) => {
-                tracing::error!("rewriting the pending-sample journal: {e}");
-                self.stats.last_error = Some(format!("pending-sample journal: {e}"));
-            }
-        }
-    }
-
     fn snapshot(&self) -> TrainerStats {
         let mut s = self.stats.clone();
         let in_step = self.in_step.as_ref().map_or(0, |s| s.batch.len()) as u64;
@@ -1551,7 +1078,12 @@ impl<L: Learner> Actor for Trainer<L> {
             // Samples the previous incarnation accepted that no checkpoint covers.
             let left = Journal::replay(&root).map_err(TrainerStartError::Init)?;
             let mut recovered = Vec::with_capacity(left.len());
-            for s in left {
+            for mut s in left {
+                // The journal belongs to the checkpoint directory's lineage, whatever job id
+                // wrote it: a job re-run on the same run directory gets a new one.
+                if !state.config.job.is_empty() {
+                    s.job.clone_from(&state.config.job);
+                }
                 match state.refuse(&s) {
                     Some(reason) => {
                         state.stats.rejected += 1;

@@ -12,7 +12,7 @@ use clawrl_actors::loops::{
     admits, spawn_job, Action, AdmissionSettings, Backlog, BoxFuture, Built, EnvError, Environment,
     Episode, EpisodeTurns, Gate, JobArgs, JobCounts, JobSample, JobSettings, Judgement,
     Observation, PolicyError, PolicyTurn, SampleBuilder, StepOutcome, StopCondition, TrainerCounts,
-    TrainerLink, Turn, TurnJudge, TurnPolicy,
+    TrainerLink, Turn, TurnJudge, TurnPolicy, TurnSource,
 };
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -403,8 +403,10 @@ async fn slow_trainer_job(
     };
     let (_job, done) = spawn_job(JobArgs {
         job: "j".into(),
-        env: Arc::new(Env { steps: 3 }),
-        policy: Arc::new(Policy(version)),
+        source: TurnSource::Sessions {
+            env: Arc::new(Env { steps: 3 }),
+            policy: Arc::new(Policy(version)),
+        },
         judge: Arc::new(Judge),
         builder: Arc::new(Builder),
         trainer: trainer.clone(),

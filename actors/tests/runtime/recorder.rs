@@ -214,6 +214,66 @@ async fn a_torn_last_line_is_cut_counted_and_appending_goes_on() {
     actor.stop_and_wait(None, None).await.unwrap();
 }
 
+/// At start the recorder reads every record file in its directory, whatever its prefix (a
+/// re-run records under a new one): it cuts a torn tail the crashed run left, and records as
+/// `lost` (once, counted) each turn recorded without a judge record; a second start finds
+/// nothing left to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_cuts_torn_files_of_any_prefix_and_records_unjudged_turns_as_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let turn = |v: u64, s: &str, t: u64| {
+        format!(r#"{{"version":{v},"kind":"turn","record":{{"session_id":"{s}","turn":{t}}}}}"#)
+    };
+    let judge = |v: u64, s: &str, t: u64| {
+        format!(r#"{{"version":{v},"kind":"judge","record":{{"session_id":"{s}","turn":{t}}}}}"#)
+    };
+    // The crashed run `job-1`: a0 judged, a1 and b0 not, and a torn line at the end.
+    let crashed = dir.path().join("job-1.v00000002.jsonl");
+    std::fs::write(
+        &crashed,
+        format!(
+            "{}\n{}\n{}\n{}\n{{\"version\":2,\"ki",
+            turn(2, "a", 0),
+            judge(2, "a", 0),
+            turn(2, "a", 1),
+            turn(2, "b", 0)
+        ),
+    )
+    .unwrap();
+    let mut cfg = RecorderConfig::new(dir.path(), "job-2");
+    cfg.capacity = 64;
+    let (actor, _) = Actor::spawn(None, Recorder, cfg.clone()).await.unwrap();
+    let h = ractor::call!(actor, RecorderMsg::Handle).unwrap();
+    h.flush().await.unwrap();
+    let s = h.stats();
+    assert_eq!((s.torn_lines_cut, s.lost_by_crash), (1, 2), "{s:?}");
+    assert_eq!((s.accepted, s.written), (2, 2), "{s:?}");
+    let text = std::fs::read_to_string(&crashed).unwrap();
+    assert!(text.ends_with('\n') && text.lines().count() == 4, "{text}");
+    let lost = clawrl_actors::loops::read_records(&dir.path().join("job-2.v00000002.jsonl"))
+        .unwrap()
+        .lines;
+    let keys: Vec<(String, u64)> = lost
+        .iter()
+        .map(|l| {
+            assert_eq!(l.kind, "lost");
+            (
+                l.record["session_id"].as_str().unwrap().to_string(),
+                l.record["turn"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(keys, vec![("a".into(), 1), ("b".into(), 0)]);
+    actor.stop_and_wait(None, None).await.unwrap();
+    // Counted once: the next start finds every turn settled and no torn line.
+    let (actor, _) = Actor::spawn(None, Recorder, cfg).await.unwrap();
+    let h = ractor::call!(actor, RecorderMsg::Handle).unwrap();
+    h.flush().await.unwrap();
+    let s = h.stats();
+    assert_eq!((s.torn_lines_cut, s.lost_by_crash, s.written), (0, 0, 0));
+    actor.stop_and_wait(None, None).await.unwrap();
+}
+
 /// Written lines are fsynced on the interval without anyone asking for a flush, and record
 /// files are private to their owner.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,9 +10,10 @@ use std::time::Duration;
 
 use clawrl_actors::loops::{
     spawn_job, Action, BoxFuture, Built, EndReason, EnvError, EnvSession, Environment, Episode,
-    EpisodeTurns, JobArgs, JobSample, JobSettings, JudgedTurn, Judgement, Observation, PolicyError,
-    PolicyTurn, PrmVoter, SampleBuilder, SessionArgs, SessionEvent, StepOutcome, StopCondition,
-    TrainerCounts, TrainerLink, Turn, TurnJudge, TurnPolicy, VoterArgs, VoterMsg,
+    EpisodeTurns, JobArgs, JobMsg, JobPhase, JobSample, JobSettings, JudgedTurn, Judgement,
+    Observation, PolicyError, PolicyTurn, PrmVoter, SampleBuilder, SessionArgs, SessionEvent,
+    StepOutcome, StopCause, StopCondition, TrainerCounts, TrainerLink, Turn, TurnJudge, TurnPolicy,
+    TurnSource, VoterArgs, VoterMsg,
 };
 use ractor::Actor;
 use serde_json::json;
@@ -469,8 +470,10 @@ async fn a_job_restarts_failed_sessions_counts_lost_ones_and_balances() {
     });
     let (_job, done) = spawn_job(JobArgs {
         job: "j".into(),
-        env: env.clone(),
-        policy: p.clone(),
+        source: TurnSource::Sessions {
+            env: env.clone(),
+            policy: p.clone(),
+        },
         judge: Arc::new(Judge),
         builder: Arc::new(Builder),
         trainer: trainer.clone(),
@@ -538,8 +541,10 @@ async fn a_job_whose_sessions_all_fail_stops_with_the_error() {
     });
     let (_job, done) = spawn_job(JobArgs {
         job: "j".into(),
-        env: env.clone(),
-        policy: p.clone(),
+        source: TurnSource::Sessions {
+            env: env.clone(),
+            policy: p.clone(),
+        },
         judge: Arc::new(Judge),
         builder: Arc::new(Builder),
         trainer: trainer.clone(),
@@ -617,8 +622,10 @@ async fn a_job_with_groups_builds_whole_groups_of_one_task_and_drops_failed_ones
     let builds = Arc::new(GroupRecorder::default());
     let (_job, done) = spawn_job(JobArgs {
         job: "j".into(),
-        env: env.clone(),
-        policy: p.clone(),
+        source: TurnSource::Sessions {
+            env: env.clone(),
+            policy: p.clone(),
+        },
         judge: Arc::new(Judge),
         builder: Arc::new(builds.clone()),
         trainer: trainer.clone(),
@@ -681,5 +688,81 @@ async fn a_job_with_groups_builds_whole_groups_of_one_task_and_drops_failed_ones
         builds.iter().filter(|b| b.len() == 2).count() as u64,
         g.built,
         "{builds:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offered_turns_are_one_turn_episodes_and_the_job_drains_only_once_the_source_closes() {
+    // A turn to offer, made by a real session; copies of it stand for a gateway's turns.
+    let env = Arc::new(Env::new(vec![1]));
+    let ev = run_session(env, 0, policy(0), Duration::from_secs(10), None).await;
+    let template = turns(&ev)[0].clone();
+    let offered = |session: &str, turn: u32| {
+        let mut t = template.clone();
+        t.session_id = session.into();
+        t.turn = turn;
+        JobMsg::Offer(Box::new(t))
+    };
+    let p = policy(0);
+    let trainer = Arc::new(Trainer {
+        counts: Mutex::new(TrainerCounts::default()),
+        policy: p.clone(),
+        seen: Mutex::new(Vec::new()),
+    });
+    let (job, done) = spawn_job(JobArgs {
+        job: "offered".into(),
+        source: TurnSource::Offered,
+        judge: Arc::new(Judge),
+        builder: Arc::new(Builder),
+        trainer: trainer.clone(),
+        recorder: None,
+        settings: JobSettings {
+            // Unused: no session is ever started for an offering source.
+            parallelism: 0,
+            judge_timeout: Duration::from_millis(200),
+            stop: StopCondition {
+                max_samples: Some(100),
+                ..StopCondition::default()
+            },
+            poll: Duration::from_millis(10),
+            ..JobSettings::default()
+        },
+        progress: None,
+        done: None,
+    })
+    .await
+    .unwrap();
+    // Judge: turn 0 → +1, turn 1 → an error (unjudged), turns 4 and 5 → −1.
+    job.cast(offered("a", 0)).unwrap();
+    job.cast(offered("b", 0)).unwrap();
+    job.cast(offered("a", 1)).unwrap();
+    job.cast(offered("a", 4)).unwrap();
+    job.cast(JobMsg::Stop).unwrap();
+    // Still taken while draining: the source's last turns come after the stop.
+    job.cast(offered("b", 5)).unwrap();
+    let c = ractor::call_t!(job, JobMsg::Counts, 1000).unwrap();
+    assert_eq!(c.phase, JobPhase::Draining, "{c:?}");
+    job.cast(JobMsg::SourceClosed).unwrap();
+    let c = tokio::time::timeout(Duration::from_secs(30), done)
+        .await
+        .expect("the job finishes once its source is closed")
+        .unwrap();
+    assert_eq!(c.phase, JobPhase::Finished);
+    assert_eq!(c.stopped_by, Some(StopCause::Requested));
+    assert_eq!((c.turns, c.sessions_started), (5, 2), "{c:?}");
+    assert_eq!((c.judged, c.unjudged), (4, 1), "{c:?}");
+    // Each turn is an episode of its own; the unjudged one gives no sample.
+    assert_eq!(c.episodes_built, 5, "{c:?}");
+    assert_eq!(c.samples_submitted, 4, "{c:?}");
+    let mut seen = trainer.seen.lock().unwrap().clone();
+    seen.sort();
+    assert_eq!(
+        seen,
+        vec![
+            ("a".to_string(), 0),
+            ("a".to_string(), 4),
+            ("b".to_string(), 0),
+            ("b".to_string(), 5)
+        ]
     );
 }

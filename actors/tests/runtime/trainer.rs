@@ -738,11 +738,21 @@ async fn samples_pending_at_a_crash_are_recovered() {
     t.kill();
     tokio::time::sleep(Duration::from_millis(100)).await;
     // Only the sample no checkpoint covers comes back; it completes a batch with a new one.
+    // The journal is the checkpoint directory's: a re-run under a new job id (as `clawrl run`
+    // gets) takes it as its own.
+    let cfg = TrainerConfig {
+        job: "job-b".into(),
+        ..cfg
+    };
     let t = spawn(cfg, Unigram::new(Arc::default()), local(), vec![]).await;
     let s = idle(&t).await;
     assert_eq!((s.resumed_from, s.recovered, s.pending), (Some(2), 1, 1));
-    t.cast(TrainerMsg::Samples(vec![sample(2, "d", 0, &[8], 1.0)]))
-        .unwrap();
+    assert_eq!(s.rejected, 0, "{s:?}");
+    let d = TrainSample {
+        job: "job-b".into(),
+        ..sample(2, "d", 0, &[8], 1.0)
+    };
+    t.cast(TrainerMsg::Samples(vec![d])).unwrap();
     let s = idle(&t).await;
     assert_eq!((s.produced, s.trained, s.version), (2, 2, 3));
 }

@@ -13,6 +13,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::wire::{EnvReply, EnvRequest};
 use super::{envhost_group, json, lock, unjson, EPISODE_IDLE};
+use crate::env::EnvKind;
 use crate::job::JobSpec;
 use crate::pipeline::build_env_in;
 
@@ -29,14 +30,14 @@ pub struct EnvHost;
 /// How an [`EnvHost`] starts.
 pub struct EnvHostArgs {
     /// The environment kind it hosts (`--env KIND:N`).
-    pub kind: String,
+    pub kind: EnvKind,
     /// Where its environments create their work dirs (`<data_dir>/env`).
     pub work_root: PathBuf,
 }
 
 /// An [`EnvHost`]'s state.
 pub struct EnvHostState {
-    kind: String,
+    kind: EnvKind,
     work_root: PathBuf,
     /// Built environments by job id, with the spec text they were built from.
     envs: HashMap<String, (String, Arc<dyn Environment>)>,
@@ -87,7 +88,7 @@ impl Actor for EnvHost {
         myself: ActorRef<Rpc>,
         args: EnvHostArgs,
     ) -> Result<EnvHostState, ActorProcessingErr> {
-        ractor::pg::join(envhost_group(&args.kind), vec![myself.get_cell()]);
+        ractor::pg::join(envhost_group(args.kind.name()), vec![myself.get_cell()]);
         let episodes: Episodes = Arc::new(Mutex::new(HashMap::new()));
         // Episodes nobody steps any more (their job's home died) are closed after a while.
         let weak: Weak<Mutex<HashMap<u64, Arc<OpenEpisode>>>> = Arc::downgrade(&episodes);

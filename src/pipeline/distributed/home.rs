@@ -11,8 +11,8 @@ use std::time::Duration;
 use clawrl_actors::config::{NodeConfig, Role};
 use clawrl_actors::control::{ControlReply, ControlRequest, JobRecord, JobState as PlacedState};
 use clawrl_actors::loops::{
-    spawn_job, JobArgs, JobCounts, JobMsg, JobPhase, ProgressReport, Recorder, RecorderConfig,
-    RecorderMsg, RelayPublisher, TrainSample, Trainer, TrainerArgs, TrainerMsg, WeightPublisher,
+    JobCounts, JobMsg, JobPhase, ProgressReport, RelayPublisher, TrainSample, TurnSource,
+    WeightPublisher,
 };
 use clawrl_actors::node::Node;
 use clawrl_actors::worker::EnvSpec;
@@ -23,14 +23,11 @@ use super::remote_env::RemoteEnvironment;
 use super::remote_policy::{RemoteChatPolicy, RolloutPool};
 use super::rollout_host::{RolloutHost, RolloutHostArgs};
 use super::{control_call, lock, RUNNER_POLL};
+use crate::env::EnvKind;
 use crate::job::{JobKind, JobSpec};
 use crate::judge::JudgeAccess;
-use crate::model::{load_checkpoint, EngineOptions};
-use crate::pipeline::{
-    actor_err, build_judging, job_settings, learner, samples, sampling_params, spawn_teacher,
-    step_records, train_config, trainer_config, wait_serving, RunError, KEEP_CHECKPOINTS,
-};
-use crate::train::learner::Learner as BurnLearner;
+use crate::pipeline::parts::{JobParts, LoadedPolicy};
+use crate::pipeline::{sampling_params, RunError};
 use crate::CpuAutodiff;
 
 /// Runs one job placed on this node to its stop condition (see the module docs). Returns its
@@ -86,7 +83,7 @@ pub async fn run_placed_job(
             }
             Err(e) => {
                 return Err(RunError::Env {
-                    kind: spec.env.kind.clone(),
+                    kind: spec.env.kind,
                     tasks: spec.resolve(&spec.env.tasks),
                     message: e,
                 })
@@ -105,38 +102,7 @@ pub async fn run_placed_job(
         next: AtomicUsize::new(0),
     });
 
-    // The learner and the policy's tokenizer and template.
-    let ckpt_dir = spec.resolve(&spec.policy.checkpoint);
-    let device = Default::default();
-    let ck =
-        load_checkpoint::<CpuAutodiff>(&ckpt_dir, &device).map_err(|e| RunError::Checkpoint {
-            path: ckpt_dir.clone(),
-            message: e.to_string(),
-        })?;
-    let stop_ids = ck.stop_token_ids();
-    let tokenizer = Arc::new(ck.tokenizer);
-    let template = Arc::new(ck.chat_template);
-    let learner = BurnLearner::new(ck.config, ck.model, train_config(&spec), device, spec.seed);
-    let model_config = learner.model_config().clone();
-    let engine = EngineOptions {
-        max_batch: spec.policy.max_batch as usize,
-        max_context: spec.policy.max_context as usize,
-        prefix_cache_bytes: (spec.policy.prefix_cache_mib as usize) << 20,
-    };
-
-    // Records.
-    let (recorder, _) = Actor::spawn(
-        None,
-        Recorder,
-        RecorderConfig::new(out.join("records"), &job_id),
-    )
-    .await
-    .map_err(actor_err("recorder"))?;
-    let rec =
-        ractor::call_t!(recorder, RecorderMsg::Handle, 10_000).map_err(actor_err("recorder"))?;
-    crate::watch::scalars::tap_recorder(&rec, &out)
-        .await
-        .map_err(RunError::from)?;
+    let policy = LoadedPolicy::<CpuAutodiff>::load(&spec, Default::default())?;
 
     // Generation on the rollout hosts, the OPD teacher here, the trainer publishing on this
     // node's bulk plane.
@@ -149,98 +115,64 @@ pub async fn run_placed_job(
             message: e.to_string(),
         })?,
     );
-    let pool = RolloutPool::start(&job_id, &model_config, engine, Some(relay.clone()));
-    let mut subscribers = vec![pool.subscriber()];
-    let teacher = spawn_teacher(
-        &spec,
-        &file,
-        &model_config,
-        &template,
-        &tokenizer,
-        &mut subscribers,
-    )
-    .await?;
-    let publisher: Arc<dyn WeightPublisher> = relay;
-    let (trainer, _) = Actor::spawn(
-        None,
-        Trainer::new(),
-        TrainerArgs {
-            config: trainer_config(&spec, &job_id, &out),
-            learner: learner::PolicyLearner::new(learner, KEEP_CHECKPOINTS),
-            publisher,
-            subscribers,
-        },
-    )
-    .await
-    .map_err(actor_err("trainer"))?;
-    let stop_all = |trainer: &ActorRef<TrainerMsg>| {
-        trainer.stop(None);
-        if let Some(t) = &teacher {
-            t.stop(None);
-        }
-        recorder.stop(None);
+    let pool = RolloutPool::start(
+        &job_id,
+        &policy.model_config,
+        policy.engine,
+        Some(relay.clone()),
+    );
+    let chat = RemoteChatPolicy {
+        job: job_id.clone(),
+        template: policy.template.clone(),
+        tokenizer: policy.tokenizer.clone(),
+        params: sampling_params(&spec, policy.stop_ids.clone()),
+        max_context: policy.engine.max_context,
+        next: AtomicUsize::new(0),
+        next_seed: AtomicU64::new(spec.seed),
     };
+    let publisher: Arc<dyn WeightPublisher> = relay;
+    let subscribers = vec![pool.subscriber()];
+    let parts =
+        match JobParts::start(&spec, &file, &job_id, &out, policy, publisher, subscribers).await {
+            Ok(p) => p,
+            Err(e) => {
+                pool.release().await;
+                return Err(e);
+            }
+        };
     waiting("a rollout worker serving the job's first version");
     if !pool.wait_serving(&stop).await {
-        stop_all(&trainer);
+        parts.abort();
         pool.release().await;
         return Err(RunError::Actor {
             what: "job",
             message: "cancelled before it started".into(),
         });
     }
-    if let Some(t) = &teacher {
-        wait_serving(std::slice::from_ref(t), "OPD teacher").await?;
-    }
-
-    let (judge, builder) =
-        build_judging(&spec, &file, &ckpt_dir, engine, &job_id, teacher.clone())?;
-    let chat = RemoteChatPolicy {
-        job: job_id.clone(),
-        template,
-        tokenizer,
-        params: sampling_params(&spec, stop_ids),
-        max_context: engine.max_context,
-        next: AtomicUsize::new(0),
-        next_seed: AtomicU64::new(spec.seed),
-    };
-    let (job, done) = spawn_job::<TrainSample>(JobArgs {
-        job: job_id.clone(),
+    let source = TurnSource::Sessions {
         env,
         policy: Arc::new(chat),
-        judge: Arc::new(judge),
-        builder: Arc::new(samples::SharedBuilder(Arc::new(builder))),
-        trainer: Arc::new(trainer.clone()),
-        recorder: Some(rec.clone()),
-        settings: job_settings(&spec, Duration::from_millis(200)),
-        progress: Some(progress.clone()),
-        done: None,
-    })
-    .await
-    .map_err(actor_err("job supervisor"))?;
+    };
+    let (job, done) = match parts
+        .spawn_job(source, Some(progress.clone()), Duration::from_millis(200))
+        .await
+    {
+        Ok(j) => j,
+        Err(e) => {
+            parts.abort();
+            pool.release().await;
+            return Err(e);
+        }
+    };
     *lock(&supervisor) = Some(job.clone());
     if stop.load(Ordering::Relaxed) {
         let _ = job.cast(JobMsg::Stop);
     }
-    trainer
-        .cast(TrainerMsg::Subscribe(step_records(job.clone()), None))
-        .map_err(actor_err("trainer"))?;
 
     let counts = done.await.map_err(|_| RunError::Lost)?;
-    match ractor::call_t!(trainer, TrainerMsg::Checkpoint, 600_000) {
-        Ok(Ok(p)) => tracing::info!(job = %job_id, "final checkpoint {}", p.display()),
-        Ok(Err(e)) => tracing::warn!(job = %job_id, "final checkpoint: {e}"),
-        Err(e) => tracing::warn!(job = %job_id, "final checkpoint: {e}"),
-    }
-    let _ = rec.flush().await;
-    trainer.stop(None);
-    if let Some(t) = &teacher {
-        t.stop(None);
-    }
+    let finished = parts.finish().await;
     pool.release().await;
-    let _ = recorder
-        .stop_and_wait(None, Some(Duration::from_secs(60)))
-        .await;
+    finished?;
     Ok(counts)
 }
 
@@ -443,16 +375,27 @@ pub async fn start_node_services(
         .await
         .map_err(err(what))?;
     }
-    let mut kinds: Vec<&str> = envs.iter().map(|e| e.kind.as_str()).collect();
-    kinds.sort();
-    kinds.dedup();
+    // Every `--env` kind is one this build has, or the node does not start.
+    let mut kinds = Vec::new();
+    for e in envs {
+        let kind: EnvKind =
+            e.kind
+                .parse()
+                .map_err(|e: crate::env::UnknownEnvKind| ServicesError {
+                    what: format!("{}/envhost", node.name()),
+                    message: format!("--env: {e}"),
+                })?;
+        if !kinds.contains(&kind) {
+            kinds.push(kind);
+        }
+    }
     for kind in kinds {
         let what = format!("{}/envhost.{kind}", node.name());
         Actor::spawn(
             Some(what.clone()),
             EnvHost,
             EnvHostArgs {
-                kind: kind.to_string(),
+                kind,
                 work_root: config.data_dir.join("env"),
             },
         )

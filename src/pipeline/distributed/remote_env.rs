@@ -66,7 +66,7 @@ impl RemoteEnvironment {
             job: job.to_string(),
             file: file.to_string(),
             spec: spec_text.to_string(),
-            kind: spec.env.kind.clone(),
+            kind: spec.env.kind.name().to_string(),
             task_count: 0,
             max_steps: 0,
             timeout: CONTROL_CALL,

@@ -1,0 +1,294 @@
+//! What every job is built from, whatever produces its turns: the policy checkpoint loaded into
+//! a learner ([`LoadedPolicy`]), then [`JobParts`]: the job's `Recorder` (and its TensorBoard
+//! tap), the OPD teacher when the method uses hints, the `Trainer` actor with every subscriber,
+//! and the job supervisor over the judge and the method's sample builder. Its
+//! [`finish`](JobParts::finish) writes the final checkpoint and gives the trainer's and
+//! recorder's counters.
+//!
+//! The three job runners differ only in what serves the policy and where turns come from:
+//! - the local job ([`super::run_job`]): rollout workers in-process, sessions over an
+//!   environment;
+//! - the job across nodes ([`super::distributed::run_placed_job`]): rollout hosts on other
+//!   nodes, sessions over remote environment hosts;
+//! - the `personal` job ([`super::gateway_job::run_gateway_job`]): the gateway serves, and the
+//!   turns its clients complete are offered to the supervisor.
+//!
+//! Order, and why: the serving side is created from the [`LoadedPolicy`] first, because the
+//! trainer publishes its first version to the subscribers it starts with; the teacher subscribes
+//! last; the supervisor starts once the teacher serves (its first judged turn may need it).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::tensor::backend::AutodiffBackend;
+use clawrl_actors::loops::{
+    spawn_job, JobArgs, JobCounts, JobMsg, ProgressReport, Recorder, RecorderConfig,
+    RecorderHandle, RecorderMsg, RecorderStats, RolloutMsg, Subscriber, TrainSample, Trainer,
+    TrainerArgs, TrainerMsg, TrainerStats, TurnSource, WeightPublisher,
+};
+use ractor::{Actor, ActorRef};
+use tokio::sync::oneshot;
+
+use super::{
+    actor_err, build_judging, job_settings, learner, samples, spawn_teacher, step_records,
+    train_config, trainer_config, wait_serving, RunError,
+};
+use crate::job::JobSpec;
+use crate::model::{load_checkpoint, ChatTemplate, EngineOptions, Qwen3Config};
+use crate::train::learner::BurnLearner;
+
+/// Checkpoints kept under `<out>/checkpoints`.
+const KEEP_CHECKPOINTS: usize = 3;
+
+/// The policy checkpoint of a spec, loaded: what the serving side is built from, and the
+/// learner the trainer will own.
+pub struct LoadedPolicy<AB: AutodiffBackend> {
+    /// `policy.checkpoint`, resolved against the spec's directory.
+    pub ckpt_dir: PathBuf,
+    /// The checkpoint's tokenizer.
+    pub tokenizer: Arc<tokenizers::Tokenizer>,
+    /// Its chat template.
+    pub template: Arc<ChatTemplate>,
+    /// The token ids that end a response.
+    pub stop_ids: Vec<u32>,
+    /// The learner's (float32) model config: replicas load exported versions with it.
+    pub model_config: Qwen3Config,
+    /// The generation engine's options from `[policy]`.
+    pub engine: EngineOptions,
+    learner: BurnLearner<AB>,
+}
+
+impl<AB: AutodiffBackend> LoadedPolicy<AB> {
+    /// Loads `policy.checkpoint` on `device` into a learner with the spec's optimiser settings.
+    pub fn load(spec: &JobSpec, device: AB::Device) -> Result<Self, RunError> {
+        let ckpt_dir = spec.resolve(&spec.policy.checkpoint);
+        let ck = load_checkpoint::<AB>(&ckpt_dir, &device).map_err(|e| RunError::Checkpoint {
+            path: ckpt_dir.clone(),
+            message: e.to_string(),
+        })?;
+        let stop_ids = ck.stop_token_ids();
+        let learner = BurnLearner::new(ck.config, ck.model, train_config(spec), device, spec.seed);
+        let p = &spec.policy;
+        Ok(LoadedPolicy {
+            ckpt_dir,
+            tokenizer: Arc::new(ck.tokenizer),
+            template: Arc::new(ck.chat_template),
+            stop_ids,
+            model_config: learner.model_config().clone(),
+            engine: EngineOptions {
+                max_batch: p.max_batch as usize,
+                max_context: p.max_context as usize,
+                prefix_cache_bytes: (p.prefix_cache_mib as usize) << 20,
+            },
+            learner,
+        })
+    }
+}
+
+/// A job's recorder, teacher and trainer, running (see the module docs).
+pub struct JobParts {
+    spec: JobSpec,
+    file: String,
+    job_id: String,
+    out: PathBuf,
+    ckpt_dir: PathBuf,
+    engine: EngineOptions,
+    /// The job's records (`<out>/records`).
+    pub rec: RecorderHandle,
+    recorder: ActorRef<RecorderMsg>,
+    /// The trainer.
+    pub trainer: ActorRef<TrainerMsg>,
+    teacher: Option<ActorRef<RolloutMsg<samples::TeacherScorer>>>,
+}
+
+/// What a finished job's parts report.
+pub struct Finished {
+    /// The final checkpoint, when one was written.
+    pub final_checkpoint: Option<PathBuf>,
+    /// The trainer's counters at the end.
+    pub trainer: TrainerStats,
+    /// The recorder's counters at the end.
+    pub records: RecorderStats,
+}
+
+impl JobParts {
+    /// Starts the recorder (records and TensorBoard scalars under `out`), the OPD teacher when
+    /// the method uses hints, and the trainer over `policy`'s learner, publishing through
+    /// `publisher` to `subscribers` (the serving side) and the teacher; returns once the teacher
+    /// serves. Checkpoints go to `<out>/checkpoints`, and the trainer resumes from the newest.
+    pub async fn start<AB: AutodiffBackend>(
+        spec: &JobSpec,
+        file: &str,
+        job_id: &str,
+        out: &Path,
+        policy: LoadedPolicy<AB>,
+        publisher: Arc<dyn WeightPublisher>,
+        mut subscribers: Vec<Subscriber>,
+    ) -> Result<Self, RunError> {
+        let (recorder, _) = Actor::spawn(
+            None,
+            Recorder,
+            RecorderConfig::new(out.join("records"), job_id),
+        )
+        .await
+        .map_err(actor_err("recorder"))?;
+        let rec = ractor::call_t!(recorder, RecorderMsg::Handle, 10_000)
+            .map_err(actor_err("recorder"))?;
+        if let Err(e) = crate::watch::scalars::tap_recorder(&rec, out).await {
+            recorder.stop(None);
+            return Err(e.into());
+        }
+        let teacher = match spawn_teacher(
+            spec,
+            file,
+            &policy.model_config,
+            &policy.template,
+            &policy.tokenizer,
+            &mut subscribers,
+        )
+        .await
+        {
+            Ok(t) => t,
+            Err(e) => {
+                recorder.stop(None);
+                return Err(e);
+            }
+        };
+        let spawned = Actor::spawn(
+            None,
+            Trainer::new(),
+            TrainerArgs {
+                config: trainer_config(spec, job_id, out),
+                learner: learner::PolicyLearner::new(policy.learner, KEEP_CHECKPOINTS),
+                publisher,
+                subscribers,
+            },
+        )
+        .await;
+        let trainer = match spawned {
+            Ok((t, _)) => t,
+            Err(e) => {
+                if let Some(t) = &teacher {
+                    t.stop(None);
+                }
+                recorder.stop(None);
+                return Err(actor_err("trainer")(e));
+            }
+        };
+        let parts = JobParts {
+            spec: spec.clone(),
+            file: file.to_string(),
+            job_id: job_id.to_string(),
+            out: out.to_path_buf(),
+            ckpt_dir: policy.ckpt_dir,
+            engine: policy.engine,
+            rec,
+            recorder,
+            trainer,
+            teacher,
+        };
+        if let Some(t) = &parts.teacher {
+            if let Err(e) = wait_serving(std::slice::from_ref(t), "OPD teacher").await {
+                parts.abort();
+                return Err(e);
+            }
+        }
+        Ok(parts)
+    }
+
+    /// Starts the job supervisor over `source`, with the spec's judge, the method's sample
+    /// builder (and the teacher), and its stop condition; every trainer step is recorded (kind
+    /// `trainer_step`). The receiver gets the final counts.
+    pub async fn spawn_job(
+        &self,
+        source: TurnSource,
+        progress: Option<ProgressReport>,
+        poll: Duration,
+    ) -> Result<(ActorRef<JobMsg<TrainSample>>, oneshot::Receiver<JobCounts>), RunError> {
+        let (judge, builder) = build_judging(
+            &self.spec,
+            &self.file,
+            &self.ckpt_dir,
+            self.engine,
+            &self.job_id,
+            self.teacher.clone(),
+        )?;
+        let mut settings = job_settings(&self.spec, poll);
+        if matches!(source, TurnSource::Offered) {
+            // Offered turns are one-turn episodes the job never holds back.
+            settings.admission = None;
+            settings.group_size = None;
+        }
+        let (job, done) = spawn_job::<TrainSample>(JobArgs {
+            job: self.job_id.clone(),
+            source,
+            judge: Arc::new(judge),
+            builder: Arc::new(samples::SharedBuilder(Arc::new(builder))),
+            trainer: Arc::new(self.trainer.clone()),
+            recorder: Some(self.rec.clone()),
+            settings,
+            progress,
+            done: None,
+        })
+        .await
+        .map_err(actor_err("job supervisor"))?;
+        self.trainer
+            .cast(TrainerMsg::Subscribe(step_records(job.clone()), None))
+            .map_err(actor_err("trainer"))?;
+        Ok((job, done))
+    }
+
+    /// Stops the trainer, the teacher and the recorder without a final checkpoint (a job that
+    /// could not start).
+    pub fn abort(&self) {
+        self.trainer.stop(None);
+        if let Some(t) = &self.teacher {
+            t.stop(None);
+        }
+        self.recorder.stop(None);
+    }
+
+    /// Writes the final checkpoint (a failure is logged: the checkpoints the trainer wrote
+    /// before stand), reads the trainer's counters, stops the trainer and the teacher, and
+    /// drains the recorder to disk.
+    pub async fn finish(self) -> Result<Finished, RunError> {
+        let job = &self.job_id;
+        let final_checkpoint = match ractor::call_t!(self.trainer, TrainerMsg::Checkpoint, 600_000)
+        {
+            Ok(Ok(p)) => {
+                tracing::info!(job = %job, "final checkpoint {}", p.display());
+                Some(p)
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(job = %job, "final checkpoint: {e}");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(job = %job, "final checkpoint: {e}");
+                None
+            }
+        };
+        let trainer = ractor::call_t!(self.trainer, TrainerMsg::Stats, 60_000);
+        self.trainer.stop(None);
+        if let Some(t) = &self.teacher {
+            t.stop(None);
+        }
+        let _ = self.rec.flush().await;
+        let records = self.rec.stats();
+        let _ = self
+            .recorder
+            .stop_and_wait(None, Some(Duration::from_secs(60)))
+            .await;
+        Ok(Finished {
+            final_checkpoint,
+            trainer: trainer.map_err(actor_err("trainer"))?,
+            records,
+        })
+    }
+
+    /// The run directory.
+    pub fn out(&self) -> &Path {
+        &self.out
+    }
+}
