@@ -19,7 +19,9 @@
 //!
 //! Rust has no specialisation, so [`causal_attention`] takes any backend and routes by type: the
 //! autodiff backends this crate trains on (`Autodiff<Flex>`, and `Autodiff<Cuda>` with the `cuda`
-//! feature) get the custom backward; every other backend runs the same tiled forward.
+//! feature) get the custom backward; every other backend runs the same tiled forward. On the CPU
+//! backend the forward is one kernel over the raw floats ([`super::cpu_attention`]); elsewhere it
+//! is built from tensor ops.
 
 use std::any::TypeId;
 
@@ -30,8 +32,9 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Bool, Tensor, TensorPrimitive};
+use burn::tensor::{Bool, Tensor, TensorData, TensorPrimitive};
 
+use super::cpu_attention::{attention_forward, Dims};
 use super::matmul::{cast, matmul};
 
 /// The most score elements (`b · h · t · keys`) one tile holds: 2 Mi f32 is 8 MiB, and the
@@ -107,7 +110,8 @@ fn tracked<B: Backend, I: Backend>(
 /// `q [b, h, t, d]`, `k, v [b, h, n, d]` → `[b, h, t, d]`. With `Some(offset)` query row `r` is
 /// position `offset + r` and sees keys `0..=offset + r` (a prefill, `n = offset + t`); with
 /// `None` every row sees all `n` keys (a decode step whose rows are one token's query heads).
-/// Used where the backend's own attention would multiply on TF32 (see [`super::matmul`]).
+/// Every backend's prefill and decode take it: Burn's own attention materialises the score
+/// matrix, and on CUDA multiplies on TF32 (see [`super::matmul`]).
 pub fn cached_attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -127,6 +131,9 @@ fn forward<B: Backend>(
     mask_from: Option<usize>,
     budget: usize,
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    if TypeId::of::<B>() == TypeId::of::<crate::CpuBackend>() {
+        return on_cpu(q, k, v, mask_from);
+    }
     let [b, h, t, d] = q.dims();
     let n = k.dims()[2];
     let q = q * (d as f64).powf(-0.5);
@@ -147,6 +154,31 @@ fn forward<B: Backend>(
         lses.push(m + l.log());
     }
     (Tensor::cat(outs, 2), Tensor::cat(lses, 2))
+}
+
+/// [`forward`] on the CPU backend: the same tiles as one kernel over the raw floats
+/// ([`super::cpu_attention`]).
+fn on_cpu<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask_from: Option<usize>,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let [b, h, t, d] = q.dims();
+    let n = k.dims()[2];
+    let device = q.device();
+    let floats = |x: Tensor<B, 4>| {
+        x.into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .expect("a float tensor converted to f32 reads as f32")
+    };
+    let dims = Dims { b, h, t, n, d };
+    let (o, lse) = attention_forward(&floats(q), &floats(k), &floats(v), dims, mask_from);
+    (
+        Tensor::from_data(TensorData::new(o, [b, h, t, d]), &device),
+        Tensor::from_data(TensorData::new(lse, [b, h, t, 1]), &device),
+    )
 }
 
 /// `qi [b, h, t, d]` (already scaled by `1/√d`) against `kj [b, h, keys, d]` → the scores

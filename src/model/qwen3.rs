@@ -16,15 +16,14 @@
 use burn::module::{Module, Param};
 use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
-use burn::tensor::module::{attention, embedding};
-use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::module::embedding;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 
 use super::attention::{cached_attention, causal_attention};
 use super::config::Qwen3Config;
 use super::kv_cache::{KvCache, KvCacheError};
 use super::lora::Lora;
-use super::matmul::{matmul, native_matmul_is_inexact};
+use super::matmul::matmul;
 
 /// Root-mean-square layer norm over the last dimension (no bias, no mean subtraction).
 #[derive(Module, Debug)]
@@ -188,14 +187,6 @@ impl<B: Backend> Attention<B> {
         let (q, k, v) = self.qkv(x, cos, sin);
         let o = causal_attention(q, self.repeat_kv(k), self.repeat_kv(v));
         self.output(o)
-    }
-}
-
-fn causal() -> AttentionModuleOptions {
-    AttentionModuleOptions {
-        scale: None,
-        softcap: None,
-        is_causal: true,
     }
 }
 
@@ -504,8 +495,6 @@ impl<B: Backend> Qwen3<B> {
         let ids_i: Vec<i64> = ids.iter().map(|&t| t as i64).collect();
         let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids_i, [1, s]), &device);
         let mut x = embedding(self.embed_tokens.val(), input);
-        // Burn's attention multiplies with the backend's own matmul, which rounds on CUDA.
-        let exact = native_matmul_is_inexact::<B>();
         for (l, layer) in self.layers.iter().enumerate() {
             let attn = &layer.self_attn;
             let (q, k, v) = attn.qkv(
@@ -515,11 +504,7 @@ impl<B: Backend> Qwen3<B> {
             );
             let (k_all, v_all) = cache.append(l, k, v);
             let (k_all, v_all) = (attn.repeat_kv(k_all), attn.repeat_kv(v_all));
-            let o = if exact {
-                cached_attention(q, k_all, v_all, Some(start))
-            } else {
-                attention(q, k_all, v_all, None, None, causal())
-            };
+            let o = cached_attention(q, k_all, v_all, Some(start));
             let h = x + attn.output(o);
             x = h.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(h));
         }
@@ -551,12 +536,6 @@ impl<B: Backend> Qwen3<B> {
         let ids_i: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
         let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids_i, [n, 1]), &device);
         let mut x = embedding(self.embed_tokens.val(), input);
-        let no_causal = AttentionModuleOptions {
-            scale: None,
-            softcap: None,
-            is_causal: false,
-        };
-        let exact = native_matmul_is_inexact::<B>();
         for (l, layer) in self.layers.iter().enumerate() {
             let attn = &layer.self_attn;
             let (q, k, v) = attn.qkv(
@@ -575,11 +554,7 @@ impl<B: Backend> Qwen3<B> {
                 // group's queries become the query axis: [1, kv, groups, d]. No causal mask
                 // needed: one new token sees its whole past.
                 let qi = q.clone().narrow(0, i, 1).reshape([1, nkv, groups, d]);
-                let o = if exact {
-                    cached_attention(qi, k_all, v_all, None)
-                } else {
-                    attention(qi, k_all, v_all, None, None, no_causal)
-                };
+                let o = cached_attention(qi, k_all, v_all, None);
                 outs.push(o.reshape([1, nq, 1, d]));
             }
             let o = Tensor::cat(outs, 0);
