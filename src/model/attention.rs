@@ -34,7 +34,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, Tensor, TensorData, TensorPrimitive};
 
-use super::cpu_attention::{attention_forward, Dims};
+use super::cpu_attention::{attention_backward, attention_forward, Dims};
 use super::matmul::{cast, matmul};
 
 /// The most score elements (`b · h · t · keys`) one tile holds: 2 Mi f32 is 8 MiB, and the
@@ -167,12 +167,6 @@ fn on_cpu<B: Backend>(
     let [b, h, t, d] = q.dims();
     let n = k.dims()[2];
     let device = q.device();
-    let floats = |x: Tensor<B, 4>| {
-        x.into_data()
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .expect("a float tensor converted to f32 reads as f32")
-    };
     let dims = Dims { b, h, t, n, d };
     let (o, lse) = attention_forward(&floats(q), &floats(k), &floats(v), dims, mask_from);
     (
@@ -211,6 +205,9 @@ fn backward<B: Backend>(
     d_o: Tensor<B, 4>,
     budget: usize,
 ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
+    if TypeId::of::<B>() == TypeId::of::<crate::CpuBackend>() {
+        return backward_on_cpu(q, k, v, o, lse, d_o);
+    }
     let [b, h, n, d] = q.dims();
     let scale = (d as f64).powf(-0.5);
     // S = (q·scale) Kᵀ, so dK takes the scaled queries and dQ = dS K · scale.
@@ -242,6 +239,40 @@ fn backward<B: Backend>(
         dv = dv.clone().slice_assign(keys.clone(), dv.slice(keys) + dv_j);
     }
     (Tensor::cat(dqs, 2), dk, dv)
+}
+
+/// [`backward`] on the CPU backend: one kernel over the raw floats
+/// ([`super::cpu_attention::attention_backward`]).
+fn backward_on_cpu<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    o: Tensor<B, 4>,
+    lse: Tensor<B, 4>,
+    d_o: Tensor<B, 4>,
+) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
+    let [b, h, n, d] = q.dims();
+    let device = q.device();
+    let dims = Dims { b, h, t: n, n, d };
+    let (dq, dk, dv) = attention_backward(
+        &floats(q),
+        &floats(k),
+        &floats(v),
+        &floats(o),
+        &floats(lse),
+        &floats(d_o),
+        dims,
+    );
+    let tensor = |x: Vec<f32>| Tensor::from_data(TensorData::new(x, [b, h, n, d]), &device);
+    (tensor(dq), tensor(dk), tensor(dv))
+}
+
+/// A float tensor's elements as `f32`, row-major.
+fn floats<B: Backend>(x: Tensor<B, 4>) -> Vec<f32> {
+    x.into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("a float tensor converted to f32 reads as f32")
 }
 
 /// The autodiff node: forward on the inner backend, gradients by [`backward`].
