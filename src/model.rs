@@ -2,7 +2,8 @@
 //! chat templates exactly as Hugging Face does, scores responses and generates with a KV cache.
 //!
 //! Layout: [`config`] (the `config.json` schema), [`qwen3`] (the module and its forward passes),
-//! [`attention`] (tiled causal attention with its own backward), [`matmul`] (float32-exact
+//! [`attention`] (tiled causal attention with its own backward; [`cpu_attention`], its forward
+//! as one CPU kernel), [`matmul`] (float32-exact
 //! products on GPUs that round to TF32),
 //! [`lora`] (low-rank adapters on the linear layers: attach, read back, merge), [`peft`] (the
 //! PEFT adapter directory in and out),
@@ -16,6 +17,7 @@ pub mod attention;
 pub mod chat;
 pub mod checkpoint;
 pub mod config;
+pub mod cpu_attention;
 pub mod engine;
 pub mod kv_cache;
 pub mod lora;

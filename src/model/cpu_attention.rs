@@ -94,6 +94,7 @@ pub fn attention_forward(
     if t == 0 || d == 0 {
         return (o, lse);
     }
+    assert!(n > 0, "attention_forward: rows with no key to attend to");
     let kernel = Kernel::detect();
     let heads = b * h;
     let work = heads * t * n;
@@ -114,7 +115,7 @@ pub fn attention_forward(
             d,
             positions: mask_from.map(|offset| offset + first),
         };
-        kernel.run(&job, o_tile, lse_tile);
+        kernel.forward(&job, o_tile, lse_tile);
     };
     // Tiles never straddle heads: each head's rows are cut into tiles of QUERY_TILE.
     let mut tiles: Vec<(&mut [f32], &mut [f32])> =
@@ -346,9 +347,9 @@ impl Kernel {
         Kernel::Portable
     }
 
-    fn run(self, tile: &Tile<'_>, o: &mut [f32], lse: &mut [f32]) {
+    fn forward(self, tile: &Tile<'_>, o: &mut [f32], lse: &mut [f32]) {
         match self {
-            Kernel::Portable => tile_kernel::<false>(tile, o, lse),
+            Kernel::Portable => forward_kernel::<false>(tile, o, lse),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `detect` chose this variant only after the CPU reported AVX2 and FMA.
             Kernel::Avx2Fma => unsafe { avx2_fma::forward(tile, o, lse) },
@@ -359,7 +360,7 @@ impl Kernel {
         match self {
             Kernel::Portable => query_grad_kernel::<false>(tile, dq),
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: as in `run`.
+            // SAFETY: as in `forward`.
             Kernel::Avx2Fma => unsafe { avx2_fma::query_grads(tile, dq) },
         }
     }
@@ -368,7 +369,7 @@ impl Kernel {
         match self {
             Kernel::Portable => key_grad_kernel::<false>(tile, dk, dv),
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: as in `run`.
+            // SAFETY: as in `forward`.
             Kernel::Avx2Fma => unsafe { avx2_fma::key_grads(tile, dk, dv) },
         }
     }
@@ -381,7 +382,7 @@ mod avx2_fma {
 
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn forward(tile: &Tile<'_>, o: &mut [f32], lse: &mut [f32]) {
-        tile_kernel::<true>(tile, o, lse)
+        forward_kernel::<true>(tile, o, lse)
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -411,7 +412,7 @@ const ROW_GROUP: usize = 4;
 
 /// The online-softmax forward of one tile, its rows written to `o [rows, d]` and `lse [rows]`.
 #[inline(always)]
-fn tile_kernel<const FMA: bool>(tile: &Tile<'_>, o: &mut [f32], lse: &mut [f32]) {
+fn forward_kernel<const FMA: bool>(tile: &Tile<'_>, o: &mut [f32], lse: &mut [f32]) {
     let (n, d) = (tile.n, tile.d);
     let rows = lse.len();
     let scale = (d as f32).powf(-0.5);
