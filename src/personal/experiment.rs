@@ -1021,6 +1021,19 @@ async fn wait_serving(
     }
 }
 
+/// The counts whose change means the job moved (the clock alone does not).
+fn progress_of(c: &JobCounts) -> [u64; 6] {
+    let t = &c.trainer;
+    [
+        c.turns,
+        c.turns_settled,
+        c.samples_submitted,
+        t.trained,
+        t.pending,
+        t.version,
+    ]
+}
+
 /// What driving one method's job gave.
 struct Driven {
     measurements: Vec<Measurement>,
@@ -1077,13 +1090,13 @@ async fn drive(
             let target = target as u64;
             let resumed = Instant::now();
             let mut moved = Instant::now();
-            let mut last = counts.borrow().clone();
+            let mut last = progress_of(&counts.borrow());
             users.budget.set_cap(Some(target * x.batch_size as u64));
             loop {
                 let c = counts.borrow_and_update().clone();
-                if c != last {
+                if progress_of(&c) != last {
                     moved = Instant::now();
-                    last = c.clone();
+                    last = progress_of(&c);
                 }
                 while logged < c.trainer.version.min(target) {
                     logged += 1;
