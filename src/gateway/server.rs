@@ -12,7 +12,10 @@
 //! `Retry-After`; every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 //! Each answer carries `session_id` (body field and `X-Session-Id` header): the one the request
 //! named, else the one inferred from the conversation it resends ([`super::infer`]), else a
-//! fresh one; see [`super::session`] for what is recorded.
+//! fresh one; see [`super::session`] for what is recorded. Each answer also carries the weight
+//! version that served it (`X-Clawrl-Version`); a request that sends `X-Clawrl-Version: N` must
+//! be answered by version `N`: while another version serves it gets 409 (`version_mismatch`,
+//! the serving version in the answer's `X-Clawrl-Version`) and touches no session.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -1510,6 +1513,47 @@ fn logprobs_object(s: &AppState, p: &Prepared, c: &Collected) -> Json_ {
     }
 }
 
+/// The request header naming the weight version a request must be answered by.
+pub const VERSION_HEADER: &str = "x-clawrl-version";
+
+/// The version a request's `X-Clawrl-Version` header names, if it names one (a decimal
+/// integer; anything else is a bad request).
+fn pinned_version(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
+    let Some(v) = headers.get(VERSION_HEADER) else {
+        return Ok(None);
+    };
+    v.to_str()
+        .ok()
+        .and_then(|t| t.trim().parse::<u64>().ok())
+        .map(Some)
+        .ok_or_else(|| {
+            ApiError::bad(
+                "invalid_value",
+                Some("X-Clawrl-Version"),
+                "X-Clawrl-Version must be a weight version (a non-negative integer)",
+            )
+        })
+}
+
+/// 409: the request named weight version `want`, the gateway serves `serving` (also in the
+/// answer's `X-Clawrl-Version`, so the client knows whether to wait or give up).
+fn version_conflict(want: u64, serving: u64) -> Response {
+    let mut r = ApiError {
+        status: StatusCode::CONFLICT,
+        kind: "invalid_request_error",
+        code: "version_mismatch",
+        param: Some("X-Clawrl-Version".into()),
+        message: format!(
+            "this request must be answered by weight version {want}; the gateway serves version \
+             {serving}"
+        ),
+    }
+    .into_response();
+    r.headers_mut()
+        .insert(VERSION_HEADER, HeaderValue::from(serving));
+    r
+}
+
 async fn chat_completions(
     State(s): State<Arc<AppState>>,
     Extension(scope): Extension<Scope>,
@@ -1529,6 +1573,17 @@ async fn chat_completions(
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
+    // The request runs, to its end, on the version current now; a request that names the
+    // version it must be answered by (`X-Clawrl-Version`) is refused with 409, before it
+    // touches any session, when that is not the one.
+    let served = s.policy.current();
+    match pinned_version(&headers) {
+        Ok(Some(want)) if want != served.version() => {
+            return version_conflict(want, served.version())
+        }
+        Ok(_) => {}
+        Err(e) => return e.into_response(),
+    }
     // A main request may open a session only within its key's cap; it is opened when the turn
     // has been served (`finish_turn`), and released if it never is.
     if prepared.turn_type == TurnType::Main {
@@ -1573,8 +1628,6 @@ async fn chat_completions(
     record_all(&s, out).await;
 
     s.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
-    // The request runs, to its end, on the version current now.
-    let served = s.policy.current();
     let mut rx = served.engine().submit_streaming(GenerationRequest {
         prompt_ids: prepared.prompt_ids.clone(),
         params: prepared.params.clone(),

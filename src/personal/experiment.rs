@@ -1,57 +1,61 @@
-//! The personal-agent experiment: warm-start a small policy ([`super::sft`]),
-//! then for each method — binary RL, OPD, combined — train it online against the simulated
-//! student and teacher of [`crate::env::personal`] with a scripted judge, and measure the
-//! personalization score of first responses on held-out prompts after the configured numbers
-//! of updates.
+//! The personal-agent experiment: warm-start a small policy ([`super::sft`], offline), then for
+//! each method — binary RL, OPD, combined — run a `personal` job over it
+//! ([`crate::pipeline::gateway_job::run_gateway_job`]: the gateway serves the warm start, its
+//! completed main turns are judged by the job's `PrmVoter`s and trained on by the `Trainer`
+//! actor, and every new weight version is installed into the gateway while it serves), with the
+//! simulated student and teacher of [`crate::env::personal`] as its users, and measure the
+//! personalization score of first responses on held-out prompts after the configured numbers of
+//! updates.
+//!
+//! **The users** are HTTP clients of the job's gateway speaking the OpenAI chat-completions wire
+//! format (every other conversation streamed), sending no session header: the gateway links
+//! each conversation's requests into one session by inference ([`crate::gateway::session`]).
+//! A user asks its question, reads the answer, and replies ([`crate::env::personal::reply`]);
+//! the reply is sent as the conversation's next request, so it becomes the answered turn's next
+//! state. A user who leaves (satisfied, or after `users.max_turns` replies) sends its last reply
+//! and never answers what follows: that last turn is dropped when the session idles out
+//! (`on_session_end = "drop"`), so every trained turn has a next state.
+//!
+//! **Exact versions.** Each turn yields at most one sample and each trainer step takes exactly
+//! `batch_size` samples, so the driver lets users start a turn only while the samples handed to
+//! the trainer (less those it dropped), plus the turns that may still become samples, stay under
+//! `batch_size ×` the next measured number of updates ([`committed`]), and at most two batches
+//! beyond the trainer's version ([`lead_cap`]: users keep talking while a step runs, on the
+//! version served then). Training traffic thus stops when the trainer reaches that version; the driver then waits until the gateway serves it and
+//! measures with side turns (`X-Turn-Type: side`, never recorded or trained on) that name it
+//! (`X-Clawrl-Version`: the gateway answers 409 if another version serves), and lets the users
+//! talk again.
 //!
 //! **Personalization score.** For each held-out task (half student, half teacher, from the
-//! held-out split of [`super::corpus::Split`]) the policy samples `eval_samples` first responses
-//! (temperature `temperature`, seeds fixed per task and sample, the same at every measurement and
-//! for every method); the score is the fraction of those responses that satisfy their user's
-//! rules ([`super::style::satisfies`]), the same deterministic rules the simulated users reply by.
-//!
-//! **One update.** Rounds of `batch_size` conversations (train-split tasks drawn at random) are
-//! rolled out on the current weights through the generation engine; each first response goes to
-//! its user, whose reply is judged (`m` evaluation votes, and for OPD/combined `hint_m` hint
-//! votes) by the configured judge. Each turn becomes a training sample by the method's rule:
-//! binary RL — docs/design.md §1's selection ([`crate::rl::binary_samples`]) with the majority reward on
-//! every token; OPD — only turns with an accepted hint, advantage `teacher_k − old_k` where the
-//! teacher (current or frozen initial policy, `judge.opd.teacher`) scores the original response
-//! under the hint-enhanced prompt ([`crate::judge::TeacherModel`]); combined — the four cases of
-//! docs/design.md §1 ([`crate::judge::TeacherModel::combined_sample`]). Rounds continue until
-//! `batch_size` samples are pending (at most `max_rounds` rounds); the learner then takes one
-//! optimizer step on `batch_size` of them (leftovers wait for the next update, as the trainer
-//! keeps accepted samples). This loop runs in-process over the engine and the learner; it does
-//! not go through the cluster's actor pipeline.
+//! held-out split of [`super::corpus::Split`]) the gateway samples `eval_samples` first
+//! responses (temperature `temperature`, seeds fixed per task and sample, the same at every
+//! measurement and for every method); the score is the fraction of those responses that
+//! satisfy their user's rules ([`super::style::satisfies`]), the same deterministic rules the
+//! simulated users reply by.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use burn::module::AutodiffModule;
-use futures::future::join_all;
+use clawrl_actors::loops::{Action, Episode, JobCounts, JobPhase, ProgressReport};
+use futures::{StreamExt, TryStreamExt};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
 use thiserror::Error;
+use tokio::sync::{watch, Notify};
 
 use super::corpus::Split;
 use super::sft::{warm_start, SftError, SftOutcome, SftSettings};
 use super::style::{satisfies, UserKind};
 use crate::env::personal::{PersonalEnv, PersonalEnvError, UserSettings};
-use crate::judge::{
-    Judge, JudgeConfig, JudgeConfigError, Teacher, TeacherError, TeacherModel, TurnMaterial,
+use crate::job::{JobSpec, JobSpecError, MethodKind};
+use crate::pipeline::gateway_job::{
+    run_gateway_job, GatewayJobError, GatewayJobOptions, GatewayJobReport,
 };
-use crate::model::{
-    load_checkpoint, load_model, score_response, spawn_engine, Checkpoint, EngineError,
-    EngineOptions, GenerationRequest, GenerationResult, LoadError, Qwen3, SamplingParams,
-};
-use crate::rl::{binary_samples, opd_advantages, AdvantageError, BinaryTurn};
-use crate::train::learner::{BurnLearner, StepError};
-use crate::train::{Sample, TrainConfig};
-use crate::watch::scalars::{JudgedPoint, ScalarWriter, StepPoint};
-use clawrl_actors::loops::Action;
+use crate::train::TrainConfig;
 
 /// The job kind of an experiment file.
 pub const KIND: &str = "personal_experiment";
@@ -77,6 +81,15 @@ impl Method {
             Method::Combined => "combined",
         }
     }
+
+    /// The job method it runs as.
+    pub fn kind(self) -> MethodKind {
+        match self {
+            Method::Binary => MethodKind::Binary,
+            Method::Opd => MethodKind::Opd,
+            Method::Combined => MethodKind::Combined,
+        }
+    }
 }
 
 /// The `[experiment]` table.
@@ -89,24 +102,28 @@ pub struct ExperimentSettings {
     pub updates: usize,
     /// After how many updates to measure (0 = the warm start).
     pub eval_at: Vec<usize>,
-    /// Samples per update.
+    /// Samples per update (the job's `optim.batch_size`).
     pub batch_size: usize,
     /// AdamW learning rate of the RL updates.
     pub lr: f64,
     /// Coefficient of the k3 KL term against the warm start (0 disables it).
     pub kl_coef: f64,
+    /// Weight of the binary term (the job's `method.w_binary`).
+    pub w_binary: f64,
+    /// Weight of the OPD term (the job's `method.w_opd`).
+    pub w_opd: f64,
+    /// Simulated users talking to the gateway at once.
+    pub users_at_once: usize,
     /// Train-split tasks per user.
     pub train_tasks_per_user: usize,
     /// Held-out tasks per user.
     pub eval_tasks_per_user: usize,
     /// First responses sampled per held-out task.
     pub eval_samples: usize,
-    /// Sampling temperature of rollouts and measurements.
+    /// Sampling temperature of the users' requests and the measurements.
     pub temperature: f32,
     /// Longest response.
     pub max_new_tokens: usize,
-    /// Rollout rounds (of `batch_size` conversations) per update at most.
-    pub max_rounds: usize,
     /// Seed of task draws, sampling and the learner.
     pub seed: u64,
 }
@@ -120,12 +137,14 @@ impl Default for ExperimentSettings {
             batch_size: 16,
             lr: 1e-3,
             kl_coef: 0.02,
+            w_binary: 1.0,
+            w_opd: 1.0,
+            users_at_once: 16,
             train_tasks_per_user: 128,
             eval_tasks_per_user: 32,
             eval_samples: 2,
             temperature: 1.0,
             max_new_tokens: 40,
-            max_rounds: 8,
             seed: 1,
         }
     }
@@ -153,8 +172,8 @@ pub struct ExperimentFile {
     /// The simulated users.
     #[serde(default)]
     pub users: UserSettings,
-    /// The judge (backend, votes, OPD teacher and weights).
-    pub judge: JudgeConfig,
+    /// The jobs' `[judge]` table, as in a `personal` job spec (checked as part of one).
+    pub judge: toml::Table,
 }
 
 fn default_name() -> String {
@@ -183,33 +202,70 @@ pub enum ExperimentError {
     /// The warm start failed.
     #[error(transparent)]
     Sft(#[from] SftError),
-    /// The warm-start checkpoint could not be loaded.
-    #[error("loading the warm start: {0}")]
-    Load(#[from] LoadError),
     /// The environment refused its settings.
     #[error(transparent)]
     Env(#[from] PersonalEnvError),
     /// An episode failed.
     #[error("episode: {0}")]
     Episode(#[from] clawrl_actors::loops::EnvError),
-    /// The judge config is invalid.
+    /// The job spec built for a method is invalid.
     #[error(transparent)]
-    Judge(#[from] JudgeConfigError),
-    /// Rendering or tokenizing failed.
-    #[error("prompt: {0}")]
-    Chat(#[from] crate::model::ChatError),
-    /// Generation failed.
-    #[error("generation: {0}")]
-    Engine(#[from] EngineError),
-    /// Teacher scoring failed.
-    #[error(transparent)]
-    Teacher(#[from] TeacherError),
-    /// Advantages could not be built.
-    #[error(transparent)]
-    Advantage(#[from] AdvantageError),
-    /// A learner step failed.
-    #[error("learner: {0}")]
-    Step(#[from] StepError),
+    Spec(#[from] JobSpecError),
+    /// A method's job failed.
+    #[error("the {method} job: {source}")]
+    Job {
+        /// The method.
+        method: &'static str,
+        /// The cause.
+        source: GatewayJobError,
+    },
+    /// The job ended before the driver was done with it.
+    #[error("the {method} job ended early ({why})")]
+    JobEnded {
+        /// The method.
+        method: &'static str,
+        /// What its counts say.
+        why: String,
+    },
+    /// A request to the gateway failed or its answer is not a chat completion.
+    #[error("gateway request ({what}): {message}")]
+    Http {
+        /// Which request.
+        what: &'static str,
+        /// What went wrong.
+        message: String,
+    },
+    /// The gateway answered with an error status.
+    #[error("gateway answered {status} ({what}): {body}")]
+    Status {
+        /// Which request.
+        what: &'static str,
+        /// The HTTP status.
+        status: u16,
+        /// Its body.
+        body: String,
+    },
+    /// A measurement found another version serving than the one it must measure.
+    #[error("measuring version {want}: the gateway serves version {serving}")]
+    WrongVersion {
+        /// The version to measure.
+        want: u64,
+        /// The version served.
+        serving: u64,
+    },
+    /// Nothing moved for too long while the driver waited for a version.
+    #[error("waiting for version {want}: no progress in {secs} s ({counts})")]
+    Stalled {
+        /// The version waited for.
+        want: u64,
+        /// How long nothing moved.
+        secs: u64,
+        /// The job's counts then.
+        counts: String,
+    },
+    /// The async runtime could not start.
+    #[error("starting the async runtime: {0}")]
+    Runtime(std::io::Error),
     /// Writing results failed.
     #[error("writing {path}: {message}")]
     Write {
@@ -240,15 +296,22 @@ impl ExperimentFile {
         }
         for (key, v) in [
             ("experiment.batch_size", x.batch_size),
+            ("experiment.updates", x.updates),
+            ("experiment.users_at_once", x.users_at_once),
             ("experiment.train_tasks_per_user", x.train_tasks_per_user),
             ("experiment.eval_tasks_per_user", x.eval_tasks_per_user),
             ("experiment.eval_samples", x.eval_samples),
             ("experiment.max_new_tokens", x.max_new_tokens),
-            ("experiment.max_rounds", x.max_rounds),
         ] {
             if v == 0 {
                 return Err(bad(format!("{key} must be at least 1")));
             }
+        }
+        if x.users_at_once > 256 {
+            return Err(bad(format!(
+                "experiment.users_at_once = {} is more than 256",
+                x.users_at_once
+            )));
         }
         if let Some(&e) = x.eval_at.iter().find(|&&e| e > x.updates) {
             return Err(bad(format!(
@@ -264,11 +327,14 @@ impl ExperimentFile {
         if !(x.lr.is_finite() && x.lr > 0.0) {
             return Err(bad(format!("experiment.lr = {} must be > 0", x.lr)));
         }
-        if !(x.kl_coef.is_finite() && x.kl_coef >= 0.0) {
-            return Err(bad(format!(
-                "experiment.kl_coef = {} must be >= 0",
-                x.kl_coef
-            )));
+        for (key, v) in [
+            ("experiment.kl_coef", x.kl_coef),
+            ("experiment.w_binary", x.w_binary),
+            ("experiment.w_opd", x.w_opd),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(bad(format!("{key} = {v} must be >= 0")));
+            }
         }
         if !(x.temperature.is_finite() && x.temperature > 0.0) {
             return Err(bad(format!(
@@ -277,9 +343,16 @@ impl ExperimentFile {
             )));
         }
         file.sft.validate().map_err(|e| bad(format!("{e}")))?;
-        file.judge
-            .build(None)
-            .map_err(|e| bad(format!("judge: {e}")))?;
+        PersonalEnv::new(
+            PersonalEnv::sample_tasks(Split::Train, 1, 0),
+            file.users.clone(),
+        )
+        .map_err(|e| bad(format!("users: {e}")))?;
+        // Every method's job spec must be valid (the judge table is checked there).
+        for &m in &x.methods {
+            file.job_spec(m, Path::new("(warm start)"), "sk-check", origin)
+                .map_err(|e| bad(e.to_string()))?;
+        }
         Ok(file)
     }
 
@@ -298,7 +371,97 @@ impl ExperimentFile {
             .clone()
             .unwrap_or_else(|| PathBuf::from("target/clawrl-cache/personal"))
     }
+
+    /// The `personal` job spec of `method` over the checkpoint `checkpoint`, serving on a
+    /// loopback port of its choosing behind `key`; `origin` names the experiment file in errors.
+    pub fn job_spec(
+        &self,
+        method: Method,
+        checkpoint: &Path,
+        key: &str,
+        origin: &str,
+    ) -> Result<JobSpec, JobSpecError> {
+        let x = &self.experiment;
+        let train = TrainConfig::default();
+        let table = |pairs: Vec<(&str, toml::Value)>| -> toml::Table {
+            pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+        };
+        let sub = |pairs: Vec<(&str, toml::Value)>| toml::Value::Table(table(pairs));
+        let int = |v: usize| toml::Value::Integer(v as i64);
+        let spec = table(vec![
+            ("kind", "personal".into()),
+            ("name", format!("{}-{}", self.name, method.name()).into()),
+            ("seed", toml::Value::Integer(x.seed as i64)),
+            (
+                "policy",
+                sub(vec![
+                    ("checkpoint", checkpoint.display().to_string().into()),
+                    ("max_new_tokens", int(x.max_new_tokens)),
+                    ("max_batch", int(32)),
+                    ("max_context", int(self.sft.max_positions)),
+                ]),
+            ),
+            (
+                "gateway",
+                sub(vec![
+                    ("listen", "127.0.0.1:0".into()),
+                    ("model_name", MODEL.into()),
+                    ("api_keys", toml::Value::Array(vec![key.into()])),
+                    // A user who left never answers its last turn: it is dropped, not judged.
+                    ("on_session_end", "drop".into()),
+                    ("idle_timeout_secs", toml::Value::Float(IDLE_TIMEOUT_SECS)),
+                    ("max_sessions_per_key", int(65_536)),
+                    ("max_in_flight_per_key", int(1024)),
+                    ("max_batch", int(32)),
+                    ("data_dir", "turns".into()),
+                    ("default_max_tokens", int(x.max_new_tokens)),
+                ]),
+            ),
+            ("judge", toml::Value::Table(self.judge.clone())),
+            (
+                "method",
+                sub(vec![
+                    ("kind", method.kind().name().into()),
+                    ("w_binary", toml::Value::Float(x.w_binary)),
+                    ("w_opd", toml::Value::Float(x.w_opd)),
+                ]),
+            ),
+            (
+                "optim",
+                sub(vec![
+                    ("batch_size", int(x.batch_size)),
+                    ("lr", toml::Value::Float(x.lr)),
+                    ("clip", toml::Value::Float(train.eps_clip)),
+                    ("clip_high", toml::Value::Float(train.eps_clip_high)),
+                    ("kl", toml::Value::Float(x.kl_coef)),
+                    // Samples wait at most until the next measurement: none is ever dropped.
+                    ("staleness", int(x.updates.max(1))),
+                ]),
+            ),
+            // The driver stops each job; this only bounds a run that hangs.
+            ("stop", sub(vec![("max_hours", toml::Value::Float(6.0))])),
+        ]);
+        let text = toml::to_string(&spec).map_err(|e| JobSpecError {
+            file: origin.to_string(),
+            key: "judge".into(),
+            message: e.to_string(),
+        })?;
+        JobSpec::parse(&text, &format!("{origin} ({})", method.name()))
+    }
 }
+
+/// The model id the jobs' gateways serve.
+const MODEL: &str = "personal";
+
+/// Seconds a session of a user who left stays open before its last (unanswered) turn is
+/// dropped.
+const IDLE_TIMEOUT_SECS: f64 = 20.0;
+
+/// How often the job's counts are polled (and the driver sees them).
+const POLL: Duration = Duration::from_millis(100);
+
+/// How long the driver waits for a version with no count moving before it gives up.
+const STALL: Duration = Duration::from_secs(300);
 
 /// `results.json`: scores of each method after each measured number of updates.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -309,35 +472,31 @@ pub struct Results {
     pub scores: BTreeMap<String, Vec<f64>>,
 }
 
-/// What one update did.
+/// The job's counts when the trainer was first seen at one version (`details.json`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct UpdateLog {
-    /// 1-based update number.
-    pub update: usize,
-    /// Conversations rolled out for it.
-    pub rollouts: usize,
-    /// Of those, how many satisfied their user (the training-time reward rate).
-    pub satisfied: usize,
-    /// Of those, how many got an accepted hint (OPD / combined).
-    pub hints: usize,
-    /// Samples in the optimizer step.
-    pub trained: usize,
-    /// Samples left waiting for the next update.
-    pub pending: usize,
-    /// The learner's loss.
-    pub loss: f64,
-    /// The k3 KL estimate.
-    pub kl: f64,
-    /// Gradient norm before clipping.
-    pub grad_norm: f64,
-    /// Mean |rollout − trainer| log-prob gap of the batch.
-    pub rollout_gap: Option<f64>,
+    /// The number of updates (= the trainer's weight version).
+    pub update: u64,
+    /// Seconds of training traffic since the job started (measurements excluded).
+    pub train_seconds: f64,
+    /// Main turns the gateway recorded and offered to the job, so far.
+    pub turns: u64,
+    /// Of those, judged.
+    pub judged: u64,
+    /// Samples built and handed to the trainer, so far.
+    pub samples: u64,
+    /// Samples the trainer trained on, so far.
+    pub trained: u64,
+    /// Optimizer steps made.
+    pub trainer_steps: u64,
+    /// User requests answered since the previous entry, by the weight version that served them.
+    pub served_by_version: BTreeMap<u64, u64>,
 }
 
 /// One measurement.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Measurement {
-    /// After this many updates.
+    /// After this many updates (the weight version every response was answered by).
     pub updates: usize,
     /// The personalization score.
     pub score: f64,
@@ -350,20 +509,28 @@ pub struct Measurement {
 }
 
 /// One method's run.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct MethodRun {
     /// The method.
     pub method: Method,
     /// Measurements, in `eval_at` order.
     pub measurements: Vec<Measurement>,
-    /// Every update.
+    /// One entry per update.
     pub updates: Vec<UpdateLog>,
-    /// Seconds for training and measuring this method.
+    /// Conversations the users held with the gateway.
+    pub conversations: u64,
+    /// User requests answered, by the weight version that served them.
+    pub served_by_version: BTreeMap<u64, u64>,
+    /// Seconds of training traffic (measurements excluded) divided by the updates.
+    pub seconds_per_update: f64,
+    /// Seconds for the whole job (start, training, measuring, drain).
     pub seconds: f64,
+    /// The job's own report (counts, trainer, gateway versions, records).
+    pub job: GatewayJobReport,
 }
 
 /// Everything the experiment measured (`details.json`).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct Report {
     /// The scores table.
     pub results: Results,
@@ -371,423 +538,814 @@ pub struct Report {
     pub sft: SftOutcome,
     /// The warm start measured with each user's whole directive as a hint on every held-out
     /// question: how well it follows the instruction an OPD teacher sees.
-    pub instructed: Measurement,
+    pub instructed: Option<Measurement>,
     /// Per method.
     pub runs: Vec<MethodRun>,
     /// Seconds for the whole experiment (warm start included).
     pub seconds: f64,
 }
 
-/// The policy-side helpers shared by rollouts and measurements.
-struct World {
-    ck: Checkpoint<crate::CpuBackend>,
-    stop: Vec<u32>,
-    settings: ExperimentSettings,
-    max_context: usize,
+/// What the driver shows while a method runs: the method and its job's counts.
+pub type Progress = Arc<dyn Fn(Method, &JobCounts) + Send + Sync>;
+
+/// Samples the trainer has or will have from the turns so far: those handed to it (less those
+/// it dropped or failed) plus `reserved` user turns not yet settled by the job (each yields at
+/// most one sample).
+pub fn committed(c: &JobCounts, reserved: u64) -> u64 {
+    let t = &c.trainer;
+    c.samples_submitted
+        .saturating_sub(t.dropped_stale + t.failed)
+        .saturating_add(reserved.saturating_sub(c.turns_settled))
 }
 
-impl World {
-    fn prompt(&self, messages: &[serde_json::Value]) -> Result<Vec<u32>, ExperimentError> {
-        let v = minijinja::Value::from_serialize(messages);
-        Ok(self.ck.encode_chat(&v, None)?.ids)
+/// How many samples the users may hold beyond the trainer's version: the batch of the step in
+/// flight and the next one, gathered while that step runs (so a sample is at most about one
+/// version stale when trained, as in an online deployment that keeps serving while it trains).
+pub fn lead_cap(version: u64, batch: u64) -> u64 {
+    (version + 2) * batch
+}
+
+/// The gate in front of every user turn: a turn may start while [`committed`] stays under the
+/// cap (`batch_size ×` the next measured number of updates) and under [`lead_cap`]; no cap:
+/// the users leave.
+struct Budget {
+    state: Mutex<BudgetState>,
+    changed: Notify,
+    counts: watch::Receiver<JobCounts>,
+    batch: u64,
+}
+
+struct BudgetState {
+    cap: Option<u64>,
+    /// User turns started that will be (or were) completed with a next state.
+    reserved: u64,
+}
+
+impl Budget {
+    fn new(counts: watch::Receiver<JobCounts>, batch: u64) -> Self {
+        Self {
+            state: Mutex::new(BudgetState {
+                cap: Some(0),
+                reserved: 0,
+            }),
+            changed: Notify::new(),
+            counts,
+            batch,
+        }
     }
 
-    fn decode(&self, ids: &[u32]) -> String {
-        self.ck.tokenizer.decode(ids, true).unwrap_or_default()
+    fn set_cap(&self, cap: Option<u64>) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).cap = cap;
+        self.changed.notify_waiters();
     }
 
-    /// Samples one response per prompt on `model` (all submitted at once, batched by the
-    /// engine).
-    fn generate(
-        &self,
-        model: Arc<Qwen3<crate::CpuBackend>>,
-        prompts: &[(Vec<u32>, u64)],
-    ) -> Result<Vec<GenerationResult>, ExperimentError> {
-        let engine = spawn_engine(
-            model,
-            None,
-            EngineOptions {
-                max_batch: 32,
-                max_context: self.max_context,
-                ..EngineOptions::default()
-            },
-        );
-        let rxs: Vec<_> = prompts
-            .iter()
-            .map(|(ids, seed)| {
-                engine.submit(GenerationRequest {
-                    prompt_ids: ids.clone(),
-                    params: SamplingParams {
-                        temperature: self.settings.temperature,
-                        top_p: 1.0,
-                        top_k: 0,
-                        max_new_tokens: self.settings.max_new_tokens,
-                        stop_token_ids: self.stop.clone(),
-                        stop_strings: Vec::new(),
-                        seed: *seed,
-                    },
-                    raw_logprobs: None,
-                })
-            })
-            .collect();
-        rxs.into_iter()
-            .map(|rx| {
-                rx.blocking_recv()
-                    .map_err(|_| EngineError::Closed)?
-                    .map_err(ExperimentError::from)
-            })
-            .collect()
-    }
-
-    /// The personalization score of `model` on the held-out tasks. With `instructed`, each
-    /// question carries the user's whole directive as a hint (what an OPD teacher sees at
-    /// best), which measures how well the model follows instructions.
-    fn measure(
-        &self,
-        model: Arc<Qwen3<crate::CpuBackend>>,
-        eval: &PersonalEnv,
-        updates: usize,
-        instructed: bool,
-    ) -> Result<Measurement, ExperimentError> {
-        let mut prompts = Vec::new();
-        let mut users = Vec::new();
-        for (i, task) in eval.tasks().iter().enumerate() {
-            let ep = eval.episode(i, 0)?;
-            let mut messages = clawrl_actors::loops::Episode::observation(&ep).messages;
-            if instructed {
-                let hint = super::style::directive_phrases(task.user).join(" , ");
-                let last = messages.len() - 1;
-                let text = messages[last]["content"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_string();
-                messages[last]["content"] =
-                    serde_json::Value::String(format!("{text}{}{hint}", crate::judge::HINT_PREFIX));
+    /// Reserves one turn: at once if the cap allows, else (with `wait`) when it does; `false`
+    /// when the users must leave (or, without `wait`, when it does not allow one now).
+    async fn reserve(&self, wait: bool) -> bool {
+        let mut counts = self.counts.clone();
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let c = counts.borrow_and_update().clone();
+                let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                let Some(cap) = st.cap else { return false };
+                let cap = cap.min(lead_cap(c.trainer.version, self.batch));
+                if committed(&c, st.reserved) < cap {
+                    st.reserved += 1;
+                    return true;
+                }
+                if !wait {
+                    return false;
+                }
             }
-            let ids = self.prompt(&messages)?;
-            for s in 0..self.settings.eval_samples {
-                let seed = self.settings.seed ^ 0xe7a1_0000 ^ ((i as u64) << 8) ^ s as u64;
-                prompts.push((ids.clone(), seed));
-                users.push((task.user, task.id()));
+            tokio::select! {
+                r = counts.changed() => if r.is_err() { return false },
+                _ = &mut notified => {}
             }
         }
-        let out = self.generate(model, &prompts)?;
-        let mut ok = BTreeMap::<UserKind, (usize, usize)>::new();
-        let mut examples = Vec::new();
-        for (g, (user, id)) in out.iter().zip(&users) {
-            let text = self.decode(&g.response_ids);
-            let e = ok.entry(*user).or_default();
-            e.0 += usize::from(satisfies(*user, &text));
-            e.1 += 1;
-            if examples.len() < 6 && (examples.len() % 2 == 0) == (*user == UserKind::Student) {
-                examples.push((id.clone(), text));
+    }
+
+    /// Gives back a reserved turn that was never completed (its request failed).
+    fn cancel(&self) {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.reserved = st.reserved.saturating_sub(1);
+    }
+}
+
+/// A client of one job's gateway.
+#[derive(Clone)]
+struct Gateway {
+    http: reqwest::Client,
+    base: String,
+    key: String,
+    temperature: f32,
+    max_tokens: usize,
+}
+
+/// One chat completion to ask.
+struct Ask<'a> {
+    what: &'static str,
+    messages: &'a [Value],
+    seed: u64,
+    stream: bool,
+    /// A side turn (never recorded, never trained on).
+    side: bool,
+    /// The weight version that must answer it.
+    version: Option<u64>,
+}
+
+/// A chat completion's answer: the assistant's text and the version that served it.
+struct Answer {
+    content: String,
+    version: u64,
+}
+
+impl Gateway {
+    async fn chat(&self, ask: &Ask<'_>) -> Result<Answer, ExperimentError> {
+        let what = ask.what;
+        let http_err = |e: reqwest::Error| ExperimentError::Http {
+            what,
+            message: e.to_string(),
+        };
+        let mut req = self
+            .http
+            .post(format!("{}/v1/chat/completions", self.base))
+            .bearer_auth(&self.key)
+            .json(&json!({
+                "model": MODEL,
+                "messages": ask.messages,
+                "temperature": self.temperature,
+                "top_p": 1.0,
+                "max_tokens": self.max_tokens,
+                "seed": ask.seed,
+                "stream": ask.stream,
+            }));
+        if ask.side {
+            req = req.header("X-Turn-Type", "side");
+        }
+        if let Some(v) = ask.version {
+            req = req.header("X-Clawrl-Version", v.to_string());
+        }
+        let mut resp = req.send().await.map_err(http_err)?;
+        let status = resp.status().as_u16();
+        let version = resp
+            .headers()
+            .get("x-clawrl-version")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if status == 409 {
+            if let (Some(want), Some(serving)) = (ask.version, version) {
+                return Err(ExperimentError::WrongVersion { want, serving });
             }
         }
-        let frac = |(a, n): (usize, usize)| if n == 0 { 0.0 } else { a as f64 / n as f64 };
-        let total = ok
-            .values()
-            .fold((0, 0), |acc, v| (acc.0 + v.0, acc.1 + v.1));
-        Ok(Measurement {
-            updates,
-            score: frac(total),
-            student: frac(ok.get(&UserKind::Student).copied().unwrap_or_default()),
-            teacher: frac(ok.get(&UserKind::Teacher).copied().unwrap_or_default()),
-            examples,
+        if !(200..300).contains(&status) {
+            let body = resp.text().await.unwrap_or_default();
+            return Err(ExperimentError::Status { what, status, body });
+        }
+        let bad = |message: String| ExperimentError::Http { what, message };
+        let version = version.ok_or_else(|| bad("no X-Clawrl-Version header".into()))?;
+        let content = if ask.stream {
+            let mut sse = SseText::default();
+            while let Some(chunk) = resp.chunk().await.map_err(http_err)? {
+                sse.push(&chunk).map_err(bad)?;
+            }
+            sse.finish().map_err(bad)?
+        } else {
+            let v: Value = resp.json().await.map_err(http_err)?;
+            completion_text(&v).map_err(bad)?
+        };
+        Ok(Answer { content, version })
+    }
+
+    /// The version the gateway serves now (`GET /healthz`).
+    async fn serving(&self) -> Result<u64, ExperimentError> {
+        let what = "healthz";
+        let v: Value = self
+            .http
+            .get(format!("{}/healthz", self.base))
+            .bearer_auth(&self.key)
+            .send()
+            .await
+            .and_then(|r| r.error_for_status())
+            .map_err(|e| ExperimentError::Http {
+                what,
+                message: e.to_string(),
+            })?
+            .json()
+            .await
+            .map_err(|e| ExperimentError::Http {
+                what,
+                message: e.to_string(),
+            })?;
+        v["version"].as_u64().ok_or_else(|| ExperimentError::Http {
+            what,
+            message: format!("no version in {v}"),
         })
     }
 }
 
-/// One rolled-out, judged conversation turn.
-struct Turn {
-    messages: Vec<serde_json::Value>,
-    prompt_ids: Vec<u32>,
-    gen: GenerationResult,
-    satisfied: bool,
-    reward: i8,
-    hint: Option<String>,
-    /// What the turn adds to the run's judge scalars.
-    point: JudgedPoint,
+/// The assistant text of a (non-streamed) chat completion: `choices[0].message.content`, a
+/// string or null.
+fn completion_text(v: &Value) -> Result<String, String> {
+    let m = v
+        .pointer("/choices/0/message")
+        .ok_or_else(|| format!("not a chat completion: {v}"))?;
+    match m.get("content") {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Null) | None => Ok(String::new()),
+        Some(other) => Err(format!("message content is not text: {other}")),
+    }
 }
 
-/// Rolls out one round of conversations on `policy` and judges them.
-fn round(
-    world: &World,
-    policy: &Arc<Qwen3<crate::CpuBackend>>,
-    env: &PersonalEnv,
-    judge: &Judge,
-    with_hint: bool,
-    rng: &mut ChaCha8Rng,
-    rt: &tokio::runtime::Runtime,
-) -> Result<Vec<Turn>, ExperimentError> {
-    let n = world.settings.batch_size;
-    let mut episodes = Vec::with_capacity(n);
-    let mut prompts = Vec::with_capacity(n);
-    for _ in 0..n {
-        let index = rng.random_range(0..env.tasks().len());
-        let ep = env.episode(index, rng.random())?;
-        let messages = clawrl_actors::loops::Episode::observation(&ep).messages;
-        prompts.push((world.prompt(&messages)?, rng.random()));
-        episodes.push((ep, messages));
-    }
-    let gens = world.generate(policy.clone(), &prompts)?;
-    let mut judged = Vec::with_capacity(n);
-    let mut pending = Vec::with_capacity(n);
-    for ((mut ep, messages), (gen, (prompt_ids, _))) in
-        episodes.into_iter().zip(gens.into_iter().zip(prompts))
-    {
-        let content = world.decode(&gen.response_ids);
-        let raw = world
-            .ck
-            .tokenizer
-            .decode(&gen.response_ids, false)
-            .unwrap_or_default();
-        let (_, reply) = ep.apply(&Action {
-            content: content.clone(),
-            tool_calls: Vec::new(),
-            raw,
-        })?;
-        judged.push(TurnMaterial {
-            response: content,
-            next_state: reply.text.clone(),
-            next_state_role: "user".into(),
-        });
-        pending.push((messages, prompt_ids, gen, reply.satisfied));
-    }
-    let judgements = rt.block_on(join_all(
-        judged.into_iter().map(|m| judge.judge_turn(m, with_hint)),
-    ));
-    Ok(pending
-        .into_iter()
-        .zip(judgements)
-        .map(|((messages, prompt_ids, gen, satisfied), j)| Turn {
-            point: JudgedPoint::of_record(&j.record("", 0, None)),
-            messages,
-            prompt_ids,
-            gen,
-            satisfied,
-            reward: j.reward,
-            hint: j.hint,
-        })
-        .collect())
+/// The assistant text of a streamed chat completion, from its server-sent events: the
+/// `choices[0].delta.content` pieces, in order, up to `data: [DONE]`.
+#[derive(Default)]
+struct SseText {
+    buf: Vec<u8>,
+    text: String,
+    done: bool,
 }
 
-/// Turns judged turns into training samples by `method`.
-fn samples(
-    method: Method,
-    turns: &[Turn],
-    teacher: &TeacherModel<'_, crate::CpuBackend>,
-    old_model: &Qwen3<crate::CpuBackend>,
-    weights: crate::rl::AdvantageWeights,
-) -> Result<Vec<Sample>, ExperimentError> {
-    let sample = |t: &Turn, advantages: Vec<f32>| Sample {
-        prompt_ids: t.prompt_ids.clone(),
-        response_ids: t.gen.response_ids.clone(),
-        advantages,
-        old_logprobs: None,
-        ref_logprobs: None,
-        rollout_logprobs: Some(t.gen.logprobs.clone()),
-        opd: None,
-        importance: None,
-    };
-    let mut out = Vec::new();
-    match method {
-        Method::Binary => {
-            let bt: Vec<BinaryTurn> = turns
-                .iter()
-                .enumerate()
-                .map(|(i, t)| BinaryTurn {
-                    session_id: format!("s{i}"),
-                    turn: 0,
-                    has_next_state: true,
-                    reward: t.reward,
-                })
-                .collect();
-            for b in binary_samples(&bt) {
-                let t = &turns[b.index];
-                out.push(sample(t, vec![b.advantage; t.gen.response_ids.len()]));
-            }
-        }
-        Method::Opd | Method::Combined => {
-            for t in turns {
-                let messages = minijinja::Value::from_serialize(&t.messages);
-                let old = score_response(old_model, &t.prompt_ids, &t.gen.response_ids);
-                if method == Method::Opd {
-                    let Some(hint) = &t.hint else { continue };
-                    let teacher_lp = teacher.logprobs(
-                        &messages,
-                        None,
-                        &Default::default(),
-                        hint,
-                        &t.gen.response_ids,
-                    )?;
-                    let adv = opd_advantages(&teacher_lp, &old)?;
-                    out.push(sample(t, adv.iter().map(|a| a * weights.w_opd).collect()));
-                } else if let Some(c) = teacher.combined_sample(
-                    weights,
-                    t.reward,
-                    t.hint.as_deref(),
-                    &messages,
-                    None,
-                    &t.gen.response_ids,
-                    &old,
-                )? {
-                    out.push(sample(t, c.advantages));
+impl SseText {
+    fn push(&mut self, bytes: &[u8]) -> Result<(), String> {
+        self.buf.extend_from_slice(bytes);
+        while let Some(end) = self.buf.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = self.buf.drain(..end + 2).collect();
+            let event = std::str::from_utf8(&event).map_err(|e| format!("event: {e}"))?;
+            for line in event.lines() {
+                let Some(data) = line.strip_prefix("data:") else {
+                    continue;
+                };
+                let data = data.trim();
+                if data == "[DONE]" {
+                    self.done = true;
+                    continue;
+                }
+                if self.done {
+                    return Err("data after [DONE]".into());
+                }
+                let v: Value =
+                    serde_json::from_str(data).map_err(|e| format!("event {data:?}: {e}"))?;
+                if let Some(e) = v.get("error") {
+                    return Err(format!("the stream failed: {e}"));
+                }
+                match v.pointer("/choices/0/delta/content") {
+                    Some(Value::String(s)) => self.text.push_str(s),
+                    Some(Value::Null) | None => {}
+                    Some(other) => return Err(format!("delta content is not text: {other}")),
                 }
             }
         }
+        Ok(())
     }
-    Ok(out)
+
+    fn finish(self) -> Result<String, String> {
+        if !self.done {
+            return Err("the stream ended without data: [DONE]".into());
+        }
+        Ok(self.text)
+    }
 }
 
-/// Runs the experiment described by `file`, writing `results.json`, `details.json` and
-/// `scores.png` into `run_dir`.
-pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentError> {
+/// What the users share: the train tasks, the draws, and what they count.
+struct Users {
+    env: PersonalEnv,
+    rng: Mutex<ChaCha8Rng>,
+    gateway: Gateway,
+    budget: Budget,
+    conversations: Mutex<u64>,
+    served: Mutex<BTreeMap<u64, u64>>,
+    /// The questions of the conversations under way: two at once never share one, so the
+    /// gateway's session inference cannot mistake one's reply for the other's.
+    asking: Mutex<std::collections::HashSet<String>>,
+}
+
+impl Users {
+    /// One user after another on this seat until the budget sends them away.
+    async fn seat(self: Arc<Self>) -> Result<(), ExperimentError> {
+        while self.budget.reserve(true).await {
+            let (draw, question) = {
+                let mut rng = self.rng.lock().unwrap_or_else(|p| p.into_inner());
+                let mut asking = self.asking.lock().unwrap_or_else(|p| p.into_inner());
+                let tasks = self.env.tasks();
+                // A question under way is drawn again (a bounded number of times: with fewer
+                // distinct questions than seats, two conversations may share one).
+                let mut index = rng.random_range(0..tasks.len());
+                for _ in 0..64 {
+                    if !asking.contains(&tasks[index].question()) {
+                        break;
+                    }
+                    index = rng.random_range(0..tasks.len());
+                }
+                let question = tasks[index].question();
+                asking.insert(question.clone());
+                let draw = (
+                    index,
+                    rng.random::<u64>(),
+                    rng.random::<u64>(),
+                    rng.random_bool(0.5),
+                );
+                (draw, question)
+            };
+            let done = self.converse(draw).await;
+            self.asking
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&question);
+            done?;
+        }
+        Ok(())
+    }
+
+    /// One conversation; its first turn is already reserved.
+    async fn converse(
+        &self,
+        (index, episode_seed, seed, stream): (usize, u64, u64, bool),
+    ) -> Result<(), ExperimentError> {
+        *self.conversations.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        let mut ep = self.env.episode(index, episode_seed)?;
+        let mut messages = ep.observation().messages;
+        let mut request = 0u64;
+        loop {
+            let ask = Ask {
+                what: "a user's turn",
+                messages: &messages,
+                seed: seed.wrapping_add(request),
+                stream,
+                side: false,
+                version: None,
+            };
+            request += 1;
+            let answer = match self.gateway.chat(&ask).await {
+                Ok(a) => a,
+                Err(e) => {
+                    self.budget.cancel();
+                    return Err(e);
+                }
+            };
+            *self
+                .served
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(answer.version)
+                .or_default() += 1;
+            let (outcome, _) = ep.apply(&Action {
+                content: answer.content.clone(),
+                tool_calls: Vec::new(),
+                raw: answer.content,
+            })?;
+            messages = ep.observation().messages;
+            // The reply is the answered turn's next state: it goes to the gateway as the next
+            // request. The user answers what follows only if it stays and the budget allows.
+            let stays = !outcome.done && self.budget.reserve(false).await;
+            if !stays {
+                let ask = Ask {
+                    what: "a user's last reply",
+                    messages: &messages,
+                    seed: seed.wrapping_add(request),
+                    stream,
+                    side: false,
+                    version: None,
+                };
+                let answer = self.gateway.chat(&ask).await?;
+                *self
+                    .served
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .entry(answer.version)
+                    .or_default() += 1;
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Measures the version the gateway serves, which must be `version`: the held-out first
+/// responses, as side turns that name it. With `instructed`, each question carries the user's
+/// whole directive as a hint (what an OPD teacher sees at best).
+async fn measure(
+    gateway: &Gateway,
+    eval: &PersonalEnv,
+    x: &ExperimentSettings,
+    version: u64,
+    instructed: bool,
+) -> Result<Measurement, ExperimentError> {
+    let mut asks = Vec::new();
+    for (i, task) in eval.tasks().iter().enumerate() {
+        let ep = eval.episode(i, 0)?;
+        let mut messages = ep.observation().messages;
+        if instructed {
+            let hint = super::style::directive_phrases(task.user).join(" , ");
+            let last = messages.len() - 1;
+            let text = messages[last]["content"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            messages[last]["content"] =
+                Value::String(format!("{text}{}{hint}", crate::judge::HINT_PREFIX));
+        }
+        for s in 0..x.eval_samples {
+            let seed = x.seed ^ 0xe7a1_0000 ^ ((i as u64) << 8) ^ s as u64;
+            asks.push((messages.clone(), seed, task.user, task.id()));
+        }
+    }
+    let answers: Vec<(String, UserKind, String)> = futures::stream::iter(asks)
+        .enumerate()
+        .map(|(n, (messages, seed, user, id))| async move {
+            let a = gateway
+                .chat(&Ask {
+                    what: "a measurement",
+                    messages: &messages,
+                    seed,
+                    stream: n % 2 == 1,
+                    side: true,
+                    version: Some(version),
+                })
+                .await?;
+            Ok::<_, ExperimentError>((a.content, user, id))
+        })
+        .buffered(64)
+        .try_collect()
+        .await?;
+    let mut ok = BTreeMap::<UserKind, (usize, usize)>::new();
+    let mut examples = Vec::new();
+    for (text, user, id) in answers {
+        let e = ok.entry(user).or_default();
+        e.0 += usize::from(satisfies(user, &text));
+        e.1 += 1;
+        if examples.len() < 6 && (examples.len() % 2 == 0) == (user == UserKind::Student) {
+            examples.push((id, text));
+        }
+    }
+    let frac = |(a, n): (usize, usize)| if n == 0 { 0.0 } else { a as f64 / n as f64 };
+    let total = ok
+        .values()
+        .fold((0, 0), |acc, v| (acc.0 + v.0, acc.1 + v.1));
+    Ok(Measurement {
+        updates: version as usize,
+        score: frac(total),
+        student: frac(ok.get(&UserKind::Student).copied().unwrap_or_default()),
+        teacher: frac(ok.get(&UserKind::Teacher).copied().unwrap_or_default()),
+        examples,
+    })
+}
+
+/// Waits until the gateway serves `version` (the trainer has published it; the gateway
+/// installs it while serving), checking at each count poll; an error if it serves a newer one
+/// or nothing moves for [`STALL`].
+async fn wait_serving(
+    gateway: &Gateway,
+    counts: &mut watch::Receiver<JobCounts>,
+    version: u64,
+) -> Result<(), ExperimentError> {
+    let since = Instant::now();
+    loop {
+        let serving = gateway.serving().await?;
+        if serving == version {
+            return Ok(());
+        }
+        if serving > version || since.elapsed() > STALL {
+            return Err(ExperimentError::WrongVersion {
+                want: version,
+                serving,
+            });
+        }
+        if counts.changed().await.is_err() {
+            return Err(ExperimentError::WrongVersion {
+                want: version,
+                serving,
+            });
+        }
+    }
+}
+
+/// The counts whose change means the job moved (the clock alone does not).
+fn progress_of(c: &JobCounts) -> [u64; 6] {
+    let t = &c.trainer;
+    [
+        c.turns,
+        c.turns_settled,
+        c.samples_submitted,
+        t.trained,
+        t.pending,
+        t.version,
+    ]
+}
+
+/// What driving one method's job gave.
+struct Driven {
+    measurements: Vec<Measurement>,
+    instructed: Option<Measurement>,
+    updates: Vec<UpdateLog>,
+    conversations: u64,
+    served: BTreeMap<u64, u64>,
+    train_seconds: f64,
+}
+
+/// Drives one method's job: measures at 0, lets the users talk until the trainer reaches each
+/// measured version, measures it, and stops the users after the last.
+#[allow(clippy::too_many_arguments)]
+async fn drive(
+    method: Method,
+    file: &ExperimentFile,
+    gateway: Gateway,
+    mut counts: watch::Receiver<JobCounts>,
+    train: PersonalEnv,
+    eval: &PersonalEnv,
+    with_instructed: bool,
+) -> Result<Driven, ExperimentError> {
+    let x = &file.experiment;
+    let name = method.name();
+    let users = Arc::new(Users {
+        env: train,
+        rng: Mutex::new(ChaCha8Rng::seed_from_u64(x.seed ^ 0x7a11)),
+        gateway: gateway.clone(),
+        budget: Budget::new(counts.clone(), x.batch_size as u64),
+        conversations: Mutex::new(0),
+        served: Mutex::new(BTreeMap::new()),
+        asking: Mutex::new(Default::default()),
+    });
+    let mut measurements = Vec::new();
+    if x.eval_at.first() == Some(&0) {
+        wait_serving(&gateway, &mut counts, 0).await?;
+        measurements.push(measure(&gateway, eval, x, 0, false).await?);
+    }
+    let instructed = if with_instructed {
+        Some(measure(&gateway, eval, x, 0, true).await?)
+    } else {
+        None
+    };
+    let mut seats = tokio::task::JoinSet::new();
+    for _ in 0..x.users_at_once {
+        seats.spawn(users.clone().seat());
+    }
+    let mut updates = Vec::new();
+    let mut logged = 0u64;
+    let mut served_before = BTreeMap::new();
+    let mut train_seconds = 0.0;
+    let result: Result<(), ExperimentError> = async {
+        for &target in x.eval_at.iter().filter(|&&e| e > 0) {
+            let target = target as u64;
+            let resumed = Instant::now();
+            let mut moved = Instant::now();
+            let mut last = progress_of(&counts.borrow());
+            users.budget.set_cap(Some(target * x.batch_size as u64));
+            loop {
+                let c = counts.borrow_and_update().clone();
+                if progress_of(&c) != last {
+                    moved = Instant::now();
+                    last = progress_of(&c);
+                }
+                while logged < c.trainer.version.min(target) {
+                    logged += 1;
+                    let served = users
+                        .served
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .clone();
+                    let delta = served
+                        .iter()
+                        .map(|(v, n)| (*v, n - served_before.get(v).copied().unwrap_or(0)))
+                        .filter(|(_, n)| *n > 0)
+                        .collect();
+                    served_before = served;
+                    updates.push(UpdateLog {
+                        update: logged,
+                        train_seconds: train_seconds + resumed.elapsed().as_secs_f64(),
+                        turns: c.turns,
+                        judged: c.judged,
+                        samples: c.samples_submitted,
+                        trained: c.trainer.trained,
+                        trainer_steps: c.trainer.steps,
+                        served_by_version: delta,
+                    });
+                }
+                if c.trainer.version >= target {
+                    break;
+                }
+                if c.phase != JobPhase::Running {
+                    return Err(ExperimentError::JobEnded {
+                        method: name,
+                        why: format!("{:?}: {:?}", c.phase, c.last_error),
+                    });
+                }
+                if moved.elapsed() > STALL {
+                    return Err(ExperimentError::Stalled {
+                        want: target,
+                        secs: STALL.as_secs(),
+                        counts: serde_json::to_string(&c).unwrap_or_default(),
+                    });
+                }
+                tokio::select! {
+                    r = counts.changed() => if r.is_err() {
+                        return Err(ExperimentError::JobEnded {
+                            method: name,
+                            why: "its counts stopped".into(),
+                        });
+                    },
+                    Some(done) = seats.join_next() => match done {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => return Err(e),
+                        Err(e) => return Err(ExperimentError::JobEnded {
+                            method: name,
+                            why: format!("a user task failed: {e}"),
+                        }),
+                    },
+                }
+            }
+            train_seconds += resumed.elapsed().as_secs_f64();
+            wait_serving(&gateway, &mut counts, target).await?;
+            let m = measure(&gateway, eval, x, target, false).await?;
+            tracing::info!(
+                method = name,
+                updates = target,
+                score = m.score,
+                "personal: measured"
+            );
+            measurements.push(m);
+        }
+        Ok(())
+    }
+    .await;
+    // The users leave; a user's failure counts once the driver is done.
+    users.budget.set_cap(None);
+    let mut first_err = result.err();
+    while let Some(done) = seats.join_next().await {
+        let err = match done {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e),
+            Err(e) => Some(ExperimentError::JobEnded {
+                method: name,
+                why: format!("a user task failed: {e}"),
+            }),
+        };
+        if first_err.is_none() {
+            first_err = err;
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    let conversations = *users
+        .conversations
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let served = users
+        .served
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    Ok(Driven {
+        measurements,
+        instructed,
+        updates,
+        conversations,
+        served,
+        train_seconds,
+    })
+}
+
+/// Runs one method's `personal` job under the driver; its run directory is `out`.
+#[allow(clippy::too_many_arguments)]
+async fn run_method(
+    method: Method,
+    file: &ExperimentFile,
+    origin: &str,
+    sft_dir: &Path,
+    out: &Path,
+    eval: &PersonalEnv,
+    with_instructed: bool,
+    progress: Option<Progress>,
+) -> Result<(MethodRun, Option<Measurement>), ExperimentError> {
+    let started = Instant::now();
+    let x = &file.experiment;
+    let key = format!("sk-experiment-{:016x}", rand::random::<u64>());
+    let spec = file.job_spec(method, sft_dir, &key, origin)?;
+    let train = PersonalEnv::new(
+        PersonalEnv::sample_tasks(Split::Train, x.train_tasks_per_user, x.seed),
+        file.users.clone(),
+    )?;
+    let (counts_tx, counts_rx) = watch::channel(JobCounts::default());
+    let report: ProgressReport = Arc::new(move |c: &JobCounts| {
+        if let Some(p) = &progress {
+            p(method, c);
+        }
+        counts_tx.send_replace(c.clone());
+    });
+    let (addr_tx, addr_rx) = tokio::sync::oneshot::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let options = GatewayJobOptions {
+        out: out.to_path_buf(),
+        job_id: format!("{}-{}", file.name, method.name()),
+        progress: Some(report),
+        poll: POLL,
+        on_listening: Some(Box::new(move |addr, _model| {
+            let _ = addr_tx.send(addr);
+        })),
+    };
+    let job = run_gateway_job(&spec, origin, options, async move {
+        let _ = stop_rx.await;
+    });
+    let driver = async move {
+        let driven = match addr_rx.await {
+            Ok(addr) => {
+                let gateway = Gateway {
+                    http: reqwest::Client::new(),
+                    base: format!("http://{addr}"),
+                    key,
+                    temperature: x.temperature,
+                    max_tokens: x.max_new_tokens,
+                };
+                drive(
+                    method,
+                    file,
+                    gateway,
+                    counts_rx,
+                    train,
+                    eval,
+                    with_instructed,
+                )
+                .await
+            }
+            Err(_) => Err(ExperimentError::JobEnded {
+                method: method.name(),
+                why: "it never listened".into(),
+            }),
+        };
+        let _ = stop_tx.send(());
+        driven
+    };
+    let (job, driven) = tokio::join!(job, driver);
+    let job = job.map_err(|source| ExperimentError::Job {
+        method: method.name(),
+        source,
+    })?;
+    let d = driven?;
+    let run = MethodRun {
+        method,
+        measurements: d.measurements,
+        seconds_per_update: d.train_seconds / x.eval_at.last().copied().unwrap_or(1).max(1) as f64,
+        updates: d.updates,
+        conversations: d.conversations,
+        served_by_version: d.served,
+        seconds: started.elapsed().as_secs_f64(),
+        job,
+    };
+    Ok((run, d.instructed))
+}
+
+/// Runs the experiment described by `file` (read from `origin`), writing `results.json`,
+/// `details.json` and `scores.png` into `run_dir`, each method's job under `run_dir/<method>`;
+/// `progress` sees every job's counts.
+pub fn run(
+    file: &ExperimentFile,
+    origin: &str,
+    run_dir: &Path,
+    progress: Option<Progress>,
+) -> Result<Report, ExperimentError> {
     let started = Instant::now();
     let write_err = |path: &Path, message: String| ExperimentError::Write {
         path: path.to_path_buf(),
         message,
     };
     std::fs::create_dir_all(run_dir).map_err(|e| write_err(run_dir, e.to_string()))?;
+    let run_dir = std::path::absolute(run_dir).map_err(|e| write_err(run_dir, e.to_string()))?;
     let sft = warm_start(&file.sft, &file.cache_dir(), false)?;
     tracing::info!(dir = %sft.dir.display(), cached = sft.cached, "personal: warm start ready");
-    let x = file.experiment.clone();
-    let ck = load_checkpoint::<crate::CpuBackend>(&sft.dir, &Default::default())?;
-    let stop = ck.stop_token_ids();
-    let max_context = ck.config.max_position_embeddings;
-    let world = World {
-        ck,
-        stop,
-        settings: x.clone(),
-        max_context,
-    };
-    let train_env = PersonalEnv::new(
-        PersonalEnv::sample_tasks(Split::Train, x.train_tasks_per_user, x.seed),
-        file.users.clone(),
-    )?;
-    let eval_env = PersonalEnv::new(
+    let sft_dir = std::path::absolute(&sft.dir).map_err(|e| write_err(&sft.dir, e.to_string()))?;
+    let x = &file.experiment;
+    let eval = PersonalEnv::new(
         PersonalEnv::sample_tasks(Split::HeldOut, x.eval_tasks_per_user, x.seed ^ 0xe7a1),
         file.users.clone(),
     )?;
-    let judge = file.judge.build(None)?;
-    let weights = file.judge.opd.weights();
-    let rt = tokio::runtime::Builder::new_current_thread()
+    let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .map_err(|e| write_err(run_dir, format!("starting the judge runtime: {e}")))?;
-    let initial = Arc::new(world.ck.model.clone());
-    let base = if x.eval_at.first() == Some(&0) {
-        Some(world.measure(initial.clone(), &eval_env, 0, false)?)
-    } else {
-        None
-    };
-    let instructed = world.measure(initial.clone(), &eval_env, 0, true)?;
-    tracing::info!(
-        score = instructed.score,
-        "personal: warm start with the full directive as a hint"
-    );
+        .map_err(ExperimentError::Runtime)?;
     let mut runs = Vec::new();
-    for &method in &x.methods {
-        let t0 = Instant::now();
-        let (cfg, model) = load_model::<crate::CpuAutodiff>(&sft.dir, &Default::default())?;
-        let train = TrainConfig {
-            lr: x.lr,
-            kl_coef: x.kl_coef,
-            batch_size: x.batch_size,
-            ..TrainConfig::default()
-        };
-        let mut learner: BurnLearner =
-            BurnLearner::new(cfg, model, train, Default::default(), x.seed);
-        // Each method's scalars are a TensorBoard run of their own: `tb/<method>/`.
-        let tb_dir = crate::watch::scalars::tb_dir(run_dir).join(method.name());
-        let mut tb =
-            ScalarWriter::create(&tb_dir).map_err(|e| write_err(&tb_dir, e.to_string()))?;
-        let mut rng = ChaCha8Rng::seed_from_u64(x.seed ^ 0x7a11);
-        let mut measurements: Vec<Measurement> = base.iter().cloned().collect();
-        let mut logs = Vec::new();
-        let mut pending: Vec<Sample> = Vec::new();
-        for update in 1..=x.updates {
-            let policy = Arc::new(learner.policy().valid());
-            let teacher_model = match file.judge.opd.teacher {
-                Teacher::CurrentPolicy => policy.clone(),
-                Teacher::FrozenInitial => initial.clone(),
-            };
-            let teacher = TeacherModel {
-                model: &teacher_model,
-                template: &world.ck.chat_template,
-                tokenizer: &world.ck.tokenizer,
-            };
-            let (mut rollouts, mut satisfied, mut hints) = (0, 0, 0);
-            let mut rounds = 0;
-            while pending.len() < x.batch_size && rounds < x.max_rounds {
-                rounds += 1;
-                let turns = round(
-                    &world,
-                    &policy,
-                    &train_env,
-                    &judge,
-                    method != Method::Binary,
-                    &mut rng,
-                    &rt,
-                )?;
-                rollouts += turns.len();
-                turns.iter().for_each(|t| tb.log().judged(&t.point));
-                satisfied += turns.iter().filter(|t| t.satisfied).count();
-                hints += turns.iter().filter(|t| t.hint.is_some()).count();
-                pending.extend(samples(method, &turns, &teacher, &policy, weights)?);
-            }
-            let take = pending.len().min(x.batch_size);
-            let batch: Vec<Sample> = pending.drain(..take).collect();
-            let mut log = UpdateLog {
-                update,
-                rollouts,
-                satisfied,
-                hints,
-                trained: batch.len(),
-                pending: pending.len(),
-                loss: f64::NAN,
-                kl: f64::NAN,
-                grad_norm: f64::NAN,
-                rollout_gap: None,
-            };
-            if !batch.is_empty() {
-                let t0 = Instant::now();
-                let m = learner.step(&batch)?;
-                let step_ms = t0.elapsed().as_secs_f64() * 1e3;
-                tb.step(&StepPoint::of_metrics(&m, batch.len(), step_ms));
-                log.loss = m.loss;
-                log.kl = m.kl;
-                log.grad_norm = m.grad_norm;
-                log.rollout_gap = m.logprob_gap.map(|g| g.mean_abs);
-            }
-            tracing::info!(
-                method = method.name(),
-                update,
-                rollouts,
-                satisfied,
-                hints,
-                trained = log.trained,
-                loss = log.loss,
-                "personal: update"
-            );
-            logs.push(log);
-            if x.eval_at.contains(&update) {
-                let m =
-                    world.measure(Arc::new(learner.policy().valid()), &eval_env, update, false)?;
-                tracing::info!(
-                    method = method.name(),
-                    update,
-                    score = m.score,
-                    "personal: measured"
-                );
-                measurements.push(m);
-            }
-        }
-        runs.push(MethodRun {
+    let mut instructed = None;
+    for (i, &method) in x.methods.iter().enumerate() {
+        let out = run_dir.join(method.name());
+        let (run, inst) = rt.block_on(run_method(
             method,
-            measurements,
-            updates: logs,
-            seconds: t0.elapsed().as_secs_f64(),
-        });
+            file,
+            origin,
+            &sft_dir,
+            &out,
+            &eval,
+            i == 0,
+            progress.clone(),
+        ))?;
+        tracing::info!(
+            method = method.name(),
+            seconds = run.seconds,
+            per_update = run.seconds_per_update,
+            "personal: method done"
+        );
+        instructed = instructed.or(inst);
+        runs.push(run);
     }
     let results = Results {
         updates: x.eval_at.clone(),
@@ -826,8 +1384,13 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
 }
 
 /// Reads `path` and runs it (see [`run`]).
-pub fn run_file(path: &Path, run_dir: &Path) -> Result<Report, ExperimentError> {
-    run(&ExperimentFile::from_file(path)?, run_dir)
+pub fn run_file(
+    path: &Path,
+    run_dir: &Path,
+    progress: Option<Progress>,
+) -> Result<Report, ExperimentError> {
+    let file = ExperimentFile::from_file(path)?;
+    run(&file, &path.display().to_string(), run_dir, progress)
 }
 
 /// Whether `path` is an experiment file (its top-level `kind` is `personal_experiment`);
@@ -846,22 +1409,26 @@ pub fn summary_table(report: &Report) -> String {
     for u in &report.results.updates {
         out.push_str(&format!(" {u} updates |"));
     }
-    out.push_str("\n| --- |");
+    out.push_str(" s / update |\n| --- |");
     for _ in &report.results.updates {
         out.push_str(" --- |");
     }
+    out.push_str(" --- |");
     for r in &report.runs {
         out.push_str(&format!("\n| {} |", r.method.name()));
         for m in &r.measurements {
             out.push_str(&format!(" {:.2} |", m.score));
         }
+        out.push_str(&format!(" {:.2} |", r.seconds_per_update));
     }
     out
 }
 
-/// `clawrl run <experiment file>`: runs it into `out` (default `runs/<name>-<unix time>`) and
-/// prints the scores table, or the whole report as JSON with `json`. Returns the run directory.
+/// `clawrl run <experiment file>`: runs it into `out` (default `runs/<name>-<unix time>`) with
+/// a progress bar per method, and prints the scores table, or the whole report as JSON with
+/// `json` (no bars). Returns the run directory.
 pub fn cli_main(path: &Path, out: Option<PathBuf>, json: bool) -> Result<PathBuf, ExperimentError> {
+    use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
     let file = ExperimentFile::from_file(path)?;
     let run_dir = out.unwrap_or_else(|| {
         let secs = std::time::SystemTime::now()
@@ -870,7 +1437,34 @@ pub fn cli_main(path: &Path, out: Option<PathBuf>, json: bool) -> Result<PathBuf
             .unwrap_or_default();
         PathBuf::from("runs").join(format!("{}-{secs}", file.name))
     });
-    let report = run(&file, &run_dir)?;
+    let bar = ProgressBar::with_draw_target(
+        Some(file.experiment.updates as u64),
+        if json {
+            ProgressDrawTarget::hidden()
+        } else {
+            ProgressDrawTarget::stderr_with_hz(5)
+        },
+    );
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} {prefix:>9} [{bar:30}] {pos}/{len} {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let shown = bar.clone();
+    let progress: Progress = Arc::new(move |m: Method, c: &JobCounts| {
+        if shown.prefix() != m.name() {
+            shown.set_prefix(m.name());
+            shown.reset();
+        }
+        shown.set_position(c.trainer.version);
+        shown.set_message(format!(
+            "updates · turns {} judged {} · samples {} trained {}",
+            c.turns, c.judged, c.samples_submitted, c.trainer.trained
+        ));
+    });
+    let report = run(&file, &path.display().to_string(), &run_dir, Some(progress));
+    bar.finish_and_clear();
+    let report = report?;
     if json {
         println!(
             "{}",
@@ -911,6 +1505,13 @@ mod tests {
         let f = ExperimentFile::from_toml_str(&text, "personal.toml").unwrap();
         assert_eq!(f.experiment.eval_at, vec![0, 8, 16]);
         assert_eq!(f.experiment.batch_size, 16);
+        let spec = f
+            .job_spec(Method::Combined, Path::new("/ck"), "k", "personal.toml")
+            .unwrap();
+        assert_eq!(spec.method.kind, MethodKind::Combined);
+        assert_eq!(spec.optim.batch_size, 16);
+        let g = spec.gateway.as_ref().unwrap();
+        assert_eq!(g.on_session_end, crate::gateway::session::EndPolicy::Drop);
         let err = |t: String| {
             ExperimentFile::from_toml_str(&t, "x.toml")
                 .unwrap_err()
@@ -927,10 +1528,12 @@ mod tests {
         assert!(e.contains("experiment.batch_size"), "{e}");
         let e = err(text.replace("heads = 4", "heads = 3"));
         assert!(e.contains("sft.heads"), "{e}");
-        let e = err(text.replace("max_rounds = 8", "max_rounds = 8\nbogus = 1"));
+        let e = err(text.replace("users_at_once = 16", "users_at_once = 16\nbogus = 1"));
         assert!(e.contains("bogus"), "{e}");
-        let e = err(text.replace("score = -1", "score = -10"));
-        assert!(e.contains("judge"), "{e}");
+        let e = err(text.replace("votes = 3", "votes = 0"));
+        assert!(e.contains("judge.votes"), "{e}");
+        let e = err(text.replace("directive_rate = 0.8", "directive_rate = 1.5"));
+        assert!(e.contains("directive_rate"), "{e}");
     }
 
     #[test]
@@ -942,5 +1545,56 @@ mod tests {
         std::fs::write(&p, "kind = \"rl\"\n").unwrap();
         assert!(!is_experiment_file(&p));
         assert!(!is_experiment_file(&dir.path().join("missing.toml")));
+    }
+
+    #[test]
+    fn committed_counts_samples_held_and_turns_that_may_become_samples() {
+        let mut c = JobCounts::default();
+        assert_eq!(committed(&c, 0), 0);
+        // 5 turns started, none settled: each may still give a sample.
+        assert_eq!(committed(&c, 5), 5);
+        // 3 settled into 2 samples (one gave none), 1 of them dropped stale.
+        c.turns_settled = 3;
+        c.samples_submitted = 2;
+        c.trainer.dropped_stale = 1;
+        assert_eq!(committed(&c, 5), 1 + 2);
+        // Users run at most the batch in flight and one more ahead of the trainer.
+        assert_eq!(lead_cap(0, 16), 32);
+        assert_eq!(lead_cap(7, 16), 144);
+    }
+
+    #[test]
+    fn streamed_text_is_the_concatenated_deltas_up_to_done() {
+        let mut s = SseText::default();
+        let ev = |t: &str| {
+            format!(
+                "data: {}\n\n",
+                json!({"choices": [{"delta": {"content": t}}]})
+            )
+        };
+        let all = format!(
+            "{}{}data: {}\n\ndata: [DONE]\n\n",
+            ev("hel"),
+            ev("lo"),
+            json!({"choices": [{"delta": {}, "finish_reason": "stop"}]})
+        );
+        // Split mid-event and mid-character.
+        let bytes = all.as_bytes();
+        s.push(&bytes[..7]).unwrap();
+        s.push(&bytes[7..]).unwrap();
+        assert_eq!(s.finish().unwrap(), "hello");
+        let mut s = SseText::default();
+        s.push(ev("x").as_bytes()).unwrap();
+        assert!(s.finish().unwrap_err().contains("[DONE]"));
+        let mut s = SseText::default();
+        assert!(s
+            .push(b"data: {\"error\": {\"message\": \"boom\"}}\n\n")
+            .unwrap_err()
+            .contains("boom"));
+        assert_eq!(
+            completion_text(&json!({"choices": [{"message": {"content": null}}]})).unwrap(),
+            ""
+        );
+        assert!(completion_text(&json!({"x": 1})).is_err());
     }
 }

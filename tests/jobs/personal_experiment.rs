@@ -1,10 +1,14 @@
-//! The personal-agent experiment end to end: a shortened run (small warm start, few updates)
-//! computes scores for every method, and combined improves over the warm start. The full run of
+//! The personal-agent experiment end to end, through the real path: a shortened run (small warm
+//! start, few updates) by the built binary, each method a `personal` job whose gateway the
+//! simulated users talk to over HTTP; its turns are judged and trained on, new versions are
+//! served, every method gets scores and combined improves over the warm start. The full run of
 //! `examples/personal.toml` is `--ignored` (it takes minutes).
 
 use std::path::{Path, PathBuf};
 
 use clawrl::personal::experiment::{run, ExperimentFile};
+
+use crate::personal_run;
 
 fn example() -> ExperimentFile {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/personal.toml");
@@ -39,20 +43,15 @@ fn full_run_of_the_example() {
         f.cache_dir = Some(dir.into());
     }
     let out = tempfile::tempdir().unwrap();
-    let report = run(&f, out.path()).unwrap();
+    let report = run(&f, "examples/personal.toml", out.path(), None).unwrap();
     println!("{}", serde_json::to_string_pretty(&report).unwrap());
 }
 
-/// The shortened experiment: a smaller warm start, 4 updates, measured at 0 and 4.
+/// The shortened experiment's warm start (what [`personal_run::run_experiment`] asks for).
 fn short() -> ExperimentFile {
     let mut f = example();
     f.cache_dir = Some(cache());
     f.sft.steps = 300;
-    f.experiment.updates = 4;
-    f.experiment.eval_at = vec![0, 4];
-    f.experiment.eval_tasks_per_user = 16;
-    f.experiment.train_tasks_per_user = 32;
-    f.experiment.max_rounds = 3;
     f
 }
 
@@ -83,41 +82,82 @@ fn warm_start_is_a_cached_hf_checkpoint() {
 }
 
 #[test]
-fn shortened_run_computes_scores_and_combined_improves() {
+fn shortened_run_goes_through_the_gateway_judge_and_trainer_and_combined_improves() {
+    const UPDATES: u64 = 4;
     let f = short();
     warm(&f);
-    let out = tempfile::tempdir().unwrap();
-    let report = run(&f, out.path()).unwrap();
-    let text = std::fs::read_to_string(out.path().join("results.json")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let report = personal_run::run_experiment(dir.path(), &cache(), UPDATES as i64);
+    let out = dir.path().join("run");
+    let text = std::fs::read_to_string(out.join("results.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    assert_eq!(v["updates"], serde_json::json!([0, 4]));
+    assert_eq!(v["updates"], serde_json::json!([0, UPDATES]));
     for m in ["binary", "opd", "combined"] {
         let s = v["scores"][m].as_array().unwrap();
         assert_eq!(s.len(), 2, "{m}");
         assert!(s.iter().all(|x| (0.0..=1.0).contains(&x.as_f64().unwrap())));
-        // Every method starts from the same warm start, measured with the same seeds.
+        // Every method's job starts from the same warm start, measured with the same seeds.
         assert_eq!(s[0], v["scores"]["binary"][0]);
     }
-    let png = std::fs::read(out.path().join("scores.png")).unwrap();
+    let png = std::fs::read(out.join("scores.png")).unwrap();
     assert_eq!(&png[..4], b"\x89PNG");
-    let c = &report.results.scores["combined"];
-    println!("{}", serde_json::to_string(&report.results).unwrap());
-    assert!(c[1] > c[0], "combined improves over the warm start: {c:?}");
-    for r in &report.runs {
-        assert_eq!(r.updates.len(), 4);
-        assert!(r.updates.iter().all(|u| u.trained > 0), "{:?}", r.method);
-    }
-    // Each method's TensorBoard run: one event file, its version record and then at least the
-    // ten scalars of each of the 4 steps, every record's CRCs checked.
-    for m in ["binary", "opd", "combined"] {
-        let files: Vec<_> = std::fs::read_dir(out.path().join("tb").join(m))
+    let batch = f.experiment.batch_size as u64;
+    let runs = report["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 3);
+    for r in runs {
+        let m = r["method"].as_str().unwrap();
+        let job = &r["job"];
+        let c = &job["counts"];
+        let n = |v: &serde_json::Value| v.as_u64().unwrap_or_else(|| panic!("{m}: {v}"));
+        // The users' turns went through the gateway (recorded there, with next states) ...
+        assert!(n(&c["turns"]) >= UPDATES * batch / 2, "{m}: {c}");
+        assert_eq!(n(&job["turns_with_next_state"]), n(&c["turns"]), "{m}");
+        let turn_files = std::fs::read_dir(out.join(m).join("turns"))
+            .unwrap()
+            .count();
+        assert!(turn_files > 0, "{m}: no turn files");
+        // ... were judged by the job's voters ...
+        assert_eq!(
+            n(&c["judged"]) + n(&c["unjudged"]),
+            n(&c["turns"]),
+            "{m}: {c}"
+        );
+        assert!(n(&c["judged"]) > 0, "{m}");
+        // ... and trained on by its trainer, exactly to the measured version.
+        let t = &job["trainer"];
+        assert_eq!(n(&t["steps"]), UPDATES, "{m}: {t}");
+        assert_eq!(n(&t["trained"]), UPDATES * batch, "{m}: {t}");
+        assert_eq!(
+            r["updates"].as_array().unwrap().len() as u64,
+            UPDATES,
+            "{m}"
+        );
+        // New versions were installed while the users talked: at least two served them.
+        let served = r["served_by_version"].as_object().unwrap();
+        assert!(served.len() >= 2, "{m}: served by {served:?}");
+        assert!(n(&job["gateway"]["version"]) >= UPDATES, "{m}");
+        // The measurements were answered by exactly the versions they name.
+        let ms: Vec<u64> = r["measurements"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| n(&x["updates"]))
+            .collect();
+        assert_eq!(ms, vec![0, UPDATES], "{m}");
+        // The job's TensorBoard run has an event file.
+        let tb: Vec<_> = std::fs::read_dir(out.join(m).join("tb"))
             .unwrap()
             .map(|e| e.unwrap().path())
             .collect();
-        assert_eq!(files.len(), 1, "{m}: {files:?}");
-        assert!(files[0].to_str().unwrap().contains("tfevents"), "{files:?}");
-        let bytes = std::fs::read(&files[0]).unwrap();
-        let records = clawrl::watch::events::tfrecords(&bytes).unwrap().len();
-        assert!(records > 4 * 10, "{m}: {records} records");
+        assert!(
+            tb.iter().any(|p| p.to_str().unwrap().contains("tfevents")),
+            "{m}: {tb:?}"
+        );
     }
+    let c = &v["scores"]["combined"];
+    println!("{}", serde_json::to_string(&v).unwrap());
+    assert!(
+        c[1].as_f64() > c[0].as_f64(),
+        "combined improves over the warm start: {c}"
+    );
 }

@@ -617,6 +617,37 @@ async fn tool_histories_render_arguments_as_the_model_wrote_them() {
     s.shutdown().await;
 }
 
+/// A request that names the weight version it must be answered by is served by exactly that
+/// version, or refused with 409 (the serving version in the answer's header) before it touches
+/// any session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_pinned_to_another_version_is_refused() {
+    let mut s = Server::start(GatewayConfig::default()).await;
+    let r = post(&s.base, &body(json!({})), &[("X-Clawrl-Version", "0")]).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-clawrl-version"], "0");
+    let r = post(&s.base, &body(json!({})), &[("X-Clawrl-Version", "3")]).await;
+    assert_eq!(r.headers()["x-clawrl-version"], "0");
+    let v: Value = {
+        assert_eq!(r.status(), 409);
+        r.json().await.unwrap()
+    };
+    assert_eq!(v["error"]["code"], "version_mismatch", "{v}");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("version 3"));
+    let m = error_of(
+        post(&s.base, &body(json!({})), &[("X-Clawrl-Version", "latest")]).await,
+        400,
+    )
+    .await;
+    assert!(m.contains("X-Clawrl-Version"), "{m}");
+    s.shutdown().await;
+    // The refused requests opened no session: only the served main turn is recorded.
+    assert_eq!(s.records().len(), 1);
+}
+
 async fn error_of(r: reqwest::Response, status: u16) -> String {
     assert_eq!(r.status().as_u16(), status);
     let v: Value = r.json().await.unwrap();

@@ -191,3 +191,35 @@ impl Drop for PersonalRun {
         let _ = self.child.wait();
     }
 }
+
+/// The personal experiment shortened (`examples/personal.toml` with a 300-step warm start cached
+/// under `cache`, `updates` updates measured at 0 and at the end, 32 train and 16 held-out tasks
+/// per user), run by the built binary as a user runs it, `clawrl run --json --out DIR/run
+/// DIR/experiment.toml`: the JSON report it prints, panicking with its stderr if it failed.
+#[allow(dead_code)] // the `jobs` binary's; `serving` shares this file
+pub fn run_experiment(dir: &Path, cache: &Path, updates: i64) -> serde_json::Value {
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/personal.toml");
+    let mut t: toml::Table = toml::from_str(&std::fs::read_to_string(example).unwrap()).unwrap();
+    t.insert("cache_dir".into(), cache.display().to_string().into());
+    t["sft"]["steps"] = 300.into();
+    let x = t["experiment"].as_table_mut().unwrap();
+    x.insert("updates".into(), updates.into());
+    x.insert("eval_at".into(), vec![0, updates].into());
+    x.insert("train_tasks_per_user".into(), 32.into());
+    x.insert("eval_tasks_per_user".into(), 16.into());
+    let file = dir.join("experiment.toml");
+    std::fs::write(&file, toml::to_string(&t).unwrap()).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_clawrl"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("RUST_LOG", "warn")
+        .args(["run", "--json", "--out"])
+        .arg(dir.join("run"))
+        .arg(&file)
+        .output()
+        .expect("starting clawrl run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "clawrl run failed: {stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {stdout}\n{stderr}"))
+}

@@ -342,6 +342,11 @@ pub struct JobCounts {
     /// Of those, votes cut off at the judge's `max_tokens` (raise `judge.max_tokens` /
     /// `judge.hint_max_tokens` when this grows).
     pub votes_truncated: u64,
+    /// Turns settled: handed to a build (whatever it made of them) or discarded. A driver that
+    /// must not overshoot a step count reads `turns - turns_settled` as turns that may still
+    /// become samples.
+    #[serde(default)]
+    pub turns_settled: u64,
     /// Episodes turned into samples.
     pub episodes_built: u64,
     /// Builds that failed (their episodes give no samples; the error is logged).
@@ -976,6 +981,7 @@ impl<S: JobSample> SupervisorState<S> {
         let turns = episodes.iter().map(|e| e.turns.len() as u64).sum::<u64>();
         self.build_turns -= turns;
         self.turns_settled += turns;
+        self.counts.turns_settled = self.turns_settled;
         let teacher = match result {
             Ok(built) => {
                 self.counts.episodes_built += episodes.len() as u64;
@@ -1040,6 +1046,7 @@ impl<S: JobSample> SupervisorState<S> {
         let turns = episodes.iter().map(|e| e.turns.len() as u64).sum::<u64>();
         self.build_turns -= turns;
         self.turns_settled += turns;
+        self.counts.turns_settled = self.turns_settled;
         self.record_judgements(&episodes, &HashMap::new()).await;
     }
 
