@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Subcommand;
 use clawrl::job::{JobKind, JobSpec, SpecValidator, PERSONAL_ENV_KIND};
+use clawrl::personal::experiment::{Seeds, SeedsError};
 use clawrl::pipeline::gateway_job::{
     run_gateway_job, GatewayJobOptions, GatewayJobReport, OnListening,
 };
@@ -50,7 +51,16 @@ pub enum Commands {
         /// the node config's `[judge] allowed_key_envs`; default: none.
         #[arg(long = "allow-judge-key-env", value_name = "NAME")]
         allow_judge_key_env: Vec<String>,
+        /// Experiment files only: run every method once per seed (comma-separated, e.g.
+        /// `1,2,3`) and report mean ± standard deviation; default: the file's one seed.
+        #[arg(long, value_name = "SEEDS", value_parser = parse_seeds)]
+        seeds: Option<Seeds>,
     },
+}
+
+/// `--seeds`: comma-separated experiment seeds, at least one, none repeated.
+fn parse_seeds(s: &str) -> Result<Seeds, SeedsError> {
+    s.parse()
 }
 
 /// The `[judge]` access of the embedded node: the `--allow-judge-*` flags over the defaults.
@@ -111,12 +121,24 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 pub fn run(cmd: Commands) -> anyhow::Result<()> {
     match cmd {
         // The personal-agent experiment is a file of its own kind.
-        Commands::Run { job, out, json, .. }
-            if clawrl::personal::experiment::is_experiment_file(&job) =>
-        {
-            clawrl::personal::experiment::cli_main(&job, out, json)?;
+        Commands::Run {
+            job,
+            out,
+            json,
+            seeds,
+            ..
+        } if clawrl::personal::experiment::is_experiment_file(&job) => {
+            clawrl::personal::experiment::cli_main(&job, out, json, seeds.as_ref())?;
             Ok(())
         }
+        Commands::Run {
+            seeds: Some(_),
+            job,
+            ..
+        } => anyhow::bail!(
+            "--seeds applies to experiment files (kind = \"personal_experiment\"); {} is a job spec",
+            job.display()
+        ),
         Commands::Run {
             job,
             out,
@@ -124,6 +146,7 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
             listen,
             allow_judge_endpoint,
             allow_judge_key_env,
+            seeds: None,
         } => {
             let node = EmbeddedNode::new(
                 listen,

@@ -32,6 +32,10 @@
 //! measurement and for every method); the score is the fraction of those responses that
 //! satisfy their user's rules ([`super::style::satisfies`]), the same deterministic rules the
 //! simulated users reply by.
+//!
+//! **Seeds.** [`run_seeds`] runs the whole experiment once per experiment seed, all from one
+//! warm start, and reports per method and measurement the mean and the sample standard
+//! deviation over the seeds ([`Results::over_seeds`]).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -463,13 +467,121 @@ const POLL: Duration = Duration::from_millis(100);
 /// How long the driver waits for a version with no count moving before it gives up.
 const STALL: Duration = Duration::from_secs(300);
 
-/// `results.json`: scores of each method after each measured number of updates.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// `results.json`: scores of each method after each measured number of updates. A run over
+/// several seeds adds the seeds, each seed's scores and their spread; `scores` is then the
+/// mean over the seeds.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Results {
     /// The measured numbers of updates.
     pub updates: Vec<usize>,
-    /// Method name → one score per entry of `updates`.
+    /// Method name → one score per entry of `updates` (the mean over `seeds` when there are
+    /// several).
     pub scores: BTreeMap<String, Vec<f64>>,
+    /// The experiment seeds, in run order (only with several).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seeds: Option<Vec<u64>>,
+    /// Method name → seed → one score per entry of `updates` (only with several seeds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_seed: Option<BTreeMap<String, BTreeMap<String, Vec<f64>>>>,
+    /// Method name → the sample standard deviation (n − 1 in the denominator) over the seeds
+    /// of each entry of `scores` (only with several seeds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub std: Option<BTreeMap<String, Vec<f64>>>,
+}
+
+impl Results {
+    /// The results of several seeds' runs (`(seed, results)`, in run order, each over the same
+    /// methods and `updates`): per method and measurement, the mean over the seeds and its
+    /// sample standard deviation.
+    pub fn over_seeds(runs: &[(u64, Results)]) -> Results {
+        let updates = runs
+            .first()
+            .map(|(_, r)| r.updates.clone())
+            .unwrap_or_default();
+        let mut per_seed: BTreeMap<String, BTreeMap<String, Vec<f64>>> = BTreeMap::new();
+        for (seed, r) in runs {
+            for (method, scores) in &r.scores {
+                per_seed
+                    .entry(method.clone())
+                    .or_default()
+                    .insert(seed.to_string(), scores.clone());
+            }
+        }
+        let mut scores = BTreeMap::new();
+        let mut std = BTreeMap::new();
+        for (method, by_seed) in &per_seed {
+            let (means, stds) = (0..updates.len())
+                .map(|i| {
+                    let xs: Vec<f64> = by_seed.values().filter_map(|v| v.get(i).copied()).collect();
+                    mean_and_sample_std(&xs)
+                })
+                .unzip();
+            scores.insert(method.clone(), means);
+            std.insert(method.clone(), stds);
+        }
+        Results {
+            updates,
+            scores,
+            seeds: Some(runs.iter().map(|(s, _)| *s).collect()),
+            per_seed: Some(per_seed),
+            std: Some(std),
+        }
+    }
+}
+
+/// The mean of `xs` and their sample standard deviation (n − 1 in the denominator; 0 for
+/// fewer than two values).
+pub fn mean_and_sample_std(xs: &[f64]) -> (f64, f64) {
+    if xs.is_empty() {
+        return (0.0, 0.0);
+    }
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    if xs.len() < 2 {
+        return (mean, 0.0);
+    }
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (mean, var.sqrt())
+}
+
+/// The experiment seeds of `clawrl run --seeds 1,2,3`: at least one, none repeated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Seeds(pub Vec<u64>);
+
+/// Why a `--seeds` value is not a list of seeds.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum SeedsError {
+    /// No seed at all.
+    #[error("--seeds is empty: give comma-separated seeds, such as --seeds 1,2,3")]
+    Empty,
+    /// An entry is not a non-negative integer.
+    #[error("--seeds: {0:?} is not a seed (a non-negative integer)")]
+    NotANumber(String),
+    /// A seed appears twice.
+    #[error("--seeds: seed {0} is given twice")]
+    Duplicate(u64),
+}
+
+impl std::str::FromStr for Seeds {
+    type Err = SeedsError;
+
+    /// Comma-separated seeds; spaces around each are ignored.
+    fn from_str(s: &str) -> Result<Self, SeedsError> {
+        if s.trim().is_empty() {
+            return Err(SeedsError::Empty);
+        }
+        let mut seeds = Vec::new();
+        for part in s.split(',').map(str::trim) {
+            let seed: u64 = part
+                .parse()
+                .map_err(|_| SeedsError::NotANumber(part.to_string()))?;
+            if seeds.contains(&seed) {
+                return Err(SeedsError::Duplicate(seed));
+            }
+            seeds.push(seed);
+        }
+        Ok(Seeds(seeds))
+    }
 }
 
 /// The job's counts when the trainer was first seen at one version (`details.json`).
@@ -1348,6 +1460,9 @@ pub fn run(
         runs.push(run);
     }
     let results = Results {
+        seeds: None,
+        per_seed: None,
+        std: None,
         updates: x.eval_at.clone(),
         scores: runs
             .iter()
@@ -1381,6 +1496,142 @@ pub fn run(
     let png = run_dir.join("scores.png");
     super::plot::plot_scores(&report.results, &png).map_err(|e| write_err(&png, e.message))?;
     Ok(report)
+}
+
+/// Everything a run over several seeds measured (`details.json` of such a run).
+#[derive(Debug, Clone, Serialize)]
+pub struct SeedsReport {
+    /// The scores table: mean and sample standard deviation over the seeds, and each seed's.
+    pub results: Results,
+    /// Each seed's whole report (its per-update counts among them), by seed.
+    pub per_seed: BTreeMap<String, Report>,
+    /// Seconds for the whole run (warm start included).
+    pub seconds: f64,
+}
+
+/// Runs the experiment once per seed of `seeds` (each replacing `experiment.seed`: task draws,
+/// sampling, the learner, the held-out tasks), each into `run_dir/seed-<seed>` as [`run`]
+/// does, all from the same warm start (`sft` does not change, so the first run trains or finds
+/// it and the others find it cached); then writes the results over the seeds (`results.json`,
+/// `details.json`, `scores.png` with a band of ± one standard deviation) into `run_dir`.
+/// `progress` sees every job's counts with the seed it runs.
+pub fn run_seeds(
+    file: &ExperimentFile,
+    origin: &str,
+    run_dir: &Path,
+    seeds: &[u64],
+    progress: Option<SeedProgress>,
+) -> Result<SeedsReport, ExperimentError> {
+    let started = Instant::now();
+    let write_err = |path: &Path, message: String| ExperimentError::Write {
+        path: path.to_path_buf(),
+        message,
+    };
+    let mut reports = Vec::new();
+    for &seed in seeds {
+        let mut f = file.clone();
+        f.experiment.seed = seed;
+        let p: Option<Progress> = progress.clone().map(|p| {
+            let p: Progress = Arc::new(move |m: Method, c: &JobCounts| p(seed, m, c));
+            p
+        });
+        let report = run(&f, origin, &run_dir.join(format!("seed-{seed}")), p)?;
+        tracing::info!(seed, seconds = report.seconds, "personal: seed done");
+        reports.push((seed, report));
+    }
+    let results = Results::over_seeds(
+        &reports
+            .iter()
+            .map(|(s, r)| (*s, r.results.clone()))
+            .collect::<Vec<_>>(),
+    );
+    let report = SeedsReport {
+        results,
+        per_seed: reports
+            .into_iter()
+            .map(|(s, r)| (s.to_string(), r))
+            .collect(),
+        seconds: started.elapsed().as_secs_f64(),
+    };
+    let write_json = |name: &str, text: String| {
+        let p = run_dir.join(name);
+        std::fs::write(&p, text).map_err(|e| write_err(&p, e.to_string()))
+    };
+    write_json(
+        "results.json",
+        serde_json::to_string_pretty(&report.results).expect("results serialize"),
+    )?;
+    write_json(
+        "details.json",
+        serde_json::to_string_pretty(&report).expect("report serializes"),
+    )?;
+    let png = run_dir.join("scores.png");
+    super::plot::plot_scores(&report.results, &png).map_err(|e| write_err(&png, e.message))?;
+    Ok(report)
+}
+
+/// What the driver shows while several seeds run: the seed, the method and its job's counts.
+pub type SeedProgress = Arc<dyn Fn(u64, Method, &JobCounts) + Send + Sync>;
+
+/// The table of a run over several seeds: per method and measurement, mean ± sample standard
+/// deviation over the seeds (and the mean seconds per update), then each seed's scores.
+pub fn seeds_table(report: &SeedsReport) -> String {
+    let r = &report.results;
+    let mut out = String::from("| method |");
+    for u in &r.updates {
+        out.push_str(&format!(" {u} updates |"));
+    }
+    out.push_str(" s / update |\n| --- |");
+    for _ in &r.updates {
+        out.push_str(" --- |");
+    }
+    out.push_str(" --- |");
+    // Methods in the order they ran.
+    let methods: Vec<&str> = report
+        .per_seed
+        .values()
+        .next()
+        .map(|rep| rep.runs.iter().map(|run| run.method.name()).collect())
+        .unwrap_or_default();
+    let empty = BTreeMap::new();
+    for (method, means) in methods.iter().filter_map(|m| r.scores.get_key_value(*m)) {
+        let stds = r.std.as_ref().and_then(|s| s.get(method));
+        out.push_str(&format!("\n| {method} |"));
+        for (i, m) in means.iter().enumerate() {
+            let sd = stds.and_then(|s| s.get(i)).copied().unwrap_or(0.0);
+            out.push_str(&format!(" {m:.3} ± {sd:.3} |"));
+        }
+        let per_update: Vec<f64> = report
+            .per_seed
+            .values()
+            .flat_map(|rep| rep.runs.iter())
+            .filter(|run| run.method.name() == method)
+            .map(|run| run.seconds_per_update)
+            .collect();
+        out.push_str(&format!(" {:.2} |", mean_and_sample_std(&per_update).0));
+    }
+    out.push_str("\n\n| method | seed |");
+    for u in &r.updates {
+        out.push_str(&format!(" {u} updates |"));
+    }
+    out.push_str("\n| --- | --- |");
+    for _ in &r.updates {
+        out.push_str(" --- |");
+    }
+    for (method, by_seed) in methods
+        .iter()
+        .filter_map(|m| r.per_seed.as_ref().unwrap_or(&empty).get_key_value(*m))
+    {
+        for seed in r.seeds.iter().flatten() {
+            if let Some(scores) = by_seed.get(&seed.to_string()) {
+                out.push_str(&format!("\n| {method} | {seed} |"));
+                for x in scores {
+                    out.push_str(&format!(" {x:.3} |"));
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Reads `path` and runs it (see [`run`]).
@@ -1424,12 +1675,27 @@ pub fn summary_table(report: &Report) -> String {
     out
 }
 
-/// `clawrl run <experiment file>`: runs it into `out` (default `runs/<name>-<unix time>`) with
-/// a progress bar per method, and prints the scores table, or the whole report as JSON with
-/// `json` (no bars). Returns the run directory.
-pub fn cli_main(path: &Path, out: Option<PathBuf>, json: bool) -> Result<PathBuf, ExperimentError> {
+/// `clawrl run <experiment file> [--seeds S,..]`: runs it into `out` (default
+/// `runs/<name>-<unix time>`) with a progress bar per method, and prints the scores table, or
+/// the whole report as JSON with `json` (no bars). Without `seeds` it runs the file's seed;
+/// one seed replaces the file's; several run [`run_seeds`] and print mean ± standard
+/// deviation. Returns the run directory.
+pub fn cli_main(
+    path: &Path,
+    out: Option<PathBuf>,
+    json: bool,
+    seeds: Option<&Seeds>,
+) -> Result<PathBuf, ExperimentError> {
     use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-    let file = ExperimentFile::from_file(path)?;
+    let mut file = ExperimentFile::from_file(path)?;
+    let several = match seeds.map(|s| s.0.as_slice()) {
+        Some([one]) => {
+            file.experiment.seed = *one;
+            None
+        }
+        Some(many) if many.len() > 1 => Some(many.to_vec()),
+        _ => None,
+    };
     let run_dir = out.unwrap_or_else(|| {
         let secs = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -1446,14 +1712,15 @@ pub fn cli_main(path: &Path, out: Option<PathBuf>, json: bool) -> Result<PathBuf
         },
     );
     bar.set_style(
-        ProgressStyle::with_template("{elapsed_precise} {prefix:>9} [{bar:30}] {pos}/{len} {msg}")
+        ProgressStyle::with_template("{elapsed_precise} {prefix:>16} [{bar:30}] {pos}/{len} {msg}")
             .expect("valid template")
             .progress_chars("=> "),
     );
     let shown = bar.clone();
-    let progress: Progress = Arc::new(move |m: Method, c: &JobCounts| {
-        if shown.prefix() != m.name() {
-            shown.set_prefix(m.name());
+    let progress: SeedProgress = Arc::new(move |seed: u64, m: Method, c: &JobCounts| {
+        let prefix = format!("seed {seed} {}", m.name());
+        if shown.prefix() != prefix {
+            shown.set_prefix(prefix);
             shown.reset();
         }
         shown.set_position(c.trainer.version);
@@ -1462,7 +1729,30 @@ pub fn cli_main(path: &Path, out: Option<PathBuf>, json: bool) -> Result<PathBuf
             c.turns, c.judged, c.samples_submitted, c.trainer.trained
         ));
     });
-    let report = run(&file, &path.display().to_string(), &run_dir, Some(progress));
+    let origin = path.display().to_string();
+    if let Some(seeds) = several {
+        let report = run_seeds(&file, &origin, &run_dir, &seeds, Some(progress));
+        bar.finish_and_clear();
+        let report = report?;
+        if json {
+            println!(
+                "{}",
+                serde_json::to_string(&report).expect("the report serializes")
+            );
+        } else {
+            println!("{}", seeds_table(&report));
+            println!(
+                "mean ± sample standard deviation over seeds {seeds:?}, {:.0} s in all; \
+                 results.json, details.json and scores.png in {} (each seed's in seed-<seed>/)",
+                report.seconds,
+                run_dir.display()
+            );
+        }
+        return Ok(run_dir);
+    }
+    let seed = file.experiment.seed;
+    let one: Progress = Arc::new(move |m: Method, c: &JobCounts| progress(seed, m, c));
+    let report = run(&file, &origin, &run_dir, Some(one));
     bar.finish_and_clear();
     let report = report?;
     if json {
@@ -1534,6 +1824,60 @@ mod tests {
         assert!(e.contains("judge.votes"), "{e}");
         let e = err(text.replace("directive_rate = 0.8", "directive_rate = 1.5"));
         assert!(e.contains("directive_rate"), "{e}");
+    }
+
+    #[test]
+    fn seeds_parse_as_a_comma_list_and_bad_lists_name_the_flag() {
+        let ok = |t: &str| t.parse::<Seeds>().unwrap().0;
+        assert_eq!(ok("1,2,3"), vec![1, 2, 3]);
+        assert_eq!(ok(" 7 , 0 "), vec![7, 0]);
+        assert_eq!(ok("42"), vec![42]);
+        let bad = |t: &str| t.parse::<Seeds>().unwrap_err();
+        assert_eq!(bad(""), SeedsError::Empty);
+        assert_eq!(bad("  "), SeedsError::Empty);
+        assert_eq!(bad("1,2,1"), SeedsError::Duplicate(1));
+        assert_eq!(bad("1,x"), SeedsError::NotANumber("x".into()));
+        assert_eq!(bad("1,,2"), SeedsError::NotANumber("".into()));
+        assert_eq!(bad("-1"), SeedsError::NotANumber("-1".into()));
+        assert_eq!(bad("1.5"), SeedsError::NotANumber("1.5".into()));
+        for t in ["", "1,1", "a"] {
+            assert!(bad(t).to_string().contains("--seeds"), "{t:?}");
+        }
+    }
+
+    #[test]
+    fn results_over_seeds_are_the_mean_and_sample_std_per_point() {
+        let one = |b: [f64; 2], c: [f64; 2]| Results {
+            updates: vec![0, 8],
+            scores: [
+                ("binary".into(), b.to_vec()),
+                ("combined".into(), c.to_vec()),
+            ]
+            .into(),
+            ..Default::default()
+        };
+        let r = Results::over_seeds(&[
+            (1, one([0.2, 0.4], [0.2, 0.6])),
+            (2, one([0.2, 0.6], [0.2, 0.8])),
+            (3, one([0.2, 0.8], [0.2, 1.0])),
+        ]);
+        assert_eq!(r.seeds, Some(vec![1, 2, 3]));
+        assert_eq!(r.updates, vec![0, 8]);
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(r.scores["binary"][1], 0.6) && close(r.scores["combined"][1], 0.8));
+        // Sample (n − 1) std of 0.4, 0.6, 0.8 is 0.2; no spread is 0.
+        let std = r.std.as_ref().unwrap();
+        assert!(close(std["binary"][1], 0.2) && close(std["binary"][0], 0.0));
+        assert_eq!(
+            r.per_seed.as_ref().unwrap()["combined"]["2"],
+            vec![0.2, 0.8]
+        );
+        let v = serde_json::to_value(&r).unwrap();
+        assert!(v["per_seed"]["binary"]["3"].is_array() && v["std"]["combined"].is_array());
+        // One seed's results keep the plain shape.
+        let v = serde_json::to_value(one([0.1, 0.2], [0.1, 0.3])).unwrap();
+        assert_eq!(v.as_object().unwrap().len(), 2, "{v}");
+        assert_eq!(mean_and_sample_std(&[0.5]), (0.5, 0.0));
     }
 
     #[test]

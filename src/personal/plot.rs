@@ -1,6 +1,7 @@
-//! The experiment's plot: personalization score against updates, one line per method, as a PNG
-//! drawn with `plotters`' bitmap backend. No font is needed: the few labels (tick values, the
-//! legend) are drawn with a built-in 5×7 pixel font, so nothing is loaded from the system.
+//! The experiment's plot: personalization score against updates, one line per method (with a
+//! band of mean ± standard deviation when the results span several seeds), as a PNG drawn with
+//! `plotters`' bitmap backend. No font is needed: the few labels (tick values, the legend) are
+//! drawn with a built-in 5×7 pixel font, so nothing is loaded from the system.
 
 use std::path::Path;
 
@@ -150,6 +151,26 @@ fn draw(results: &Results, path: &Path) -> Result<(), String> {
         black.stroke_width(2),
     ))
     .map_err(|e| e.to_string())?;
+    // Bands first, so every line is drawn over them.
+    for (method, scores) in &results.scores {
+        let Some(std) = results.std.as_ref().and_then(|s| s.get(method)) else {
+            continue;
+        };
+        let upper = results
+            .updates
+            .iter()
+            .zip(scores.iter().zip(std))
+            .map(|(&u, (&m, &sd))| (px(u as f64), py(m + sd)));
+        let lower = results
+            .updates
+            .iter()
+            .zip(scores.iter().zip(std))
+            .rev()
+            .map(|(&u, (&m, &sd))| (px(u as f64), py(m - sd)));
+        let outline: Vec<(i32, i32)> = upper.chain(lower).collect();
+        root.draw(&Polygon::new(outline, color(method).mix(0.2).filled()))
+            .map_err(|e| e.to_string())?;
+    }
     for (k, (method, scores)) in results.scores.iter().enumerate() {
         let c = color(method);
         let pts: Vec<(i32, i32)> = results

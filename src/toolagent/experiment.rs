@@ -880,6 +880,7 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
     let results = crate::personal::experiment::Results {
         updates: report.eval_at.clone(),
         scores: report.success.clone(),
+        ..Default::default()
     };
     write_json(
         "results.json",

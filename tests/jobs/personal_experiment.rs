@@ -161,3 +161,51 @@ fn shortened_run_goes_through_the_gateway_judge_and_trainer_and_combined_improve
         "combined improves over the warm start: {c}"
     );
 }
+
+#[test]
+fn two_seeds_report_mean_std_and_each_seeds_scores_and_counts() {
+    const UPDATES: i64 = 2;
+    let f = short();
+    warm(&f);
+    let dir = tempfile::tempdir().unwrap();
+    let report =
+        personal_run::run_experiment_with(dir.path(), &cache(), UPDATES, &["--seeds", "5,6"]);
+    let out = dir.path().join("run");
+    let text = std::fs::read_to_string(out.join("results.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["updates"], serde_json::json!([0, UPDATES]));
+    assert_eq!(v["seeds"], serde_json::json!([5, 6]));
+    for m in ["binary", "opd", "combined"] {
+        let mean = v["scores"][m].as_array().unwrap();
+        let std = v["std"][m].as_array().unwrap();
+        assert_eq!((mean.len(), std.len()), (2, 2), "{m}");
+        let per = |s: &str| -> Vec<f64> {
+            v["per_seed"][m][s]
+                .as_array()
+                .unwrap_or_else(|| panic!("{m} seed {s}: {v}"))
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
+        };
+        let (a, b) = (per("5"), per("6"));
+        for i in 0..2 {
+            let want = (a[i] + b[i]) / 2.0;
+            assert!((mean[i].as_f64().unwrap() - want).abs() < 1e-9, "{m}: {v}");
+            // The sample std of two values is |a − b| / √2.
+            let sd = (a[i] - b[i]).abs() / 2f64.sqrt();
+            assert!((std[i].as_f64().unwrap() - sd).abs() < 1e-9, "{m}: {v}");
+        }
+    }
+    let png = std::fs::read(out.join("scores.png")).unwrap();
+    assert_eq!(&png[..4], b"\x89PNG");
+    // Each seed ran every method to the measured version, its counts kept per update.
+    for s in ["5", "6"] {
+        let runs = report["per_seed"][s]["runs"].as_array().unwrap();
+        assert_eq!(runs.len(), 3, "seed {s}");
+        for r in runs {
+            assert_eq!(r["updates"].as_array().unwrap().len() as i64, UPDATES);
+            assert_eq!(r["job"]["trainer"]["steps"].as_i64(), Some(UPDATES));
+        }
+        assert!(out.join(format!("seed-{s}/results.json")).exists());
+    }
+}

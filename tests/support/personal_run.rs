@@ -198,6 +198,17 @@ impl Drop for PersonalRun {
 /// DIR/experiment.toml`: the JSON report it prints, panicking with its stderr if it failed.
 #[allow(dead_code)] // the `jobs` binary's; `serving` shares this file
 pub fn run_experiment(dir: &Path, cache: &Path, updates: i64) -> serde_json::Value {
+    run_experiment_with(dir, cache, updates, &[])
+}
+
+/// [`run_experiment`] with more arguments to `clawrl run` (such as `--seeds 1,2`).
+#[allow(dead_code)] // the `jobs` binary's; `serving` shares this file
+pub fn run_experiment_with(
+    dir: &Path,
+    cache: &Path,
+    updates: i64,
+    args: &[&str],
+) -> serde_json::Value {
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/personal.toml");
     let mut t: toml::Table = toml::from_str(&std::fs::read_to_string(example).unwrap()).unwrap();
     t.insert("cache_dir".into(), cache.display().to_string().into());
@@ -214,6 +225,7 @@ pub fn run_experiment(dir: &Path, cache: &Path, updates: i64) -> serde_json::Val
         .env("RUST_LOG", "warn")
         .args(["run", "--json", "--out"])
         .arg(dir.join("run"))
+        .args(args)
         .arg(&file)
         .output()
         .expect("starting clawrl run");
