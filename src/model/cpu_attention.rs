@@ -1,5 +1,6 @@
-//! The CPU kernel of the attention forward: [`super::attention`]'s tiled causal attention as
-//! one pass over raw `f32` slices, for the Flex backend.
+//! The CPU kernels of the attention: [`super::attention`]'s tiled causal attention, forward
+//! ([`attention_forward`]) and flash-attention backward ([`attention_backward`]), each one pass
+//! over raw `f32` slices, for the Flex backend.
 //!
 //! Built from tensor ops, each query tile's score block is written, masked, exponentiated,
 //! summed and multiplied in separate passes over memory; at a 12k-token prompt those passes

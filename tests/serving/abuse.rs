@@ -134,9 +134,12 @@ async fn a_key_past_its_in_flight_cap_gets_429_and_other_keys_are_served() {
         .unwrap();
     a1.write_all(&req.as_bytes()[..5]).await.unwrap();
     // The server may not have read the head yet: poll until A's second request is refused.
+    // The polls are side turns, which open no session: main ones would each open a session
+    // and, on a slow machine, fill the key's session cap (another 429) before A's head is read.
     let deadline = Instant::now() + BOUND;
+    let side = [("X-Turn-Type", "side")];
     let refused = loop {
-        let r = post_as(&s.base, "key-a", &body(json!({"max_tokens": 2})), &[]).await;
+        let r = post_as(&s.base, "key-a", &body(json!({"max_tokens": 2})), &side).await;
         if r.status() == 429 {
             break r;
         }
