@@ -1481,20 +1481,7 @@ pub fn run(
         runs,
         seconds: started.elapsed().as_secs_f64(),
     };
-    let write_json = |name: &str, text: String| {
-        let p = run_dir.join(name);
-        std::fs::write(&p, text).map_err(|e| write_err(&p, e.to_string()))
-    };
-    write_json(
-        "results.json",
-        serde_json::to_string_pretty(&report.results).expect("results serialize"),
-    )?;
-    write_json(
-        "details.json",
-        serde_json::to_string_pretty(&report).expect("report serializes"),
-    )?;
-    let png = run_dir.join("scores.png");
-    super::plot::plot_scores(&report.results, &png).map_err(|e| write_err(&png, e.message))?;
+    write_outputs(&run_dir, &report.results, &report)?;
     Ok(report)
 }
 
@@ -1507,6 +1494,33 @@ pub struct SeedsReport {
     pub per_seed: BTreeMap<String, Report>,
     /// Seconds for the whole run (warm start included).
     pub seconds: f64,
+}
+
+/// Writes a run's outputs into `run_dir`: `results.json` (the scores), `details.json` (the whole
+/// report) and `scores.png`.
+fn write_outputs<R: Serialize>(
+    run_dir: &Path,
+    results: &Results,
+    details: &R,
+) -> Result<(), ExperimentError> {
+    let write_err = |path: &Path, message: String| ExperimentError::Write {
+        path: path.to_path_buf(),
+        message,
+    };
+    let write_json = |name: &str, text: String| {
+        let p = run_dir.join(name);
+        std::fs::write(&p, text).map_err(|e| write_err(&p, e.to_string()))
+    };
+    write_json(
+        "results.json",
+        serde_json::to_string_pretty(results).expect("results serialize"),
+    )?;
+    write_json(
+        "details.json",
+        serde_json::to_string_pretty(details).expect("report serializes"),
+    )?;
+    let png = run_dir.join("scores.png");
+    super::plot::plot_scores(results, &png).map_err(|e| write_err(&png, e.message))
 }
 
 /// Runs the experiment once per seed of `seeds` (each replacing `experiment.seed`: task draws,
@@ -1523,10 +1537,6 @@ pub fn run_seeds(
     progress: Option<SeedProgress>,
 ) -> Result<SeedsReport, ExperimentError> {
     let started = Instant::now();
-    let write_err = |path: &Path, message: String| ExperimentError::Write {
-        path: path.to_path_buf(),
-        message,
-    };
     let mut reports = Vec::new();
     for &seed in seeds {
         let mut f = file.clone();
@@ -1553,20 +1563,7 @@ pub fn run_seeds(
             .collect(),
         seconds: started.elapsed().as_secs_f64(),
     };
-    let write_json = |name: &str, text: String| {
-        let p = run_dir.join(name);
-        std::fs::write(&p, text).map_err(|e| write_err(&p, e.to_string()))
-    };
-    write_json(
-        "results.json",
-        serde_json::to_string_pretty(&report.results).expect("results serialize"),
-    )?;
-    write_json(
-        "details.json",
-        serde_json::to_string_pretty(&report).expect("report serializes"),
-    )?;
-    let png = run_dir.join("scores.png");
-    super::plot::plot_scores(&report.results, &png).map_err(|e| write_err(&png, e.message))?;
+    write_outputs(run_dir, &report.results, &report)?;
     Ok(report)
 }
 
