@@ -315,6 +315,10 @@ fn default_clip_high() -> f64 {
     0.28
 }
 
+fn default_true() -> bool {
+    true
+}
+
 /// What the trainer does with samples over the staleness bound.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -350,6 +354,10 @@ pub struct OptimSpec {
     pub importance_cap: Option<f32>,
     /// Checkpoint every this many steps (0 or absent: only at the end).
     pub checkpoint_every: Option<u64>,
+    /// Samples of a batch that share a token prefix run it through the model once (default
+    /// `true`; the loss and gradients are those of the unpacked samples).
+    #[serde(default = "default_true")]
+    pub pack_prefixes: bool,
 }
 
 /// The `[env]` section of a job spec: the environment its sessions run in.

@@ -335,6 +335,7 @@ pub fn train_config(spec: &JobSpec) -> TrainConfig {
         kl_coef: o.kl,
         batch_size: o.batch_size as usize,
         opd_loss: spec.method.opd_loss,
+        pack_prefixes: o.pack_prefixes,
         ..TrainConfig::default()
     }
 }

@@ -1,7 +1,7 @@
 //! The learner: the OpenClaw-RL objective of docs/design.md §1 in Burn. It owns the batch layout of
 //! variable-length samples ([`batch`]), the loss ([`loss`]), a `torch.optim.AdamW`-exact optimizer
-//! with a global gradient-norm clip ([`optim`]), the training configuration ([`config`]), the
-//! learner itself with versioned weight export ([`learner`]), checkpoints ([`checkpoint`]) and
+//! with a global gradient-norm clip ([`optim`]), the training configuration ([`config`]),
+//! shared-prefix packing of a batch ([`packing`]), the learner itself with versioned weight export ([`learner`]), checkpoints ([`checkpoint`]) and
 //! the JSONL sample reader used by offline training ([`samples`]).
 
 pub mod batch;
@@ -10,6 +10,7 @@ pub mod config;
 pub mod learner;
 pub mod loss;
 pub mod optim;
+pub mod packing;
 pub mod samples;
 
 pub use batch::{BatchLayout, OpdLossKind, OpdTerm, Sample, SampleError, TeacherTopK};

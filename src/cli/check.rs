@@ -71,6 +71,13 @@ pub enum CheckCommand {
         /// Timed rounds after the warm-up; the median is reported.
         #[arg(long, default_value_t = 3)]
         rounds: usize,
+        /// Train: the first this many prompt tokens are the same in every sequence (a shared
+        /// system prompt), the rest differ.
+        #[arg(long, default_value_t = 0)]
+        shared_prefix: usize,
+        /// Train: run every sequence whole, without packing shared prefixes.
+        #[arg(long)]
+        no_packing: bool,
     },
 }
 
@@ -124,16 +131,29 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
             prompt,
             new_tokens,
             rounds,
+            shared_prefix,
+            no_packing,
         } => {
             anyhow::ensure!(batch >= 1, "--batch must be at least 1");
             anyhow::ensure!(prompt >= 1, "--prompt must be at least 1");
             anyhow::ensure!(rounds >= 1, "--rounds must be at least 1");
+            anyhow::ensure!(
+                shared_prefix <= prompt,
+                "--shared-prefix ({shared_prefix}) is longer than --prompt ({prompt})"
+            );
+            let train_only = shared_prefix > 0 || no_packing;
+            anyhow::ensure!(
+                !train_only || matches!(workload, Workload::Train),
+                "--shared-prefix and --no-packing apply to --workload train only"
+            );
             let shape = Shape {
                 dir: &model,
                 batch,
                 prompt,
                 new_tokens,
                 rounds,
+                shared_prefix,
+                packing: !no_packing,
             };
             let rates = match workload {
                 Workload::Generate => device.run_inference(GenerateSpeed(shape, false))??,
@@ -149,6 +169,8 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
                     "batch": batch,
                     "prompt": prompt,
                     "new_tokens": new_tokens,
+                    "shared_prefix": shared_prefix,
+                    "packing": !no_packing,
                     "dtype": "float32",
                     "tokens_per_s": median(&rates),
                     "rounds_tokens_per_s": rates,
@@ -452,6 +474,10 @@ struct Shape<'a> {
     prompt: usize,
     new_tokens: usize,
     rounds: usize,
+    /// Train: leading prompt tokens common to every sequence.
+    shared_prefix: usize,
+    /// Train: whether the learner packs shared prefixes.
+    packing: bool,
 }
 
 /// Deterministic prompt ids spread over the vocabulary (the same formula as the reference
@@ -594,13 +620,16 @@ impl TrainingTask for TrainSpeed<'_> {
             lr: 1e-5,
             kl_coef: 0.02,
             batch_size: s.batch,
+            pack_prefixes: s.packing,
             ..TrainConfig::default()
         };
         let mut learner = BurnLearner::new(cfg, model, train, device, 0);
         let r = s.new_tokens.max(1);
+        let shared = prompt_ids(s.shared_prefix, 0, vocab);
         let samples: Vec<Sample> = (0..s.batch)
             .map(|b| {
-                let seq = prompt_ids(s.prompt + r, b + 1, vocab);
+                let own = prompt_ids(s.prompt + r - s.shared_prefix, b + 1, vocab);
+                let seq = [shared.as_slice(), own.as_slice()].concat();
                 Sample {
                     prompt_ids: seq[..s.prompt].to_vec(),
                     response_ids: seq[s.prompt..].to_vec(),

@@ -62,8 +62,14 @@ fn tile_rows(b: usize, h: usize, n: usize, budget: usize) -> usize {
     (budget / (b * h * n).max(1)).max(16).min(n.max(1))
 }
 
-/// Causal scaled-dot-product attention from position 0: `q, k, v [b, h, n, d]` (keys and values
-/// already repeated to the query heads) → `[b, h, n, d]`, `softmax(Q Kᵀ / √d, causal) V`.
+/// Causal scaled-dot-product attention, `softmax(Q Kᵀ / √d, causal) V`: queries
+/// `q [b, h, t, d]` are the last `t` of the `n` positions of `k, v [b, h, n, d]` (keys and values
+/// already repeated to the query heads), so query row `r` is position `n − t + r` and sees the
+/// keys up to it → `[b, h, t, d]`. `t = n` is causal self-attention from position 0; `t < n` is
+/// a packed row after the shared prefix it continues (see [`crate::train::packing`]).
+///
+/// # Panics
+/// When `t > n`.
 pub fn causal_attention<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -88,7 +94,15 @@ fn tiled<B: Backend>(
         Ok(o) => return o,
         Err(qkv) => qkv,
     };
-    forward(q, k, v, Some(0), budget).0
+    let offset = query_offset(&q, &k);
+    forward(q, k, v, Some(offset), budget).0
+}
+
+/// The position of the first query row when the queries are the last rows of the keys' span.
+fn query_offset<B: Backend>(q: &Tensor<B, 4>, k: &Tensor<B, 4>) -> usize {
+    let (t, n) = (q.dims()[2], k.dims()[2]);
+    assert!(t <= n, "causal attention: {t} query rows but only {n} keys");
+    n - t
 }
 
 /// Runs the autodiff op when `B` is `Autodiff<I>`; hands the inputs back otherwise.
@@ -134,6 +148,17 @@ fn forward<B: Backend>(
     if TypeId::of::<B>() == TypeId::of::<crate::CpuBackend>() {
         return on_cpu(q, k, v, mask_from);
     }
+    forward_ops(q, k, v, mask_from, budget)
+}
+
+/// [`forward`] built from tensor ops (every backend but the CPU one).
+fn forward_ops<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask_from: Option<usize>,
+    budget: usize,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
     let [b, h, t, d] = q.dims();
     let n = k.dims()[2];
     let q = q * (d as f64).powf(-0.5);
@@ -195,7 +220,8 @@ fn row_sub<B: Backend>(x: Tensor<B, 4>, r: Tensor<B, 4>) -> Tensor<B, 4> {
     (x.reshape([b * h * t, k]) - r.reshape([b * h * t, 1])).reshape([b, h, t, k])
 }
 
-/// The gradients `(dq, dk, dv)` of the tiled attention for `d_o [b, h, n, d]`.
+/// The gradients `(dq [b, h, t, d], dk [b, h, n, d], dv [b, h, n, d])` of the tiled attention
+/// (queries the last `t` of `n` positions, as in [`causal_attention`]) for `d_o [b, h, t, d]`.
 fn backward<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -208,26 +234,42 @@ fn backward<B: Backend>(
     if TypeId::of::<B>() == TypeId::of::<crate::CpuBackend>() {
         return backward_on_cpu(q, k, v, o, lse, d_o);
     }
-    let [b, h, n, d] = q.dims();
+    backward_ops(q, k, v, o, lse, d_o, budget)
+}
+
+/// [`backward`] built from tensor ops (every backend but the CPU one).
+fn backward_ops<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    o: Tensor<B, 4>,
+    lse: Tensor<B, 4>,
+    d_o: Tensor<B, 4>,
+    budget: usize,
+) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
+    let [b, h, t, d] = q.dims();
+    let n = k.dims()[2];
+    let offset = query_offset(&q, &k);
     let scale = (d as f64).powf(-0.5);
     // S = (q·scale) Kᵀ, so dK takes the scaled queries and dQ = dS K · scale.
     let q = q * scale;
-    let t = tile_rows(b, h, n, budget);
+    let tile = tile_rows(b, h, n, budget);
     let delta = (d_o.clone() * o).sum_dim(3);
     let mut dk = k.zeros_like();
     let mut dv = v.zeros_like();
     let mut dqs = Vec::new();
-    for start in (0..n).step_by(t) {
-        let end = (start + t).min(n);
+    for start in (0..t).step_by(tile) {
+        let end = (start + tile).min(t);
         let rows = [0..b, 0..h, start..end, 0..d];
-        let keys = [0..b, 0..h, 0..end, 0..d];
+        // Row `start + r` is position `offset + start + r`: it sees the keys up to there.
+        let keys = [0..b, 0..h, 0..offset + end, 0..d];
         let qi = q.clone().slice(rows.clone());
         let d_oi = d_o.clone().slice(rows.clone());
         let kj = k.clone().slice(keys.clone());
         let vj = v.clone().slice(keys.clone());
         let lse_i = lse.clone().slice([0..b, 0..h, start..end, 0..1]);
         let delta_i = delta.clone().slice([0..b, 0..h, start..end, 0..1]);
-        let p = row_sub(scores(qi.clone(), kj.clone(), Some(start)), lse_i).exp();
+        let p = row_sub(scores(qi.clone(), kj.clone(), Some(offset + start)), lse_i).exp();
         let dv_j = matmul(p.clone().swap_dims(2, 3), d_oi.clone());
         let dp = matmul(d_oi, vj.swap_dims(2, 3));
         let ds = p * row_sub(dp, delta_i);
@@ -251,9 +293,10 @@ fn backward_on_cpu<B: Backend>(
     lse: Tensor<B, 4>,
     d_o: Tensor<B, 4>,
 ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
-    let [b, h, n, d] = q.dims();
+    let [b, h, t, d] = q.dims();
+    let n = k.dims()[2];
     let device = q.device();
-    let dims = Dims { b, h, t: n, n, d };
+    let dims = Dims { b, h, t, n, d };
     let (dq, dk, dv) = attention_backward(
         &floats(q),
         &floats(k),
@@ -263,8 +306,9 @@ fn backward_on_cpu<B: Backend>(
         &floats(d_o),
         dims,
     );
-    let tensor = |x: Vec<f32>| Tensor::from_data(TensorData::new(x, [b, h, n, d]), &device);
-    (tensor(dq), tensor(dk), tensor(dv))
+    let tensor =
+        |x: Vec<f32>, rows: usize| Tensor::from_data(TensorData::new(x, [b, h, rows, d]), &device);
+    (tensor(dq, t), tensor(dk, n), tensor(dv, n))
 }
 
 /// A float tensor's elements as `f32`, row-major.
@@ -309,6 +353,7 @@ fn autodiff_op<I: Backend>(
     v: Tensor<Autodiff<I>, 4>,
     budget: usize,
 ) -> Tensor<Autodiff<I>, 4> {
+    let offset = query_offset(&q, &k);
     let (q, k, v) = (
         q.into_primitive().tensor(),
         k.into_primitive().tensor(),
@@ -318,7 +363,7 @@ fn autodiff_op<I: Backend>(
         inner::<I>(q.primitive.clone()),
         inner::<I>(k.primitive.clone()),
         inner::<I>(v.primitive.clone()),
-        Some(0),
+        Some(offset),
         budget,
     );
     let o = o.into_primitive().tensor();
@@ -340,6 +385,162 @@ fn autodiff_op<I: Backend>(
         OpsKind::UnTracked(prep) => prep.finish(o),
     };
     Tensor::from_primitive(TensorPrimitive::Float(node))
+}
+
+/// Attention of rows that continue one shared prefix (a packed batch, see
+/// [`crate::train::packing`]): queries `q [r, h, l, d]`, row `i`'s at positions `p..p + l`; the
+/// prefix's keys and values `prefix_k, prefix_v [1, h, p, d]`; each row's own
+/// `own_k, own_v [r, h, l, d]` → `[r, h, l, d]`. Row `i` sees the whole prefix and causally its
+/// own keys, never another row's: it equals [`causal_attention`] of `q[i]` against
+/// `prefix ++ own[i]`.
+///
+/// The prefix is held once, not once per row, forward and backward: each row's keys are
+/// assembled for its own call and dropped after it. Broadcasting the prefix to every row
+/// instead would keep `r` copies of a 12k-token prefix's keys per layer for the backward.
+pub fn prefixed_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    prefix_k: Tensor<B, 4>,
+    prefix_v: Tensor<B, 4>,
+    own_k: Tensor<B, 4>,
+    own_v: Tensor<B, 4>,
+) -> Tensor<B, 4> {
+    let budget = tile_budget::<B>();
+    let args = [q, prefix_k, prefix_v, own_k, own_v];
+    let args = match prefixed_tracked::<B, crate::CpuBackend>(args, budget) {
+        Ok(o) => return o,
+        Err(args) => args,
+    };
+    #[cfg(feature = "cuda")]
+    let args = match prefixed_tracked::<B, crate::device::CudaBackend>(args, budget) {
+        Ok(o) => return o,
+        Err(args) => args,
+    };
+    prefixed_forward(args, budget).0
+}
+
+/// Row `i`'s keys and values: the prefix's, then its own, `[1, h, p + l, d]` each.
+fn row_keys<B: Backend>(
+    [prefix_k, prefix_v, own_k, own_v]: [&Tensor<B, 4>; 4],
+    i: usize,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let [_, h, l, d] = own_k.dims();
+    let own = |x: &Tensor<B, 4>| x.clone().slice([i..i + 1, 0..h, 0..l, 0..d]);
+    (
+        Tensor::cat(vec![prefix_k.clone(), own(own_k)], 2),
+        Tensor::cat(vec![prefix_v.clone(), own(own_v)], 2),
+    )
+}
+
+/// [`prefixed_attention`]'s forward, row by row: `(o [r, h, l, d], lse [r, h, l, 1])`.
+fn prefixed_forward<B: Backend>(
+    [q, pk, pv, ok, ov]: [Tensor<B, 4>; 5],
+    budget: usize,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let [r, h, l, d] = q.dims();
+    let p = pk.dims()[2];
+    let (mut outs, mut lses) = (Vec::with_capacity(r), Vec::with_capacity(r));
+    for i in 0..r {
+        let (k, v) = row_keys([&pk, &pv, &ok, &ov], i);
+        let qi = q.clone().slice([i..i + 1, 0..h, 0..l, 0..d]);
+        let (o, lse) = forward(qi, k, v, Some(p), budget);
+        outs.push(o);
+        lses.push(lse);
+    }
+    (Tensor::cat(outs, 0), Tensor::cat(lses, 0))
+}
+
+/// The gradients of [`prefixed_attention`]'s five inputs for `d_o [r, h, l, d]`, row by row:
+/// each row's key gradient splits into its share of the prefix's (summed over rows) and its
+/// own.
+fn prefixed_backward<B: Backend>(
+    [q, pk, pv, ok, ov]: [Tensor<B, 4>; 5],
+    o: Tensor<B, 4>,
+    lse: Tensor<B, 4>,
+    d_o: Tensor<B, 4>,
+    budget: usize,
+) -> [Tensor<B, 4>; 5] {
+    let [r, h, l, d] = q.dims();
+    let p = pk.dims()[2];
+    let (mut dpk, mut dpv) = (pk.zeros_like(), pv.zeros_like());
+    let (mut dq, mut dok, mut dov) = (Vec::new(), Vec::new(), Vec::new());
+    let (prefix, own) = ([0..1, 0..h, 0..p, 0..d], [0..1, 0..h, p..p + l, 0..d]);
+    for i in 0..r {
+        let rows = [i..i + 1, 0..h, 0..l, 0..d];
+        let (k, v) = row_keys([&pk, &pv, &ok, &ov], i);
+        let (dqi, dk, dv) = backward(
+            q.clone().slice(rows.clone()),
+            k,
+            v,
+            o.clone().slice(rows.clone()),
+            lse.clone().slice([i..i + 1, 0..h, 0..l, 0..1]),
+            d_o.clone().slice(rows),
+            budget,
+        );
+        dpk = dpk + dk.clone().slice(prefix.clone());
+        dpv = dpv + dv.clone().slice(prefix.clone());
+        dok.push(dk.slice(own.clone()));
+        dov.push(dv.slice(own.clone()));
+        dq.push(dqi);
+    }
+    [
+        Tensor::cat(dq, 0),
+        dpk,
+        dpv,
+        Tensor::cat(dok, 0),
+        Tensor::cat(dov, 0),
+    ]
+}
+
+/// Runs [`prefixed_attention`]'s autodiff op when `B` is `Autodiff<I>`; hands the inputs back
+/// otherwise.
+fn prefixed_tracked<B: Backend, I: Backend>(
+    args: [Tensor<B, 4>; 5],
+    budget: usize,
+) -> Result<Tensor<B, 4>, [Tensor<B, 4>; 5]> {
+    if TypeId::of::<B>() != TypeId::of::<Autodiff<I>>() {
+        return Err(args);
+    }
+    let args = args.map(|t| cast::<B, Autodiff<I>, 4>(t).into_primitive().tensor());
+    let (o, lse) = prefixed_forward(args.clone().map(|t| inner::<I>(t.primitive)), budget);
+    let o = o.into_primitive().tensor();
+    let nodes = args.clone().map(|t| t.node);
+    let node = match PrefixedRows
+        .prepare::<NoCheckpointing>(nodes)
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let [q, pk, pv, ok, ov] = args.map(|t| t.primitive);
+            let state = [q, pk, pv, ok, ov, o.clone(), lse.into_primitive().tensor()];
+            prep.finish((state, budget), o)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(o),
+    };
+    Ok(cast(Tensor::<Autodiff<I>, 4>::from_primitive(
+        TensorPrimitive::Float(node),
+    )))
+}
+
+/// The autodiff node of [`prefixed_attention`]: forward row by row on the inner backend,
+/// gradients by [`prefixed_backward`].
+#[derive(Debug)]
+struct PrefixedRows;
+
+impl<I: Backend> Backward<I, 5> for PrefixedRows {
+    /// The five inputs, the output, the per-row log-sum-exp, and the tile budget.
+    type State = ([FloatTensor<I>; 7], usize);
+
+    fn backward(self, ops: Ops<Self::State, 5>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let d_o = grads.consume::<I>(&ops.node);
+        let ([q, pk, pv, ok, ov, o, lse], budget) = ops.state;
+        let inputs = [q, pk, pv, ok, ov].map(inner::<I>);
+        let g = prefixed_backward(inputs, inner(o), inner(lse), inner(d_o), budget);
+        for (parent, grad) in ops.parents.into_iter().zip(g) {
+            if let Some(node) = parent {
+                grads.register::<I>(node.id, grad.into_primitive().tensor());
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -404,6 +605,124 @@ mod tests {
                 .into_data()
                 .assert_approx_eq::<f32>(&want.3.into_data(), tol);
         }
+    }
+
+    /// Queries that continue earlier keys (a packed row after its prefix): the autodiff op's
+    /// output and input gradients equal the materialised reference, whose causal mask aligns
+    /// the last query with the last key.
+    #[test]
+    fn queries_after_earlier_keys_match_the_reference_forward_and_backward() {
+        let dev = Default::default();
+        let [_, k, v] = inputs::<Ad>([2, 2, 70, 16], 11);
+        let q = Tensor::<Ad, 4>::random([2, 2, 9, 16], Distribution::Normal(0.0, 1.0), &dev);
+        let go = Tensor::<Ad, 4>::random([2, 2, 9, 16], Distribution::Normal(0.0, 1.0), &dev);
+        let run = |f: &dyn Fn(Tensor<Ad, 4>, Tensor<Ad, 4>, Tensor<Ad, 4>) -> Tensor<Ad, 4>| {
+            let (q, k, v) = (
+                q.clone().detach().require_grad(),
+                k.clone().detach().require_grad(),
+                v.clone().detach().require_grad(),
+            );
+            let o = f(q.clone(), k.clone(), v.clone());
+            let grads = (o.clone() * go.clone()).sum().backward();
+            let g = |t: &Tensor<Ad, 4>| t.grad(&grads).unwrap();
+            [o.inner(), g(&q), g(&k), g(&v)]
+        };
+        let ours = run(&|q, k, v| causal_attention(q, k, v));
+        let want = run(&|q, k, v| reference(q, k, v));
+        for (name, (a, b)) in ["o", "dq", "dk", "dv"]
+            .iter()
+            .zip(ours.into_iter().zip(want))
+        {
+            assert_eq!(a.dims(), b.dims(), "{name}");
+            a.into_data()
+                .assert_approx_eq::<f32>(&b.into_data(), Tolerance::absolute(2e-5));
+        }
+    }
+
+    /// The tensor-op forward and backward (the CUDA path) equal the CPU kernels, causal from 0
+    /// and after earlier keys, over several tiles.
+    #[test]
+    fn the_tensor_op_path_equals_the_cpu_kernels() {
+        type B = crate::CpuBackend;
+        for (t, n) in [(40, 40), (13, 50)] {
+            let [_, k, v] = inputs::<B>([1, 2, n, 8], 5);
+            let [q, d_o, _] = inputs::<B>([1, 2, t, 8], 6);
+            let budget = 2 * 8 * n; // 8 rows a tile
+            let offset = Some(n - t);
+            let (o, lse) = forward(q.clone(), k.clone(), v.clone(), offset, budget);
+            let (o_ops, lse_ops) = forward_ops(q.clone(), k.clone(), v.clone(), offset, budget);
+            let tol = Tolerance::<f32>::absolute(2e-5);
+            o_ops
+                .into_data()
+                .assert_approx_eq::<f32>(&o.clone().into_data(), tol);
+            lse_ops
+                .into_data()
+                .assert_approx_eq::<f32>(&lse.clone().into_data(), tol);
+            let args = (q, k, v, o, lse, d_o);
+            let kernel = backward(
+                args.0.clone(),
+                args.1.clone(),
+                args.2.clone(),
+                args.3.clone(),
+                args.4.clone(),
+                args.5.clone(),
+                budget,
+            );
+            let ops = backward_ops(args.0, args.1, args.2, args.3, args.4, args.5, budget);
+            for (a, b) in [(ops.0, kernel.0), (ops.1, kernel.1), (ops.2, kernel.2)] {
+                a.into_data().assert_approx_eq::<f32>(&b.into_data(), tol);
+            }
+        }
+    }
+
+    /// Rows after a shared prefix: output and every input gradient equal the attention of each
+    /// row against its own copy of the prefix's keys.
+    #[test]
+    fn prefixed_rows_equal_each_row_against_its_own_copy_of_the_prefix() {
+        let dev = Default::default();
+        let (r, h, p, l, d) = (3, 2, 40, 7, 8);
+        let normal = |shape: [usize; 4]| {
+            Tensor::<Ad, 4>::random(shape, Distribution::Normal(0.0, 1.0), &dev)
+        };
+        let (q, pk, pv) = (
+            normal([r, h, l, d]),
+            normal([1, h, p, d]),
+            normal([1, h, p, d]),
+        );
+        let (ok, ov, go) = (
+            normal([r, h, l, d]),
+            normal([r, h, l, d]),
+            normal([r, h, l, d]),
+        );
+        let run = |packed: bool| {
+            let leaves = [&q, &pk, &pv, &ok, &ov].map(|t| t.clone().detach().require_grad());
+            let [q, pk, pv, ok, ov] = leaves.clone();
+            let o = if packed {
+                prefixed_attention(q, pk, pv, ok, ov)
+            } else {
+                let copy = |x: Tensor<Ad, 4>| x.expand([r, h, p, d]);
+                let k = Tensor::cat(vec![copy(pk), ok], 2);
+                let v = Tensor::cat(vec![copy(pv), ov], 2);
+                causal_attention(q, k, v)
+            };
+            let grads = (o.clone() * go.clone()).sum().backward();
+            let mut out = vec![o.inner()];
+            out.extend(leaves.iter().map(|t| t.grad(&grads).unwrap()));
+            out
+        };
+        let names = ["o", "dq", "d prefix k", "d prefix v", "d own k", "d own v"];
+        for (name, (a, b)) in names.iter().zip(run(true).into_iter().zip(run(false))) {
+            assert_eq!(a.dims(), b.dims(), "{name}");
+            a.into_data()
+                .assert_approx_eq::<f32>(&b.into_data(), Tolerance::absolute(2e-5));
+        }
+        // Without autodiff, the same forward.
+        type B = crate::CpuBackend;
+        let plain = |t: &Tensor<Ad, 4>| t.clone().inner();
+        let o: Tensor<B, 4> =
+            prefixed_attention(plain(&q), plain(&pk), plain(&pv), plain(&ok), plain(&ov));
+        o.into_data()
+            .assert_approx_eq::<f32>(&run(true)[0].clone().into_data(), Tolerance::absolute(1e-6));
     }
 
     /// The inference backend takes the same tiled forward; it equals Burn's attention.

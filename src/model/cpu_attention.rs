@@ -139,10 +139,12 @@ pub fn attention_forward(
 /// Keys per tile of the key-side gradient pass.
 const KEY_TILE: usize = 32;
 
-/// The gradients `(dq, dk, dv)`, each `[b, h, n, d]`, of causal attention from position 0
-/// (`t = n`) for the upstream gradient `d_o`, given the forward's `o` and `lse`
-/// ([`attention_forward`]). Probabilities are recomputed from `lse`, never stored (the
-/// flash-attention backward):
+/// The gradients `(dq [b, h, t, d], dk [b, h, n, d], dv [b, h, n, d])` of causal attention
+/// whose `t` query rows are the last `t` of the `n` key positions (row `r` is position
+/// `n − t + r`; `t = n` is causal from position 0), for the upstream gradient `d_o`
+/// `[b, h, t, d]`, given the forward's `o` and `lse` ([`attention_forward`] with
+/// `Some(n − t)`). Probabilities are recomputed from `lse`, never stored (the flash-attention
+/// backward):
 ///
 /// ```text
 /// P = exp(S − lse)    D_r = dO_r · O_r    dS = P ∘ (dO Vᵀ − D)
@@ -153,7 +155,7 @@ const KEY_TILE: usize = 32;
 /// keys, key tiles accumulate `dK` and `dV` over the rows that see them.
 ///
 /// # Panics
-/// When a slice's length is not the one `dims` gives, or `dims.t != dims.n`.
+/// When a slice's length is not the one `dims` gives, or `dims.t > dims.n`.
 pub fn attention_backward(
     q: &[f32],
     k: &[f32],
@@ -164,54 +166,69 @@ pub fn attention_backward(
     dims: Dims,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let Dims { b, h, t, n, d } = dims;
-    assert_eq!(t, n, "attention_backward: causal from 0 needs t = n");
-    let len = b * h * n * d;
-    for (name, x) in [("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o)] {
+    assert!(t <= n, "attention_backward: more query rows than keys");
+    let offset = n - t;
+    let (rows_len, keys_len) = (b * h * t * d, b * h * n * d);
+    for (name, x) in [("q", q), ("o", o), ("d_o", d_o)] {
         assert_eq!(
             x.len(),
-            len,
+            rows_len,
+            "attention_backward: {name} is not [b, h, t, d]"
+        );
+    }
+    for (name, x) in [("k", k), ("v", v)] {
+        assert_eq!(
+            x.len(),
+            keys_len,
             "attention_backward: {name} is not [b, h, n, d]"
         );
     }
     assert_eq!(
         lse.len(),
-        b * h * n,
-        "attention_backward: lse is not [b, h, n]"
+        b * h * t,
+        "attention_backward: lse is not [b, h, t]"
     );
-    let (mut dq, mut dk, mut dv) = (vec![0f32; len], vec![0f32; len], vec![0f32; len]);
-    if n == 0 || d == 0 {
+    let (mut dq, mut dk, mut dv) = (
+        vec![0f32; rows_len],
+        vec![0f32; keys_len],
+        vec![0f32; keys_len],
+    );
+    if t == 0 || d == 0 {
         return (dq, dk, dv);
     }
     let kernel = Kernel::detect();
-    let parallel = b * h * n * n >= PARALLEL_FROM;
+    let parallel = b * h * t * n >= PARALLEL_FROM;
     let delta: Vec<f32> = d_o
         .chunks_exact(d)
         .zip(o.chunks_exact(d))
         .map(|(g, y)| g.iter().zip(y).map(|(a, b)| a * b).sum())
         .collect();
     let (qt, kt) = (
-        transpose_heads(q, n, d, parallel),
+        transpose_heads(q, t, d, parallel),
         transpose_heads(k, n, d, parallel),
     );
     let (vt, d_ot) = (
         transpose_heads(v, n, d, parallel),
-        transpose_heads(d_o, n, d, parallel),
+        transpose_heads(d_o, t, d, parallel),
     );
-    let rows_per_head = n.div_ceil(QUERY_TILE);
+    let tiles_per_head = t.div_ceil(QUERY_TILE);
     let query_tile = |(index, dq_tile): (usize, &mut [f32])| {
-        let (i, first) = (index / rows_per_head, (index % rows_per_head) * QUERY_TILE);
+        let (i, first) = (
+            index / tiles_per_head,
+            (index % tiles_per_head) * QUERY_TILE,
+        );
         let rows = dq_tile.len() / d;
         let tile = GradRows {
-            q: &head_of(n * d, q, i)[first * d..(first + rows) * d],
-            d_o: &head_of(n * d, d_o, i)[first * d..(first + rows) * d],
-            lse: &lse[i * n + first..i * n + first + rows],
-            delta: &delta[i * n + first..i * n + first + rows],
+            q: &head_of(t * d, q, i)[first * d..(first + rows) * d],
+            d_o: &head_of(t * d, d_o, i)[first * d..(first + rows) * d],
+            lse: &lse[i * t + first..i * t + first + rows],
+            delta: &delta[i * t + first..i * t + first + rows],
             k: head_of(n * d, k, i),
             kt: head_of(n * d, &kt, i),
             vt: head_of(n * d, &vt, i),
             n,
             d,
-            first,
+            first: offset + first,
         };
         kernel.query_grads(&tile, dq_tile);
     };
@@ -222,13 +239,14 @@ pub fn attention_backward(
         let tile = GradKeys {
             k: &head_of(n * d, k, i)[first * d..(first + keys) * d],
             v: &head_of(n * d, v, i)[first * d..(first + keys) * d],
-            q: head_of(n * d, q, i),
-            d_o: head_of(n * d, d_o, i),
-            qt: head_of(n * d, &qt, i),
-            d_ot: head_of(n * d, &d_ot, i),
-            lse: &lse[i * n..(i + 1) * n],
-            delta: &delta[i * n..(i + 1) * n],
-            n,
+            q: head_of(t * d, q, i),
+            d_o: head_of(t * d, d_o, i),
+            qt: head_of(t * d, &qt, i),
+            d_ot: head_of(t * d, &d_ot, i),
+            lse: &lse[i * t..(i + 1) * t],
+            delta: &delta[i * t..(i + 1) * t],
+            rows: t,
+            offset,
             d,
             first,
         };
@@ -236,7 +254,7 @@ pub fn attention_backward(
     };
     // Tiles never straddle heads.
     let dq_tiles: Vec<&mut [f32]> = dq
-        .chunks_mut(n * d)
+        .chunks_mut(t * d)
         .flat_map(|h| h.chunks_mut(QUERY_TILE * d))
         .collect();
     let dkv_tiles: Vec<(&mut [f32], &mut [f32])> = dk
@@ -312,8 +330,8 @@ struct GradRows<'a> {
 }
 
 /// A key tile of the backward: its keys' rows of `K` and `V` (`[keys, d]`), its head's `Q` and
-/// `dO` (`[n, d]`), `Qᵀ` and `dOᵀ` (`[d, n]`), every row's `lse` and `D`; key `j` is position
-/// `first + j`.
+/// `dO` (`[rows, d]`), `Qᵀ` and `dOᵀ` (`[d, rows]`), every row's `lse` and `D`; key `j` is
+/// position `first + j`, and query row `r` is position `offset + r`.
 struct GradKeys<'a> {
     k: &'a [f32],
     v: &'a [f32],
@@ -323,7 +341,8 @@ struct GradKeys<'a> {
     d_ot: &'a [f32],
     lse: &'a [f32],
     delta: &'a [f32],
-    n: usize,
+    rows: usize,
+    offset: usize,
     d: usize,
     first: usize,
 }
@@ -525,10 +544,12 @@ fn query_grad_kernel<const FMA: bool>(tile: &GradRows<'_>, dq: &mut [f32]) {
 
 /// `dK` and `dV` of one key tile: for each block of rows that see its keys, each key's
 /// probabilities over those rows and `dS`, then `dV += Pᵀ dO` and `dK += dSᵀ Q` for four keys
-/// at a time. Rows before a key's position weigh 0.
+/// at a time. Rows before a key's position weigh 0. Blocks are walked by position; a row's
+/// index in the tile's slices is its position less `offset`.
 #[inline(always)]
 fn key_grad_kernel<const FMA: bool>(tile: &GradKeys<'_>, dk: &mut [f32], dv: &mut [f32]) {
-    let (n, d, first) = (tile.n, tile.d, tile.first);
+    let (rows, offset, d, first) = (tile.rows, tile.offset, tile.d, tile.first);
+    let end = offset + rows;
     let keys = dk.len() / d;
     let scale = (d as f32).powf(-0.5);
     let mut probs = vec![0f32; ROW_GROUP * KEY_BLOCK];
@@ -537,11 +558,12 @@ fn key_grad_kernel<const FMA: bool>(tile: &GradKeys<'_>, dk: &mut [f32], dv: &mu
     let mut scaled = vec![0f32; d];
     dk.fill(0.0);
     dv.fill(0.0);
-    for block in (first..n).step_by(KEY_BLOCK) {
-        let width = (block + KEY_BLOCK).min(n) - block;
+    for block in (first.max(offset)..end).step_by(KEY_BLOCK) {
+        let width = (block + KEY_BLOCK).min(end) - block;
+        let local = block - offset;
         let (lse, delta) = (
-            &tile.lse[block..block + width],
-            &tile.delta[block..block + width],
+            &tile.lse[local..local + width],
+            &tile.delta[local..local + width],
         );
         for group in (0..keys).step_by(ROW_GROUP) {
             let members = (keys - group).min(ROW_GROUP);
@@ -556,12 +578,12 @@ fn key_grad_kernel<const FMA: bool>(tile: &GradKeys<'_>, dk: &mut [f32], dv: &mu
                 for (x, &kc) in scaled.iter_mut().zip(&tile.k[j * d..(j + 1) * d]) {
                     *x = kc * scale;
                 }
-                dot_rows::<FMA>(&scaled, tile.qt, n, block, p);
+                dot_rows::<FMA>(&scaled, tile.qt, rows, local, p);
                 dot_rows::<FMA>(
                     &tile.v[j * d..(j + 1) * d],
                     tile.d_ot,
-                    n,
-                    block,
+                    rows,
+                    local,
                     &mut dp[..width],
                 );
                 for r in 0..width {
@@ -576,8 +598,8 @@ fn key_grad_kernel<const FMA: bool>(tile: &GradKeys<'_>, dk: &mut [f32], dv: &mu
                 &mut dv[group * d..(group + members) * d],
                 &mut dk[group * d..(group + members) * d],
             );
-            weigh_group::<FMA>(&probs, &tile.d_o[block * d..], width, d, members, dv_acc);
-            weigh_group::<FMA>(&grads, &tile.q[block * d..], width, d, members, dk_acc);
+            weigh_group::<FMA>(&probs, &tile.d_o[local * d..], width, d, members, dv_acc);
+            weigh_group::<FMA>(&grads, &tile.q[local * d..], width, d, members, dk_acc);
         }
     }
     for x in dk.iter_mut() {
@@ -932,24 +954,27 @@ mod tests {
         }
     }
 
-    /// The gradients of the causal attention in f64 with full matrices:
-    /// `(dq, dk, dv)` for the upstream gradient `d_o`.
+    /// The gradients of the causal attention in f64 with full matrices: `(dq, dk, dv)` for the
+    /// upstream gradient `d_o`, query row `r` at position `n − t + r`.
     fn reference_grads(q: &[f32], k: &[f32], v: &[f32], d_o: &[f32], dims: Dims) -> [Vec<f64>; 3] {
-        let Dims { b, h, n, d, .. } = dims;
+        let Dims { b, h, t, n, d } = dims;
+        let offset = n - t;
         let scale = 1.0 / (d as f64).sqrt();
         let at = |x: &[f32], i: usize| x[i] as f64;
         let (mut dq, mut dk, mut dv) = (
             vec![0f64; q.len()],
-            vec![0f64; q.len()],
-            vec![0f64; q.len()],
+            vec![0f64; k.len()],
+            vec![0f64; k.len()],
         );
         for head in 0..b * h {
-            let row = |r: usize| head * n + r;
-            for r in 0..n {
-                let s: Vec<f64> = (0..=r)
+            let row = |r: usize| head * t + r;
+            let key = |j: usize| head * n + j;
+            for r in 0..t {
+                let seen = offset + r;
+                let s: Vec<f64> = (0..=seen)
                     .map(|j| {
                         (0..d)
-                            .map(|c| at(q, row(r) * d + c) * at(k, row(j) * d + c))
+                            .map(|c| at(q, row(r) * d + c) * at(k, key(j) * d + c))
                             .sum::<f64>()
                             * scale
                     })
@@ -958,18 +983,18 @@ mod tests {
                 let l: f64 = s.iter().map(|x| (x - m).exp()).sum();
                 let p: Vec<f64> = s.iter().map(|x| (x - m).exp() / l).collect();
                 let o: Vec<f64> = (0..d)
-                    .map(|c| (0..=r).map(|j| p[j] * at(v, row(j) * d + c)).sum())
+                    .map(|c| (0..=seen).map(|j| p[j] * at(v, key(j) * d + c)).sum())
                     .collect();
                 let delta: f64 = (0..d).map(|c| at(d_o, row(r) * d + c) * o[c]).sum();
-                for j in 0..=r {
+                for j in 0..=seen {
                     let dp: f64 = (0..d)
-                        .map(|c| at(d_o, row(r) * d + c) * at(v, row(j) * d + c))
+                        .map(|c| at(d_o, row(r) * d + c) * at(v, key(j) * d + c))
                         .sum();
                     let ds = p[j] * (dp - delta);
                     for c in 0..d {
-                        dv[row(j) * d + c] += p[j] * at(d_o, row(r) * d + c);
-                        dq[row(r) * d + c] += ds * at(k, row(j) * d + c) * scale;
-                        dk[row(j) * d + c] += ds * at(q, row(r) * d + c) * scale;
+                        dv[key(j) * d + c] += p[j] * at(d_o, row(r) * d + c);
+                        dq[row(r) * d + c] += ds * at(k, key(j) * d + c) * scale;
+                        dk[key(j) * d + c] += ds * at(q, row(r) * d + c) * scale;
                     }
                 }
             }
@@ -978,7 +1003,8 @@ mod tests {
     }
 
     /// The backward's three gradients against full matrices in f64, over shapes that leave
-    /// partial key blocks, key tiles, query tiles, row groups and dimension groups.
+    /// partial key blocks, key tiles, query tiles, row groups and dimension groups, causal from
+    /// position 0 and with queries that continue earlier keys (a packed row after its prefix).
     #[test]
     fn the_backward_matches_full_matrices() {
         for (i, dims) in [
@@ -1003,13 +1029,30 @@ mod tests {
                 n: 1,
                 d: 3,
             },
+            Dims {
+                b: 2,
+                h: 2,
+                t: 45,
+                n: 330,
+                d: 16,
+            },
+            Dims {
+                b: 1,
+                h: 1,
+                t: 3,
+                n: 40,
+                d: 8,
+            },
         ]
         .into_iter()
         .enumerate()
         {
-            let len = dims.b * dims.h * dims.n * dims.d;
-            let [q, k, v, d_o] = [1, 2, 3, 4].map(|s| pseudo_random(len, 10 * i as u64 + s));
-            let (o, lse) = attention_forward(&q, &k, &v, dims, Some(0));
+            let rows = dims.b * dims.h * dims.t * dims.d;
+            let keys = dims.b * dims.h * dims.n * dims.d;
+            let seed = |s: u64| 10 * i as u64 + s;
+            let (q, d_o) = (pseudo_random(rows, seed(1)), pseudo_random(rows, seed(4)));
+            let (k, v) = (pseudo_random(keys, seed(2)), pseudo_random(keys, seed(3)));
+            let (o, lse) = attention_forward(&q, &k, &v, dims, Some(dims.n - dims.t));
             let got = attention_backward(&q, &k, &v, &o, &lse, &d_o, dims);
             let want = reference_grads(&q, &k, &v, &d_o, dims);
             for (name, g, w) in [

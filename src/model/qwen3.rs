@@ -19,7 +19,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::module::embedding;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 
-use super::attention::{cached_attention, causal_attention};
+use super::attention::{cached_attention, causal_attention, prefixed_attention};
 use super::config::Qwen3Config;
 use super::kv_cache::{KvCache, KvCacheError};
 use super::lora::Lora;
@@ -188,6 +188,26 @@ impl<B: Backend> Attention<B> {
         let o = causal_attention(q, self.repeat_kv(k), self.repeat_kv(v));
         self.output(o)
     }
+
+    /// Attention of a shared prefix and the rows that continue it (a packed batch):
+    /// `prefix [1, p, hidden]` at positions `0..p` attends causally to itself; each row of
+    /// `rows [r, l, hidden]` at positions `p..p + l` attends to the whole prefix and causally to
+    /// itself, never to another row. `rope_*` are the `(cos, sin)` of those positions. →
+    /// `([1, p, hidden], [r, l, hidden])`.
+    pub fn forward_prefixed(
+        &self,
+        prefix: Tensor<B, 3>,
+        rows: Tensor<B, 3>,
+        rope_prefix: (Tensor<B, 4>, Tensor<B, 4>),
+        rope_rows: (Tensor<B, 4>, Tensor<B, 4>),
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let (qp, kp, vp) = self.qkv(prefix, rope_prefix.0, rope_prefix.1);
+        let (kp, vp) = (self.repeat_kv(kp), self.repeat_kv(vp));
+        let op = causal_attention(qp, kp.clone(), vp.clone());
+        let (qr, kr, vr) = self.qkv(rows, rope_rows.0, rope_rows.1);
+        let or = prefixed_attention(qr, kp, vp, self.repeat_kv(kr), self.repeat_kv(vr));
+        (self.output(op), self.output(or))
+    }
 }
 
 /// The SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
@@ -236,6 +256,29 @@ impl<B: Backend> DecoderLayer<B> {
             + self
                 .self_attn
                 .forward(self.input_layernorm.forward(x), cos, sin);
+        self.feed_forward(h)
+    }
+
+    /// A shared prefix `[1, p, hidden]` and the rows `[r, l, hidden]` that continue it, through
+    /// the block (see [`Attention::forward_prefixed`]).
+    pub fn forward_prefixed(
+        &self,
+        prefix: Tensor<B, 3>,
+        rows: Tensor<B, 3>,
+        rope_prefix: (Tensor<B, 4>, Tensor<B, 4>),
+        rope_rows: (Tensor<B, 4>, Tensor<B, 4>),
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let (ap, ar) = self.self_attn.forward_prefixed(
+            self.input_layernorm.forward(prefix.clone()),
+            self.input_layernorm.forward(rows.clone()),
+            rope_prefix,
+            rope_rows,
+        );
+        (self.feed_forward(prefix + ap), self.feed_forward(rows + ar))
+    }
+
+    /// The block's second half on the attention's residual `h`: `h + mlp(norm(h))`.
+    fn feed_forward(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
         h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
     }
 }
@@ -470,6 +513,26 @@ impl<B: Backend> Qwen3<B> {
         x
     }
 
+    /// The decoder stack (without final norm / head) over a shared prefix and the rows that
+    /// continue it: `prefix [1, p]` runs once at positions `0..p`; row `i` of `rows [r, l]` runs
+    /// at positions `p..p + l`, seeing the prefix and causally itself. → hidden states
+    /// `([1, p, hidden], [r, l, hidden])`, each equal to what the unpacked sequence
+    /// `prefix ++ rows[i]` gives at the same position ([`Qwen3::forward_hidden`]).
+    pub fn forward_hidden_prefixed(
+        &self,
+        prefix: Tensor<B, 2, Int>,
+        rows: Tensor<B, 2, Int>,
+    ) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let (p, l) = (prefix.dims()[1], rows.dims()[1]);
+        let (rope_prefix, rope_rows) = (self.rope(0, p), self.rope(p, l));
+        let mut xp = embedding(self.embed_tokens.val(), prefix);
+        let mut xr = embedding(self.embed_tokens.val(), rows);
+        for layer in &self.layers {
+            (xp, xr) = layer.forward_prefixed(xp, xr, rope_prefix.clone(), rope_rows.clone());
+        }
+        (xp, xr)
+    }
+
     /// `input_ids [batch, seq]` → logits `[batch, seq, vocab]`: full causal attention, positions
     /// from 0, no cache. Right-padded batches are fine (attention is causal, so padding never
     /// influences earlier positions).
@@ -506,7 +569,7 @@ impl<B: Backend> Qwen3<B> {
             let (k_all, v_all) = (attn.repeat_kv(k_all), attn.repeat_kv(v_all));
             let o = cached_attention(q, k_all, v_all, Some(start));
             let h = x + attn.output(o);
-            x = h.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(h));
+            x = layer.feed_forward(h);
         }
         cache.advance(s);
         let last = x.narrow(1, s - 1, 1);
@@ -559,7 +622,7 @@ impl<B: Backend> Qwen3<B> {
             }
             let o = Tensor::cat(outs, 0);
             let h = x + attn.output(o);
-            x = h.clone() + layer.mlp.forward(layer.post_attention_layernorm.forward(h));
+            x = layer.feed_forward(h);
         }
         for c in caches.iter_mut() {
             c.advance(1);

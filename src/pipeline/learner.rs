@@ -227,6 +227,7 @@ where
             old_recomputed: m.old_recomputed,
             logprob_gap: m.logprob_gap,
             tokens: m.tokens,
+            packing_ratio: m.packing_ratio,
             importance: summary,
         })
     }

@@ -33,6 +33,10 @@ pub struct TrainConfig {
     /// The loss of the OPD term (`"advantage"`, the default, or `"topk"`); a sample whose OPD
     /// term has the other form is refused by the step.
     pub opd_loss: OpdLossKind,
+    /// Whether samples of a batch that share a token prefix run it through the model once
+    /// ([`super::packing`]); the loss and gradients are those of the unpacked samples, so it is
+    /// on by default.
+    pub pack_prefixes: bool,
 }
 
 impl Default for TrainConfig {
@@ -48,6 +52,7 @@ impl Default for TrainConfig {
             grad_clip: 1.0,
             batch_size: 16,
             opd_loss: OpdLossKind::Advantage,
+            pack_prefixes: true,
         }
     }
 }

@@ -16,6 +16,7 @@ use super::batch::{BatchLayout, LayoutError, OpdLossKind, Sample};
 use super::config::TrainConfig;
 use super::loss::{policy_loss, target_logprobs, token_logprobs, topk_reverse_kl, LossParams};
 use super::optim::{clip_coefficient, global_grad_norm, AdamW, AdamWParams};
+use super::packing::Packing;
 use crate::model::qwen3::rope_inv_freq;
 use crate::model::{model_to_safetensors, Qwen3, Qwen3Config, SaveError};
 
@@ -98,6 +99,9 @@ pub struct StepMetrics {
     pub tokens: usize,
     /// Samples in the batch.
     pub samples: usize,
+    /// Tokens the forward pass computed over tokens the samples hold ([`Packing::ratio`]):
+    /// below 1 when shared prefixes ran once, above 1 by the padding otherwise.
+    pub packing_ratio: f64,
     /// Rollout-vs-old log-prob gap, when some sample carried rollout log-probs.
     pub logprob_gap: Option<LogprobGap>,
     /// Why the update was skipped (non-finite loss or gradient); `None` when it was applied.
@@ -293,10 +297,21 @@ impl<B: AutodiffBackend> BurnLearner<B> {
         Ok(layout)
     }
 
+    /// How the forward pass runs `samples`: packed by shared prefix when the configuration
+    /// says so, else (and always with an explicit `pad_to`) as the padded layout.
+    fn packing(&self, samples: &[Sample], layout: &BatchLayout, pad_to: Option<usize>) -> Packing {
+        if self.train.pack_prefixes && pad_to.is_none() {
+            Packing::packed(samples, layout, PAD_ID)
+        } else {
+            Packing::plain(samples, layout)
+        }
+    }
+
     /// Per-token log-probs of each sample's response under the current policy (no gradient).
     pub fn logprobs(&self, samples: &[Sample]) -> Result<Vec<Vec<f32>>, StepError> {
         let layout = self.layout(samples, None)?;
-        let lp = window_logprobs(&self.policy.valid(), &layout);
+        let packing = self.packing(samples, &layout, None);
+        let lp = window_logprobs(&self.policy.valid(), &layout, &packing);
         Ok(layout.gather(&to_vec(lp)))
     }
 
@@ -310,7 +325,8 @@ impl<B: AutodiffBackend> BurnLearner<B> {
             return Ok(None);
         };
         let layout = self.layout(samples, None)?;
-        let lp = window_logprobs(reference, &layout);
+        let packing = self.packing(samples, &layout, None);
+        let lp = window_logprobs(reference, &layout, &packing);
         Ok(Some(layout.gather(&to_vec(lp))))
     }
 
@@ -320,7 +336,8 @@ impl<B: AutodiffBackend> BurnLearner<B> {
     }
 
     /// One optimizer step on `samples`, right-padded to `pad_to` tokens (at least the longest
-    /// sample; `None` = the longest).
+    /// sample; `None` = the longest, and samples sharing a prefix packed when the configuration
+    /// says so).
     ///
     /// `old_logprobs` absent on a sample: the policy's own log-probs before the update (ratio 1).
     /// `ref_logprobs` absent and KL on: the reference model's. A non-finite loss or gradient norm
@@ -332,6 +349,7 @@ impl<B: AutodiffBackend> BurnLearner<B> {
         pad_to: Option<usize>,
     ) -> Result<StepMetrics, StepError> {
         let layout = self.layout(samples, pad_to)?;
+        let packing = self.packing(samples, &layout, pad_to);
         let topk_k = self.check_opd_terms(samples)?;
         let device = self.device.clone();
         let (b, w) = (layout.batch, layout.window);
@@ -339,7 +357,7 @@ impl<B: AutodiffBackend> BurnLearner<B> {
 
         // Forward with gradient: the log-softmax `[b, w, vocab]` over the window, and the
         // log-probs `[b, w]` of the sampled tokens.
-        let logp_all = log_softmax(window_logits(&self.policy, &layout), 2);
+        let logp_all = log_softmax(window_logits(&self.policy, &layout, &packing), 2);
         let targets = Tensor::<B, 2, Int>::from_data(
             TensorData::new(layout.targets.clone(), [b, w]),
             &device,
@@ -360,7 +378,7 @@ impl<B: AutodiffBackend> BurnLearner<B> {
         let logp_ref = if self.train.kl_coef > 0.0 {
             let computed = if samples.iter().any(|s| s.ref_logprobs.is_none()) {
                 let reference = self.reference.get_or_insert_with(|| self.policy.valid());
-                Some(layout.gather(&to_vec(window_logprobs(reference, &layout))))
+                Some(layout.gather(&to_vec(window_logprobs(reference, &layout, &packing))))
             } else {
                 None
             };
@@ -419,6 +437,7 @@ impl<B: AutodiffBackend> BurnLearner<B> {
             grad_norm: f64::NAN,
             tokens: layout.tokens(),
             samples: samples.len(),
+            packing_ratio: packing.ratio(),
             logprob_gap: LogprobGap::measure(samples.iter().zip(&old_per_sample).flat_map(
                 |(s, old)| {
                     s.rollout_logprobs
@@ -495,39 +514,71 @@ impl<B: AutodiffBackend> BurnLearner<B> {
 }
 
 /// Per-token log-probs of each sample's response under any `model` (e.g. a serving replica),
-/// computed exactly as the learner computes its own: one right-padded forward pass.
+/// computed as the learner computes its own by default: samples sharing a prefix packed.
 pub fn sample_logprobs<B: Backend>(
     model: &Qwen3<B>,
     samples: &[Sample],
 ) -> Result<Vec<Vec<f32>>, LayoutError> {
     let layout = BatchLayout::new(samples, None, PAD_ID, Some(model.vocab_size()))?;
-    Ok(layout.gather(&to_vec(window_logprobs(model, &layout))))
+    let packing = Packing::packed(samples, &layout, PAD_ID);
+    Ok(layout.gather(&to_vec(window_logprobs(model, &layout, &packing))))
 }
 
-/// Log-probs `[batch, window]` of each window position's target under `model`.
-pub fn window_logprobs<B: Backend>(model: &Qwen3<B>, layout: &BatchLayout) -> Tensor<B, 2> {
+/// Log-probs `[batch, window]` of each window position's target under `model`, the forward
+/// pass run as `packing` says.
+pub fn window_logprobs<B: Backend>(
+    model: &Qwen3<B>,
+    layout: &BatchLayout,
+    packing: &Packing,
+) -> Tensor<B, 2> {
     let (b, w) = (layout.batch, layout.window);
     let targets = Tensor::<B, 2, Int>::from_data(
         TensorData::new(layout.targets.clone(), [b, w]),
         &model.device(),
     );
-    token_logprobs(window_logits(model, layout), targets)
+    token_logprobs(window_logits(model, layout, packing), targets)
 }
 
-/// Logits `[batch, window, vocab]` at the window's positions under `model`.
-pub fn window_logits<B: Backend>(model: &Qwen3<B>, layout: &BatchLayout) -> Tensor<B, 3> {
+/// Logits `[batch, window, vocab]` at the window's positions under `model`: each of
+/// `packing`'s groups runs through the decoder stack, its prefix once and its rows after it,
+/// and the hidden states at the window's positions are gathered from them before the head.
+pub fn window_logits<B: Backend>(
+    model: &Qwen3<B>,
+    layout: &BatchLayout,
+    packing: &Packing,
+) -> Tensor<B, 3> {
     let device = model.device();
-    let (b, l, s, w) = (
-        layout.batch,
-        layout.seq_len,
-        layout.window_start,
-        layout.window,
+    let ids = |v: &[i64], shape: [usize; 2]| {
+        Tensor::<B, 2, Int>::from_data(TensorData::new(v.to_vec(), shape), &device)
+    };
+    // Every group's hidden states as rows of one `[computed, hidden]` matrix, in the order
+    // `packing.window_rows` indexes.
+    let mut states = Vec::with_capacity(2 * packing.groups.len());
+    for g in &packing.groups {
+        let rows = ids(&g.rest, [g.rows(), g.len]);
+        let p = g.prefix.len();
+        if p > 0 {
+            let (prefix, rows) = model.forward_hidden_prefixed(ids(&g.prefix, [1, p]), rows);
+            states.push(flatten(prefix));
+            states.push(flatten(rows));
+        } else {
+            states.push(flatten(model.forward_hidden(rows)));
+        }
+    }
+    let (b, w) = (layout.batch, layout.window);
+    let index = Tensor::<B, 1, Int>::from_data(
+        TensorData::new(packing.window_rows.clone(), [b * w]),
+        &device,
     );
-    let ids =
-        Tensor::<B, 2, Int>::from_data(TensorData::new(layout.input_ids.clone(), [b, l]), &device);
-    let hidden = model.forward_hidden(ids);
-    let h = hidden.dims()[2];
-    model.head(hidden.slice([0..b, s..s + w, 0..h]))
+    let hidden = Tensor::cat(states, 0).select(0, index);
+    let h = hidden.dims()[1];
+    model.head(hidden.reshape([b, w, h]))
+}
+
+/// `[a, s, hidden]` → `[a · s, hidden]`.
+fn flatten<B: Backend>(x: Tensor<B, 3>) -> Tensor<B, 2> {
+    let [a, s, h] = x.dims();
+    x.reshape([a * s, h])
 }
 
 /// The top-k OPD term of a batch ([`topk_reverse_kl`]) from the student's log-softmax

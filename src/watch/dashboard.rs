@@ -467,6 +467,7 @@ mod tests {
             dropped_stale: 0,
             oldest_version: 0,
             tokens: 8,
+            packing_ratio: 1.0,
             step_ms: 3.0,
             export_ms: 0.0,
             publish_ms: 0.0,

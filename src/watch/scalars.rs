@@ -49,6 +49,9 @@ pub mod tags {
     pub const VERSION: &str = "train/version";
     /// Milliseconds of the optimizer step.
     pub const STEP_MS: &str = "train/step_ms";
+    /// Tokens the forward pass computed over tokens the batch held (below 1: shared prefixes
+    /// ran once).
+    pub const PACKING_RATIO: &str = "train/packing_ratio";
     /// Mean reward of the turns judged since the previous step.
     pub const REWARD_MEAN: &str = "judge/reward_mean";
     /// Of those turns, the fraction whose hint was accepted.
@@ -84,6 +87,8 @@ pub struct StepPoint {
     pub dropped_stale: u64,
     /// Milliseconds of the optimizer step.
     pub step_ms: f64,
+    /// Tokens computed over tokens held (0 when the record predates it).
+    pub packing_ratio: f64,
     /// When the step ended (seconds since the Unix epoch; 0 when unknown).
     pub wall_time: f64,
 }
@@ -103,6 +108,7 @@ impl StepPoint {
             trained: e.kept as u64,
             dropped_stale: e.dropped_stale as u64,
             step_ms: e.step_ms,
+            packing_ratio: e.packing_ratio,
             wall_time: e.wall_time,
         }
     }
@@ -125,6 +131,7 @@ impl StepPoint {
             trained: trained as u64,
             dropped_stale: 0,
             step_ms,
+            packing_ratio: m.packing_ratio,
             wall_time: unix_now(),
         }
     }
@@ -223,6 +230,9 @@ impl ScalarLog {
             at(tags::VERSION, p.version as f64),
             at(tags::STEP_MS, p.step_ms),
         ]);
+        if p.packing_ratio > 0.0 {
+            out.push(at(tags::PACKING_RATIO, p.packing_ratio));
+        }
         if self.turns > 0 {
             let n = self.turns as f64;
             out.push(at(tags::REWARD_MEAN, self.reward_sum as f64 / n));
@@ -411,6 +421,7 @@ mod tests {
                 dropped_stale: 2,
                 oldest_version: 0,
                 tokens: 40,
+                packing_ratio: 0.25,
                 step_ms: 12.0,
                 export_ms: 1.0,
                 publish_ms: 1.0,
@@ -450,6 +461,7 @@ mod tests {
         assert_eq!(value(&out, tags::SAMPLES_DROPPED_STALE), Some(2.0));
         assert_eq!(value(&out, tags::VERSION), Some(1.0));
         assert_eq!(value(&out, tags::STEP_MS), Some(12.0));
+        assert_eq!(value(&out, tags::PACKING_RATIO), Some(0.25));
         // Two judged turns (+1, −1), one with a hint; the unjudged one only adds no votes.
         assert_eq!(value(&out, tags::REWARD_MEAN), Some(0.0));
         assert_eq!(value(&out, tags::HINT_ACCEPTED_RATE), Some(0.5));
@@ -461,7 +473,7 @@ mod tests {
         assert_eq!(value(&out, tags::REWARD_MEAN), None);
         assert_eq!(value(&out, tags::FAILED_VOTE_RATE), None);
         assert_eq!(value(&out, tags::LOGPROB_GAP), None);
-        assert_eq!(out.len(), 9);
+        assert_eq!(out.len(), 10);
         log.observe(&judge(1, false, &[Some(1)], false), 0.0);
         let out = log.observe(&step(3, None), 7.0);
         assert_eq!(value(&out, tags::REWARD_MEAN), Some(1.0));

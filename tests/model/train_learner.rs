@@ -423,3 +423,139 @@ fn the_topk_opd_loss_is_a_term_of_its_own() {
         Err(StepError::OpdLoss { index: 0, .. })
     ));
 }
+
+/// Three samples that share a 20-token prefix, with remainders of 3, 9 and 5 tokens (the
+/// prefix covers part of the first prompt only).
+fn prefixed_samples() -> Vec<Sample> {
+    let prefix: Vec<u32> = (0..20).map(|i| 30 + 11 * i).collect();
+    let mk = |tail: &[u32], response: &[u32], a: f32| Sample {
+        prompt_ids: [prefix.as_slice(), tail].concat(),
+        response_ids: response.to_vec(),
+        advantages: (0..response.len()).map(|k| a - 0.2 * k as f32).collect(),
+        old_logprobs: None,
+        ref_logprobs: None,
+        rollout_logprobs: None,
+        opd: None,
+        importance: None,
+    };
+    vec![
+        mk(&[5], &[40, 2], 1.0),
+        mk(&[6, 7, 8, 9], &[300, 301, 302, 303, 2], -0.5),
+        mk(&[6, 7], &[77, 78, 2], 0.7),
+    ]
+}
+
+/// Shared-prefix packing changes the order of the arithmetic, never the result: the log-probs
+/// and the gradient of every parameter a weighted loss touches, and a whole learner step (loss,
+/// KL, gradient norm, updated weights), equal those of the unpacked samples.
+#[test]
+fn packed_prefixes_give_the_unpacked_loss_and_gradients() {
+    use burn::module::Param;
+    use burn::tensor::{Tensor, TensorData};
+    use clawrl::train::learner::{window_logprobs, PAD_ID};
+    use clawrl::train::packing::Packing;
+    use clawrl::train::BatchLayout;
+
+    let device = Default::default();
+    let (cfg, model) = load_model::<CpuAutodiff>(Path::new(DIR), &device).unwrap();
+    let samples = prefixed_samples();
+    let layout = BatchLayout::new(&samples, None, PAD_ID, Some(cfg.vocab_size)).unwrap();
+    let packed = Packing::packed(&samples, &layout, PAD_ID);
+    assert_eq!(packed.groups.len(), 1, "{packed:?}");
+    assert_eq!(packed.groups[0].prefix.len(), 20);
+    assert!(packed.ratio() < 1.0, "{}", packed.ratio());
+
+    let (b, w) = (layout.batch, layout.window);
+    let run = |packing: &Packing| {
+        let lp = window_logprobs(&model, &layout, packing);
+        let weights = Tensor::<CpuAutodiff, 2>::from_data(
+            TensorData::new(layout.weights.clone(), [b, w]),
+            &device,
+        );
+        let values = layout.gather(
+            &lp.clone()
+                .inner()
+                .into_data()
+                .convert::<f32>()
+                .to_vec::<f32>()
+                .unwrap(),
+        );
+        let grads = (lp * weights).sum().backward();
+        let layer = model.layers.len() - 1;
+        let params: Vec<(&str, &Param<Tensor<CpuAutodiff, 2>>)> = vec![
+            ("embed_tokens", &model.embed_tokens),
+            ("layers.0.q_proj", &model.layers[0].self_attn.q_proj),
+            ("layers.0.k_proj", &model.layers[0].self_attn.k_proj),
+            ("layers.0.v_proj", &model.layers[0].self_attn.v_proj),
+            ("layers.last.o_proj", &model.layers[layer].self_attn.o_proj),
+            ("layers.last.down_proj", &model.layers[layer].mlp.down_proj),
+        ];
+        let g: Vec<(String, Vec<f32>)> = params
+            .into_iter()
+            .map(|(name, p)| {
+                let g = p.val().grad(&grads).expect("a gradient");
+                (
+                    name.to_string(),
+                    g.into_data().convert::<f32>().to_vec().unwrap(),
+                )
+            })
+            .collect();
+        let norm = model.layers[0].input_layernorm.weight.val().grad(&grads);
+        let norm: Vec<f32> = norm.unwrap().into_data().convert::<f32>().to_vec().unwrap();
+        (values, g, norm)
+    };
+    let (lp_packed, g_packed, n_packed) = run(&packed);
+    let (lp_plain, g_plain, n_plain) = run(&Packing::plain(&samples, &layout));
+    for (x, y) in lp_packed.iter().flatten().zip(lp_plain.iter().flatten()) {
+        assert!(close(*x as f64, *y as f64, 1e-5), "log-prob {x} vs {y}");
+    }
+    let mut all = g_packed.into_iter().zip(g_plain).collect::<Vec<_>>();
+    all.push((
+        ("layers.0.input_layernorm".to_string(), n_packed),
+        ("".to_string(), n_plain),
+    ));
+    for ((name, a), (_, b)) in all {
+        let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
+        assert!(scale > 0.0, "{name}: no gradient reached it");
+        let worst = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs() as f64)
+            .fold(0.0, f64::max);
+        assert!(
+            worst <= 1e-5 * scale,
+            "{name}: gradients differ by {worst:e} (largest {scale:e})"
+        );
+    }
+
+    // A whole step, packed and not.
+    let step = |pack_prefixes: bool| {
+        let (cfg, model) = load_model::<CpuAutodiff>(Path::new(DIR), &device).unwrap();
+        let train = TrainConfig {
+            lr: 1e-3,
+            kl_coef: 0.05,
+            batch_size: 3,
+            pack_prefixes,
+            ..TrainConfig::default()
+        };
+        let mut l = BurnLearner::new(cfg, model, train, device, 7);
+        let m = l.step(&samples).unwrap();
+        (m, l.logprobs(&samples).unwrap())
+    };
+    let ((mp, after_p), (mu, after_u)) = (step(true), step(false));
+    assert!(
+        mp.packing_ratio < 1.0 && mu.packing_ratio >= 1.0,
+        "{mp:?} {mu:?}"
+    );
+    for (name, x, y) in [
+        ("loss", mp.loss, mu.loss),
+        ("pg_loss", mp.pg_loss, mu.pg_loss),
+        ("kl", mp.kl, mu.kl),
+        ("grad_norm", mp.grad_norm, mu.grad_norm),
+    ] {
+        assert!(close(x, y, 1e-5), "{name}: packed {x} vs unpacked {y}");
+    }
+    for (x, y) in after_p.iter().flatten().zip(after_u.iter().flatten()) {
+        assert!((x - y).abs() < 1e-5, "after the step: {x} vs {y}");
+    }
+}

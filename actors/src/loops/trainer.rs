@@ -293,6 +293,9 @@ pub struct StepReport {
     pub logprob_gap: Option<LogprobGap>,
     /// Response tokens in the batch.
     pub tokens: usize,
+    /// Tokens the forward pass computed over tokens the batch holds: below 1 when samples
+    /// sharing a prefix ran it once, above 1 by the padding otherwise.
+    pub packing_ratio: f64,
     /// Importance weights applied, when any sample was weighted.
     pub importance: Option<ImportanceSummary>,
 }
@@ -510,6 +513,10 @@ pub struct StepEvent {
     pub oldest_version: u64,
     /// Response tokens.
     pub tokens: usize,
+    /// Tokens computed over tokens held ([`StepReport::packing_ratio`]; records older than this
+    /// field read 0).
+    #[serde(default)]
+    pub packing_ratio: f64,
     /// Milliseconds of the optimizer step.
     pub step_ms: f64,
     /// Milliseconds exporting the weights.
@@ -905,6 +912,7 @@ impl TrainerState {
                     dropped_stale: in_step.dropped,
                     oldest_version: in_step.batch.iter().map(|s| s.version).min().unwrap_or(0),
                     tokens: report.tokens,
+                    packing_ratio: report.packing_ratio,
                     step_ms: done.step_ms,
                     export_ms: done.export_ms,
                     publish_ms: done.publish_ms,

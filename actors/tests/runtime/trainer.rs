@@ -174,6 +174,8 @@ impl Learner for Unigram {
             old_recomputed: true,
             logprob_gap: LogprobGap::measure(gap_pairs),
             tokens: batch.iter().map(|s| s.response_ids.len()).sum(),
+            // No forward pass: each token is counted once.
+            packing_ratio: 1.0,
             importance: summary,
         })
     }
