@@ -262,6 +262,18 @@ fn stock_openclaw_trains_a_personal_job_by_talking_to_it() {
     assert_eq!(s["balanced"], true, "{s}");
     assert!(s["trainer"]["steps"].as_u64().unwrap() >= 1, "{s}");
 
+    // The first step's two samples share OpenClaw's system prompt and tools (about 12k tokens
+    // of each sample's 12k): the trainer ran that prefix once, not once per sample.
+    let steps = trainer_steps(&out);
+    let first = steps
+        .first()
+        .unwrap_or_else(|| panic!("no trainer_step record under {out:?}"));
+    let ratio = first["packing_ratio"].as_f64().unwrap();
+    assert!(
+        ratio < 0.6,
+        "tokens computed over tokens held {ratio}: the shared prefix was not packed ({first})"
+    );
+
     // The served journal holds every answer with the version that produced it; the last turn
     // (the one whose prompt carries "Thanks, perfect.") came from a trained version.
     let mut answers = Vec::new();
@@ -284,4 +296,29 @@ fn stock_openclaw_trains_a_personal_job_by_talking_to_it() {
         "the last answer came from version {}",
         last[0].0
     );
+}
+
+/// The `trainer_step` records of every record file under `dir`, by step.
+fn trainer_steps(dir: &Path) -> Vec<Value> {
+    let mut steps = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let path = e.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.extension().is_some_and(|x| x == "jsonl") {
+                for line in std::fs::read_to_string(&path).unwrap().lines() {
+                    let Ok(r) = serde_json::from_str::<Value>(line) else {
+                        continue;
+                    };
+                    if r["kind"] == "trainer_step" {
+                        steps.push(r["record"].clone());
+                    }
+                }
+            }
+        }
+    }
+    steps.sort_by_key(|r| r["step"].as_u64());
+    steps
 }
