@@ -151,8 +151,9 @@ const KEY_TILE: usize = 32;
 /// dQ = dS K · scale   dK = dSᵀ Q · scale  dV = Pᵀ dO
 /// ```
 ///
-/// Two passes, so that no two threads add into one row: query tiles accumulate `dQ` over their
-/// keys, key tiles accumulate `dK` and `dV` over the rows that see them.
+/// One pass over key tiles: a tile computes `P` and `dS` once for the rows that see its keys,
+/// owns its keys' `dK` and `dV`, and adds its share of `dQ` into a buffer of the thread running
+/// it; the threads' buffers are summed at the end, so no two threads ever add into one row.
 ///
 /// # Panics
 /// When a slice's length is not the one `dims` gives, or `dims.t > dims.n`.
@@ -188,13 +189,9 @@ pub fn attention_backward(
         b * h * t,
         "attention_backward: lse is not [b, h, t]"
     );
-    let (mut dq, mut dk, mut dv) = (
-        vec![0f32; rows_len],
-        vec![0f32; keys_len],
-        vec![0f32; keys_len],
-    );
+    let (mut dk, mut dv) = (vec![0f32; keys_len], vec![0f32; keys_len]);
     if t == 0 || d == 0 {
-        return (dq, dk, dv);
+        return (vec![0f32; rows_len], dk, dv);
     }
     let kernel = Kernel::detect();
     let parallel = b * h * t * n >= PARALLEL_FROM;
@@ -203,73 +200,66 @@ pub fn attention_backward(
         .zip(o.chunks_exact(d))
         .map(|(g, y)| g.iter().zip(y).map(|(a, b)| a * b).sum())
         .collect();
-    let (qt, kt) = (
+    let (qt, d_ot) = (
         transpose_heads(q, t, d, parallel),
-        transpose_heads(k, n, d, parallel),
-    );
-    let (vt, d_ot) = (
-        transpose_heads(v, n, d, parallel),
         transpose_heads(d_o, t, d, parallel),
     );
-    let tiles_per_head = t.div_ceil(QUERY_TILE);
-    let query_tile = |(index, dq_tile): (usize, &mut [f32])| {
-        let (i, first) = (
-            index / tiles_per_head,
-            (index % tiles_per_head) * QUERY_TILE,
-        );
-        let rows = dq_tile.len() / d;
-        let tile = GradRows {
-            q: &head_of(t * d, q, i)[first * d..(first + rows) * d],
-            d_o: &head_of(t * d, d_o, i)[first * d..(first + rows) * d],
-            lse: &lse[i * t + first..i * t + first + rows],
-            delta: &delta[i * t + first..i * t + first + rows],
-            k: head_of(n * d, k, i),
-            kt: head_of(n * d, &kt, i),
-            vt: head_of(n * d, &vt, i),
-            n,
-            d,
-            first: offset + first,
-        };
-        kernel.query_grads(&tile, dq_tile);
-    };
     let keys_per_head = n.div_ceil(KEY_TILE);
-    let key_tile = |(index, (dk_tile, dv_tile)): (usize, (&mut [f32], &mut [f32]))| {
-        let (i, first) = (index / keys_per_head, (index % keys_per_head) * KEY_TILE);
-        let keys = dk_tile.len() / d;
-        let tile = GradKeys {
-            k: &head_of(n * d, k, i)[first * d..(first + keys) * d],
-            v: &head_of(n * d, v, i)[first * d..(first + keys) * d],
-            q: head_of(t * d, q, i),
-            d_o: head_of(t * d, d_o, i),
-            qt: head_of(t * d, &qt, i),
-            d_ot: head_of(t * d, &d_ot, i),
-            lse: &lse[i * t..(i + 1) * t],
-            delta: &delta[i * t..(i + 1) * t],
-            rows: t,
-            offset,
-            d,
-            first,
+    let key_tile =
+        |mut dq: Vec<f32>, (index, (dk_tile, dv_tile)): (usize, (&mut [f32], &mut [f32]))| {
+            let (i, first) = (index / keys_per_head, (index % keys_per_head) * KEY_TILE);
+            let keys = dk_tile.len() / d;
+            let tile = GradKeys {
+                k: &head_of(n * d, k, i)[first * d..(first + keys) * d],
+                v: &head_of(n * d, v, i)[first * d..(first + keys) * d],
+                q: head_of(t * d, q, i),
+                d_o: head_of(t * d, d_o, i),
+                qt: head_of(t * d, &qt, i),
+                d_ot: head_of(t * d, &d_ot, i),
+                lse: &lse[i * t..(i + 1) * t],
+                delta: &delta[i * t..(i + 1) * t],
+                rows: t,
+                offset,
+                d,
+                first,
+            };
+            let dq_head = &mut dq[i * t * d..(i + 1) * t * d];
+            kernel.key_grads(&tile, dk_tile, dv_tile, dq_head);
+            dq
         };
-        kernel.key_grads(&tile, dk_tile, dv_tile);
-    };
     // Tiles never straddle heads.
-    let dq_tiles: Vec<&mut [f32]> = dq
-        .chunks_mut(t * d)
-        .flat_map(|h| h.chunks_mut(QUERY_TILE * d))
-        .collect();
     let dkv_tiles: Vec<(&mut [f32], &mut [f32])> = dk
         .chunks_mut(n * d)
         .zip(dv.chunks_mut(n * d))
         .flat_map(|(a, b)| a.chunks_mut(KEY_TILE * d).zip(b.chunks_mut(KEY_TILE * d)))
         .collect();
-    if parallel {
-        dq_tiles.into_par_iter().enumerate().for_each(query_tile);
-        dkv_tiles.into_par_iter().enumerate().for_each(key_tile);
+    let mut dq = if parallel {
+        dkv_tiles
+            .into_par_iter()
+            .enumerate()
+            // Each split of the work sums into a buffer of its own: far fewer splits than tiles.
+            .with_min_len(dkv_len_per_split(b * h * keys_per_head))
+            .fold(|| vec![0f32; rows_len], key_tile)
+            .reduce_with(|mut a, b| {
+                a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+                a
+            })
+            .unwrap_or_else(|| vec![0f32; rows_len])
     } else {
-        dq_tiles.into_iter().enumerate().for_each(query_tile);
-        dkv_tiles.into_iter().enumerate().for_each(key_tile);
-    }
+        dkv_tiles
+            .into_iter()
+            .enumerate()
+            .fold(vec![0f32; rows_len], key_tile)
+    };
+    let scale = (d as f32).powf(-0.5);
+    dq.iter_mut().for_each(|x| *x *= scale);
     (dq, dk, dv)
+}
+
+/// Key tiles per split of the parallel backward: enough splits to balance two to a few dozen
+/// threads, few enough that their `dQ` buffers stay a small part of the work.
+fn dkv_len_per_split(tiles: usize) -> usize {
+    (tiles / (4 * rayon::current_num_threads().max(1))).max(1)
 }
 
 /// Head `i`'s block of `x`, `size` floats a head.
@@ -311,22 +301,6 @@ struct Tile<'a> {
     n: usize,
     d: usize,
     positions: Option<usize>,
-}
-
-/// A query tile of the backward: its rows of `q` and `dO` (`[rows, d]`), their `lse` and
-/// `D = dO · O`, its head's `K` (`[n, d]`), `Kᵀ` and `Vᵀ` (`[d, n]`); row `r` is position
-/// `first + r`.
-struct GradRows<'a> {
-    q: &'a [f32],
-    d_o: &'a [f32],
-    lse: &'a [f32],
-    delta: &'a [f32],
-    k: &'a [f32],
-    kt: &'a [f32],
-    vt: &'a [f32],
-    n: usize,
-    d: usize,
-    first: usize,
 }
 
 /// A key tile of the backward: its keys' rows of `K` and `V` (`[keys, d]`), its head's `Q` and
@@ -376,21 +350,12 @@ impl Kernel {
         }
     }
 
-    fn query_grads(self, tile: &GradRows<'_>, dq: &mut [f32]) {
+    fn key_grads(self, tile: &GradKeys<'_>, dk: &mut [f32], dv: &mut [f32], dq: &mut [f32]) {
         match self {
-            Kernel::Portable => query_grad_kernel::<false>(tile, dq),
+            Kernel::Portable => key_grad_kernel::<false>(tile, dk, dv, dq),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as in `forward`.
-            Kernel::Avx2Fma => unsafe { avx2_fma::query_grads(tile, dq) },
-        }
-    }
-
-    fn key_grads(self, tile: &GradKeys<'_>, dk: &mut [f32], dv: &mut [f32]) {
-        match self {
-            Kernel::Portable => key_grad_kernel::<false>(tile, dk, dv),
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as in `forward`.
-            Kernel::Avx2Fma => unsafe { avx2_fma::key_grads(tile, dk, dv) },
+            Kernel::Avx2Fma => unsafe { avx2_fma::key_grads(tile, dk, dv, dq) },
         }
     }
 }
@@ -406,13 +371,13 @@ mod avx2_fma {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn query_grads(tile: &GradRows<'_>, dq: &mut [f32]) {
-        query_grad_kernel::<true>(tile, dq)
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn key_grads(tile: &GradKeys<'_>, dk: &mut [f32], dv: &mut [f32]) {
-        key_grad_kernel::<true>(tile, dk, dv)
+    pub(super) unsafe fn key_grads(
+        tile: &GradKeys<'_>,
+        dk: &mut [f32],
+        dv: &mut [f32],
+        dq: &mut [f32],
+    ) {
+        key_grad_kernel::<true>(tile, dk, dv, dq)
     }
 }
 
@@ -482,7 +447,8 @@ fn forward_kernel<const FMA: bool>(tile: &Tile<'_>, o: &mut [f32], lse: &mut [f3
                 max[r] = m_new;
             }
             let acc = &mut o[group * d..(group + members) * d];
-            weigh_group::<FMA>(&scores, &tile.v[block * d..], width, d, members, acc);
+            let values = &tile.v[block * d..];
+            weigh_group::<FMA>(&scores, KEY_BLOCK, values, width, d, members, acc);
         }
     }
     for r in 0..rows {
@@ -494,60 +460,18 @@ fn forward_kernel<const FMA: bool>(tile: &Tile<'_>, o: &mut [f32], lse: &mut [f3
     }
 }
 
-/// `dQ` of one query tile: for each key block, each row's probabilities `P = exp(S − lse)` and
-/// `dS = P ∘ (dO Vᵀ − D)` over its keys, then `dQ += dS K` for four rows at a time.
-#[inline(always)]
-fn query_grad_kernel<const FMA: bool>(tile: &GradRows<'_>, dq: &mut [f32]) {
-    let (n, d, first) = (tile.n, tile.d, tile.first);
-    let rows = tile.lse.len();
-    let scale = (d as f32).powf(-0.5);
-    let mut grads = vec![0f32; ROW_GROUP * KEY_BLOCK];
-    let mut dp = vec![0f32; KEY_BLOCK];
-    let mut scaled = vec![0f32; d];
-    dq.fill(0.0);
-    let end = |r: usize, block: usize| (first + r + 1).min(block + KEY_BLOCK);
-    for block in (0..first + rows).step_by(KEY_BLOCK) {
-        for group in (0..rows).step_by(ROW_GROUP) {
-            let members = (rows - group).min(ROW_GROUP);
-            let width = end(group + members - 1, block).saturating_sub(block);
-            if width == 0 {
-                continue;
-            }
-            for (g, ds) in grads.chunks_exact_mut(KEY_BLOCK).take(members).enumerate() {
-                let r = group + g;
-                let ds = &mut ds[..width];
-                let own = end(r, block).saturating_sub(block);
-                ds[own..].fill(0.0);
-                if own == 0 {
-                    continue;
-                }
-                let ds = &mut ds[..own];
-                for (x, &qc) in scaled.iter_mut().zip(&tile.q[r * d..(r + 1) * d]) {
-                    *x = qc * scale;
-                }
-                dot_rows::<FMA>(&scaled, tile.kt, n, block, ds);
-                let dp = &mut dp[..own];
-                dot_rows::<FMA>(&tile.d_o[r * d..(r + 1) * d], tile.vt, n, block, dp);
-                let (lse, delta) = (tile.lse[r], tile.delta[r]);
-                for (x, &g) in ds.iter_mut().zip(dp.iter()) {
-                    *x = exp_nonpositive::<FMA>(*x - lse) * (g - delta);
-                }
-            }
-            let acc = &mut dq[group * d..(group + members) * d];
-            weigh_group::<FMA>(&grads, &tile.k[block * d..], width, d, members, acc);
-        }
-    }
-    for x in dq.iter_mut() {
-        *x *= scale;
-    }
-}
-
-/// `dK` and `dV` of one key tile: for each block of rows that see its keys, each key's
+/// The gradients one key tile gives: for each block of rows that see its keys, each key's
 /// probabilities over those rows and `dS`, then `dV += Pᵀ dO` and `dK += dSᵀ Q` for four keys
-/// at a time. Rows before a key's position weigh 0. Blocks are walked by position; a row's
-/// index in the tile's slices is its position less `offset`.
+/// at a time, and the block's rows `dQ += dS K` (unscaled: the caller scales the sum of every
+/// tile's share) into `dq [rows, d]`. Rows before a key's position weigh 0. Blocks are walked by
+/// position; a row's index in the tile's slices is its position less `offset`.
 #[inline(always)]
-fn key_grad_kernel<const FMA: bool>(tile: &GradKeys<'_>, dk: &mut [f32], dv: &mut [f32]) {
+fn key_grad_kernel<const FMA: bool>(
+    tile: &GradKeys<'_>,
+    dk: &mut [f32],
+    dv: &mut [f32],
+    dq: &mut [f32],
+) {
     let (rows, offset, d, first) = (tile.rows, tile.offset, tile.d, tile.first);
     let end = offset + rows;
     let keys = dk.len() / d;
@@ -556,6 +480,8 @@ fn key_grad_kernel<const FMA: bool>(tile: &GradKeys<'_>, dk: &mut [f32], dv: &mu
     let mut grads = vec![0f32; ROW_GROUP * KEY_BLOCK];
     let mut dp = vec![0f32; KEY_BLOCK];
     let mut scaled = vec![0f32; d];
+    // The block's dS by row: [KEY_BLOCK rows, KEY_TILE keys].
+    let mut ds_rows = vec![0f32; KEY_BLOCK * KEY_TILE];
     dk.fill(0.0);
     dv.fill(0.0);
     for block in (first.max(offset)..end).step_by(KEY_BLOCK) {
@@ -593,13 +519,24 @@ fn key_grad_kernel<const FMA: bool>(tile: &GradKeys<'_>, dk: &mut [f32], dv: &mu
                 }
                 p[..skip].fill(0.0);
                 ds[..skip].fill(0.0);
+                for (r, &x) in ds.iter().enumerate() {
+                    ds_rows[r * KEY_TILE + j] = x;
+                }
             }
             let (dv_acc, dk_acc) = (
                 &mut dv[group * d..(group + members) * d],
                 &mut dk[group * d..(group + members) * d],
             );
-            weigh_group::<FMA>(&probs, &tile.d_o[local * d..], width, d, members, dv_acc);
-            weigh_group::<FMA>(&grads, &tile.q[local * d..], width, d, members, dk_acc);
+            let (d_o, q) = (&tile.d_o[local * d..], &tile.q[local * d..]);
+            weigh_group::<FMA>(&probs, KEY_BLOCK, d_o, width, d, members, dv_acc);
+            weigh_group::<FMA>(&grads, KEY_BLOCK, q, width, d, members, dk_acc);
+        }
+        // dQ of the block's rows over this tile's keys, four rows at a time.
+        let dq_rows = &mut dq[local * d..(local + width) * d];
+        for (g, acc) in dq_rows.chunks_mut(ROW_GROUP * d).enumerate() {
+            let members = acc.len() / d;
+            let weights = &ds_rows[g * ROW_GROUP * KEY_TILE..];
+            weigh_group::<FMA>(weights, KEY_TILE, tile.k, keys, d, members, acc);
         }
     }
     for x in dk.iter_mut() {
@@ -607,11 +544,12 @@ fn key_grad_kernel<const FMA: bool>(tile: &GradKeys<'_>, dk: &mut [f32], dv: &mu
     }
 }
 
-/// [`weigh_values`] for `members` rows of `p [ROW_GROUP, KEY_BLOCK]`: four at once when the
+/// [`weigh_values`] for `members` rows of `p [ROW_GROUP, stride]`: four at once when the
 /// group is full, one by one otherwise.
 #[inline(always)]
 fn weigh_group<const FMA: bool>(
     p: &[f32],
+    stride: usize,
     v: &[f32],
     width: usize,
     d: usize,
@@ -619,14 +557,10 @@ fn weigh_group<const FMA: bool>(
     acc: &mut [f32],
 ) {
     if members == ROW_GROUP {
-        weigh_values::<FMA, ROW_GROUP>(p, v, width, d, acc);
+        weigh_values::<FMA, ROW_GROUP>(p, stride, v, width, d, acc);
     } else {
-        for (w, a) in p
-            .chunks_exact(KEY_BLOCK)
-            .zip(acc.chunks_exact_mut(d))
-            .take(members)
-        {
-            weigh_values::<FMA, 1>(w, v, width, d, a);
+        for (g, a) in acc.chunks_exact_mut(d).take(members).enumerate() {
+            weigh_values::<FMA, 1>(&p[g * stride..], stride, v, width, d, a);
         }
     }
 }
@@ -661,20 +595,21 @@ fn dot_rows<const FMA: bool>(q: &[f32], kt: &[f32], n: usize, first: usize, s: &
     }
 }
 
-/// `acc_g += Σ_j p_g[j] v_j` for `G` rows at once: `p [G, KEY_BLOCK]` holds each row's
-/// weights (`width` used), `v [.., d]` the values from the block's first key, `acc [G, d]` the
-/// rows' accumulators. Sixteen dimensions at a time stay in registers while the keys stream by,
-/// so each row's sums form independent chains and each value row is loaded once for `G` rows.
+/// `acc_g += Σ_j p_g[j] v_j` for `G` rows at once: `p [G, stride]` holds each row's weights
+/// (`width` used), `v [.., d]` the values from the block's first key, `acc [G, d]` the rows'
+/// accumulators. Sixteen dimensions at a time stay in registers while the keys stream by, so
+/// each row's sums form independent chains and each value row is loaded once for `G` rows.
 #[inline(always)]
 fn weigh_values<const FMA: bool, const G: usize>(
     p: &[f32],
+    stride: usize,
     v: &[f32],
     width: usize,
     d: usize,
     acc: &mut [f32],
 ) {
     const W: usize = 16;
-    let weights: [&[f32]; G] = std::array::from_fn(|g| &p[g * KEY_BLOCK..g * KEY_BLOCK + width]);
+    let weights: [&[f32]; G] = std::array::from_fn(|g| &p[g * stride..g * stride + width]);
     let whole = d - d % W;
     for c in (0..whole).step_by(W) {
         let mut regs = [[0f32; W]; G];
