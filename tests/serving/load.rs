@@ -1,7 +1,7 @@
 //! Load: 100 concurrent sessions talk for 60 s to the gateway of a `personal` job (`clawrl run`,
 //! the qwen3-tiny fixture) while its trainer trains on what they say, over real HTTP, streamed
 //! and not, with next states, through a deliberately tiny record queue. A quarter of the clients
-//! leave mid-stream at random (after one to three content chunks of a long answer) and ask
+//! leave mid-stream at random (after one to three content chunks of a 64-token answer) and ask
 //! again. No answer is a 5xx, and the books balance, read from the job once every client is
 //! done and again from its summary once it stopped:
 //! - every session opened is ended by its client, ended idle (or at shutdown), or still open;
@@ -28,6 +28,8 @@ const KEY: &str = "sk-load";
 const CLIENTS: usize = 100;
 /// How long the clients keep starting turns: the requirement, not a guess at speed.
 const LOAD: Duration = Duration::from_secs(60);
+/// The tokens a leaving client asks for: a stream long enough to leave in the middle of.
+const LONG_ANSWER: u32 = 64;
 /// Generous: every wait ends as soon as its condition holds.
 const LONG: Duration = Duration::from_secs(300);
 
@@ -71,7 +73,8 @@ fn sse_content(body: &str) -> (Vec<String>, bool, u64) {
 /// One client: conversations of four main turns (praised, corrected, praised, then ended with
 /// `X-Session-Done`), one after another, every other turn streamed, until the load's end. A
 /// leaving client (`leaves`) asks for a long streamed answer about one attempt in three and
-/// drops it after one to three content chunks, then asks again.
+/// drops it after one to three content chunks, then asks again; one that came whole before it
+/// could leave is an answer like any other.
 async fn client(i: usize, base: String, end: Instant, leaves: bool, seen: Arc<Mutex<Seen>>) {
     let http = reqwest::Client::new();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(i as u64);
@@ -86,7 +89,14 @@ async fn client(i: usize, base: String, end: Instant, leaves: bool, seen: Arc<Mu
                 let leave_after =
                     (leaves && rng.random_ratio(1, 3)).then(|| rng.random_range(1..=3));
                 let stream = leave_after.is_some() || (i + t) % 2 == 1;
-                let max_tokens = if leave_after.is_some() { 200 } else { 6 };
+                // A long answer can also come whole (the client read it late): then it stays in
+                // the history, and three of them must still leave the prompt inside the fixture's
+                // 512 positions (decoded text can take more tokens when encoded again).
+                let max_tokens = if leave_after.is_some() {
+                    LONG_ANSWER
+                } else {
+                    6
+                };
                 let mut req = http
                     .post(format!("{base}/v1/chat/completions"))
                     .bearer_auth(KEY)
