@@ -29,9 +29,10 @@ use std::time::Duration;
 use serde::Deserialize;
 
 pub use policy::{GatewayPolicy, InstallError, PolicyStats};
-pub use server::{Gateway, GatewayError};
+pub use server::{Gateway, GatewayCounter, GatewayCounts, GatewayError};
 pub use session::{
-    Admission, EndPolicy, Scope, SessionConfig, SessionTable, SessionsFull, TurnEnd, TurnType,
+    Admission, EndPolicy, Scope, SessionConfig, SessionStats, SessionTable, SessionsFull, TurnEnd,
+    TurnType,
 };
 pub use sink::{TurnRecord, TurnSink};
 

@@ -332,6 +332,7 @@ async fn interrupted() {
 fn print_personal_table(r: &GatewayJobReport, out: &Path, balanced: bool) {
     let c = &r.counts;
     let t = &r.trainer;
+    let g = &r.serving;
     let rows: Vec<(&str, String)> = vec![
         ("job", format!("{} (method {})", r.job, r.method)),
         (
@@ -372,6 +373,19 @@ fn print_personal_table(r: &GatewayJobReport, out: &Path, balanced: bool) {
             ),
         ),
         (
+            "sessions",
+            format!(
+                "{} opened = {} ended by their client + {} ended idle or at shutdown + {} open; \
+                 {} turns abandoned mid-stream (never trained on); {} answers with a 5xx status",
+                g.sessions.started,
+                g.sessions.ended_done,
+                g.sessions.ended_idle,
+                g.open_sessions,
+                g.turns_abandoned,
+                g.responses_5xx
+            ),
+        ),
+        (
             "trainer",
             format!("{} steps, version {}", t.steps, t.version),
         ),
@@ -379,13 +393,29 @@ fn print_personal_table(r: &GatewayJobReport, out: &Path, balanced: bool) {
         (
             "records",
             format!(
-                "{} written, {} failed, in {}",
+                "{} written, {} failed, in {}; at start {} torn lines cut, {} turns a crash \
+                 took before judging recorded as lost",
                 r.records.written,
                 c.records_failed,
-                r.records_dir.display()
+                r.records_dir.display(),
+                r.records.torn_lines_cut,
+                r.records.lost_by_crash
             ),
         ),
-        ("turn files", r.turns_dir.display().to_string()),
+        (
+            "turn files",
+            format!(
+                "{} answers journaled, {} complete turns written, {} write errors, in {}; at \
+                 start {} torn lines cut, {} answered turns a crash took before their next \
+                 state recorded as lost",
+                g.served_written,
+                g.records_written,
+                g.record_write_errors,
+                r.turns_dir.display(),
+                g.torn_lines_cut,
+                g.lost_by_crash
+            ),
+        ),
         (
             "checkpoint",
             r.final_checkpoint

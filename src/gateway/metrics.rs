@@ -99,6 +99,17 @@ impl Metrics {
             .or_default() += 1;
     }
 
+    /// Answers with a 5xx status, every route together.
+    pub fn server_errors(&self) -> u64 {
+        self.requests
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|((_, status), _)| *status >= 500)
+            .map(|(_, n)| n)
+            .sum()
+    }
+
     /// Renders the gateway's own series; `extra` is appended (session and sink series).
     pub fn render(&self, extra: &[(&str, &str, &str, f64)]) -> String {
         let mut out = String::new();

@@ -33,7 +33,7 @@ use axum::routing::{get, post};
 use axum::Extension;
 use axum::{Json, Router};
 use burn::tensor::backend::Backend;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value as Json_};
 use tokio::sync::mpsc;
 
@@ -45,7 +45,8 @@ use super::metrics::Metrics;
 use super::policy::GatewayPolicy;
 use super::reasoning::{split_reasoning, Part, ReasoningSplitter};
 use super::session::{
-    Admission, Finished, Inferred, Scope, SessionTable, SessionsFull, TurnEnd, TurnType,
+    Admission, Finished, Inferred, Scope, SessionStats, SessionTable, SessionsFull, TurnEnd,
+    TurnType,
 };
 use super::sink::{SinkError, TurnRecord, TurnSink};
 use super::text::{split_all, Piece, TextStream, ToolCallSplitter};
@@ -88,14 +89,16 @@ struct AppState {
     token_bytes: std::sync::OnceLock<TokenBytes>,
     template: ChatTemplate,
     stop_ids: Vec<u32>,
-    sessions: Mutex<SessionTable<TurnRecord>>,
+    /// Shared with [`GatewayCounter`]s, which outlive the state.
+    sessions: Arc<Mutex<SessionTable<TurnRecord>>>,
     /// Requests being answered, per key ([`InFlightSlot`]).
     in_flight_by_key: Mutex<std::collections::HashMap<Scope, usize>>,
     sink: TurnSink,
     /// Where completed main turns are also sent, when a training job taps them
     /// ([`Gateway::tap_turns`]).
     tap: std::sync::OnceLock<mpsc::Sender<TurnRecord>>,
-    metrics: Metrics,
+    /// Shared with [`GatewayCounter`]s.
+    metrics: Arc<Metrics>,
     created: u64,
 }
 
@@ -104,6 +107,67 @@ struct AppState {
 pub struct Gateway {
     state: Arc<AppState>,
     writer: std::thread::JoinHandle<()>,
+}
+
+/// What a gateway counted: its session table, the main turns whose client left mid-stream, its
+/// 5xx answers, and its journals, with what their start repaired after a crash. The same
+/// numbers as `/metrics`, read through a [`GatewayCounter`] (also after the gateway stopped).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct GatewayCounts {
+    /// The session table's counters.
+    pub sessions: SessionStats,
+    /// Sessions open when read (0 once the gateway has stopped: shutdown ends them all).
+    pub open_sessions: u64,
+    /// Main turns whose client left mid-stream: in the turn file as abandoned, never tapped.
+    pub turns_abandoned: u64,
+    /// Streams their client left before the end.
+    pub streams_aborted: u64,
+    /// Answers with a 5xx status.
+    pub responses_5xx: u64,
+    /// Answered main turns written to the served journal.
+    pub served_written: u64,
+    /// Complete turn records written (abandoned ones included).
+    pub records_written: u64,
+    /// Write errors of the journals.
+    pub record_write_errors: u64,
+    /// Torn last lines (a crash mid-write) cut from the journals at start.
+    pub torn_lines_cut: u64,
+    /// Answered turns a crash left without their complete record, recorded at start as lost.
+    pub lost_by_crash: u64,
+}
+
+/// Reads a gateway's [`GatewayCounts`]; cloned from [`Gateway::counter`] before
+/// [`Gateway::serve`] consumes the gateway. It holds the counters alone: the record writer
+/// still ends when the gateway stops (it ends when the last record sender goes).
+#[derive(Clone)]
+pub struct GatewayCounter {
+    sessions: Arc<Mutex<SessionTable<TurnRecord>>>,
+    metrics: Arc<Metrics>,
+    sink: Arc<super::sink::SinkStats>,
+}
+
+impl GatewayCounter {
+    /// The counts now.
+    pub fn counts(&self) -> GatewayCounts {
+        let (sessions, open) = {
+            let t = self.sessions.lock().unwrap();
+            (t.stats(), t.open_sessions())
+        };
+        let (m, sk) = (&self.metrics, &self.sink);
+        let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        GatewayCounts {
+            sessions,
+            open_sessions: open as u64,
+            turns_abandoned: ld(&m.turns_abandoned),
+            streams_aborted: ld(&m.streams_aborted),
+            responses_5xx: m.server_errors(),
+            served_written: ld(&sk.served_written),
+            records_written: ld(&sk.written),
+            record_write_errors: ld(&sk.write_errors),
+            torn_lines_cut: ld(&sk.torn_lines_cut),
+            lost_by_crash: ld(&sk.lost_by_crash),
+        }
+    }
 }
 
 impl Gateway {
@@ -170,12 +234,12 @@ impl Gateway {
             tokenizer,
             template: chat_template,
             stop_ids,
-            sessions: Mutex::new(SessionTable::new(cfg.session_config())),
+            sessions: Arc::new(Mutex::new(SessionTable::new(cfg.session_config()))),
             sink,
             tap: std::sync::OnceLock::new(),
             token_bytes: std::sync::OnceLock::new(),
             in_flight_by_key: Mutex::default(),
-            metrics: Metrics::default(),
+            metrics: Arc::default(),
             created: unix_now(),
             cfg,
         };
@@ -199,6 +263,15 @@ impl Gateway {
     /// The file turns of `version` are written to.
     pub fn turns_path(&self, version: u64) -> std::path::PathBuf {
         self.state.sink.path(version)
+    }
+
+    /// The handle that reads this gateway's counts, while it serves and after.
+    pub fn counter(&self) -> GatewayCounter {
+        GatewayCounter {
+            sessions: self.state.sessions.clone(),
+            metrics: self.state.metrics.clone(),
+            sink: self.state.sink.shared_stats(),
+        }
     }
 
     /// Also hands every completed main turn (the record the sink writes, next state and end
@@ -1731,7 +1804,6 @@ async fn finish_turn(
     finish: &str,
     t0: Instant,
 ) {
-    s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
     s.metrics
         .generation_seconds
         .observe(t0.elapsed().as_secs_f64());
@@ -1776,6 +1848,8 @@ async fn finish_turn(
         }
     };
     record_all(s, out).await;
+    // Counted last, so a request no longer in flight is already in the session table.
+    s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
 }
 
 /// Records a main turn whose client left mid-stream, as far as it was sampled, with

@@ -118,8 +118,11 @@ pub struct SessionConfig {
     pub max_sessions_per_key: usize,
 }
 
-/// Counters of the table, for `/metrics`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// Counters of the table, for `/metrics` and a job's summary. Every session opened is ended by
+/// its client (`ended_done`), ended idle (`ended_idle`, shutdown included) or still open; every
+/// main turn served is completed with a next state, kept or dropped without one, or still
+/// pending in an open session.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct SessionStats {
     /// Sessions opened.
     pub started: u64,

@@ -193,6 +193,11 @@ impl TurnSink {
         &self.stats
     }
 
+    /// The counters, shared: holding them does not keep the writer running.
+    pub fn shared_stats(&self) -> Arc<SinkStats> {
+        self.stats.clone()
+    }
+
     /// Queues a complete turn, waiting (and counting the wait) when the queue is full.
     pub async fn send(&self, record: TurnRecord) -> Result<(), SinkError> {
         self.queue(Item::Turn(record)).await

@@ -36,7 +36,9 @@ use super::RunError;
 #[cfg(feature = "cuda")]
 use crate::device::CudaAutodiff;
 use crate::device::{Device, DeviceError};
-use crate::gateway::{Gateway, GatewayConfig, GatewayError, PolicyStats, TurnEnd, TurnRecord};
+use crate::gateway::{
+    Gateway, GatewayConfig, GatewayCounts, GatewayError, PolicyStats, TurnEnd, TurnRecord,
+};
 use crate::job::{JobKind, JobSpec};
 use crate::model::load_checkpoint;
 use crate::model::Qwen3;
@@ -112,6 +114,10 @@ pub struct GatewayJobReport {
     pub trainer: TrainerStats,
     /// The gateway's weight versions at the end.
     pub gateway: PolicyStats,
+    /// What the gateway counted, read once it stopped: sessions, abandoned turns, 5xx answers,
+    /// and what its start repaired after a crash (torn journal lines cut, answered turns
+    /// recorded as lost).
+    pub serving: GatewayCounts,
     /// The recorder's counters.
     pub records: RecorderStats,
     /// Where records are.
@@ -317,6 +323,7 @@ where
     let gateway = Gateway::new(serve_ck, cfg, &default_name)?;
     let model = gateway.model_name().to_string();
     let gateway_policy = gateway.policy();
+    let counter = gateway.counter();
     let mut tap = gateway
         .tap_turns(record_queue)
         .expect("a new gateway is not tapped");
@@ -421,6 +428,8 @@ where
         Ok(Err(e)) => errors.push(format!("the gateway stopped: {e}")),
         Err(e) => errors.push(format!("the gateway task failed: {e}")),
     }
+    // Stopped: every session has ended and every record is written.
+    let serving = counter.counts();
     if let Err(e) = consumer.await {
         errors.push(format!("the turn consumer failed: {e}"));
     }
@@ -454,6 +463,7 @@ where
         counts,
         trainer: finished.trainer,
         gateway: gateway_stats,
+        serving,
         records: finished.records,
         records_dir: out.join("records"),
         turns_dir,

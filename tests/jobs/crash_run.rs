@@ -9,7 +9,7 @@
 //! the last checkpoint with versions counting on, and the counts balance with what the crash
 //! lost counted: its journaled samples replayed (`recovered`), its turns never judged recorded
 //! as `lost` by the recorder, its answered turns that never got their next state recorded as
-//! lost by the gateway.
+//! lost by the gateway; the re-run's JSON summary reports both repairs (`records`, `serving`).
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -703,6 +703,28 @@ fn a_personal_run_killed_under_load_loses_no_answer_and_resumes() {
     );
     assert_eq!(lost_counted, lost);
     assert_eq!(incomplete(&served_after, &turns_after), 0);
+    // The summary says what the restart repaired, as `/metrics` did, and the journals balance:
+    // what was there, plus what the crash lost (recorded now), plus what the re-run wrote.
+    let g = &s["serving"];
+    assert_eq!(g["torn_lines_cut"].as_u64(), Some(torn_cut), "{g}");
+    assert_eq!(g["lost_by_crash"].as_u64(), Some(lost), "{g}");
+    let n = |v: &Value| v.as_u64().unwrap();
+    assert_eq!(
+        turns_after.len() as u64,
+        turns.len() as u64 + lost + n(&g["records_written"]),
+        "{g}"
+    );
+    assert_eq!(
+        served_after.len() as u64,
+        served.len() as u64 + n(&g["served_written"]),
+        "{g}"
+    );
+    assert_eq!(
+        n(&g["served_written"]),
+        n(&g["sessions"]["main_turns"]),
+        "{g}"
+    );
+    assert_eq!(n(&g["record_write_errors"]), 0, "{g}");
     let marked = turns_after
         .iter()
         .filter(|r| r.end == Some(TurnEnd::Lost))
