@@ -1,4 +1,5 @@
-//! Causal self-attention over a whole sequence (training and scoring) that never materialises
+//! Causal self-attention over a whole sequence (training and scoring), and over rows that
+//! continue a shared prefix ([`prefixed_attention`], packed training), that never materialises
 //! the `n × n` score matrix, forward or backward.
 //!
 //! The sequence is cut into query tiles of `t` rows. A tile attends to the keys up to its own
