@@ -434,6 +434,17 @@ fn row_keys<B: Backend>(
 
 /// [`prefixed_attention`]'s forward, row by row: `(o [r, h, l, d], lse [r, h, l, 1])`.
 fn prefixed_forward<B: Backend>(
+    args: [Tensor<B, 4>; 5],
+    budget: usize,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    if TypeId::of::<B>() == TypeId::of::<crate::CpuBackend>() {
+        return prefixed_forward_cpu(args);
+    }
+    prefixed_forward_ops(args, budget)
+}
+
+/// [`prefixed_forward`] from tensor ops (every backend but the CPU one).
+fn prefixed_forward_ops<B: Backend>(
     [q, pk, pv, ok, ov]: [Tensor<B, 4>; 5],
     budget: usize,
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
@@ -454,6 +465,20 @@ fn prefixed_forward<B: Backend>(
 /// each row's key gradient splits into its share of the prefix's (summed over rows) and its
 /// own.
 fn prefixed_backward<B: Backend>(
+    args: [Tensor<B, 4>; 5],
+    o: Tensor<B, 4>,
+    lse: Tensor<B, 4>,
+    d_o: Tensor<B, 4>,
+    budget: usize,
+) -> [Tensor<B, 4>; 5] {
+    if TypeId::of::<B>() == TypeId::of::<crate::CpuBackend>() {
+        return prefixed_backward_cpu(args, o, lse, d_o);
+    }
+    prefixed_backward_ops(args, o, lse, d_o, budget)
+}
+
+/// [`prefixed_backward`] from tensor ops (every backend but the CPU one).
+fn prefixed_backward_ops<B: Backend>(
     [q, pk, pv, ok, ov]: [Tensor<B, 4>; 5],
     o: Tensor<B, 4>,
     lse: Tensor<B, 4>,
@@ -489,6 +514,131 @@ fn prefixed_backward<B: Backend>(
         dpv,
         Tensor::cat(dok, 0),
         Tensor::cat(dov, 0),
+    ]
+}
+
+/// The sizes of a prefixed call: rows `r`, heads `h`, prefix `p`, row length `l`, head width
+/// `d`.
+#[derive(Clone, Copy)]
+struct Prefixed {
+    r: usize,
+    h: usize,
+    p: usize,
+    l: usize,
+    d: usize,
+}
+
+impl Prefixed {
+    fn of<B: Backend>(q: &Tensor<B, 4>, prefix_k: &Tensor<B, 4>) -> Self {
+        let [r, h, l, d] = q.dims();
+        Prefixed {
+            r,
+            h,
+            p: prefix_k.dims()[2],
+            l,
+            d,
+        }
+    }
+
+    /// One row's call of the kernels: `l` queries after `p + l` keys.
+    fn dims(self) -> Dims {
+        Dims {
+            b: 1,
+            h: self.h,
+            t: self.l,
+            n: self.p + self.l,
+            d: self.d,
+        }
+    }
+
+    /// Row `i`'s keys (or values) `[h, p + l, d]`: per head the prefix's `p` rows, then its own
+    /// `l`, copied once from the raw floats of `prefix [1, h, p, d]` and `own [r, h, l, d]`.
+    fn row_keys(self, prefix: &[f32], own: &[f32], i: usize) -> Vec<f32> {
+        let Prefixed { h, p, l, d, .. } = self;
+        let mut k = Vec::with_capacity(h * (p + l) * d);
+        for head in 0..h {
+            k.extend_from_slice(&prefix[head * p * d..(head + 1) * p * d]);
+            let at = (i * h + head) * l * d;
+            k.extend_from_slice(&own[at..at + l * d]);
+        }
+        k
+    }
+}
+
+/// [`prefixed_forward`] on the CPU backend: each row's keys assembled once from the raw
+/// floats, straight into the kernel ([`super::cpu_attention`]).
+fn prefixed_forward_cpu<B: Backend>(args: [Tensor<B, 4>; 5]) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let s = Prefixed::of(&args[0], &args[1]);
+    let device = args[0].device();
+    let [q, pk, pv, ok, ov] = args.map(floats);
+    let (rows, row_lse) = (s.h * s.l * s.d, s.h * s.l);
+    let (mut o, mut lse) = (
+        Vec::with_capacity(s.r * rows),
+        Vec::with_capacity(s.r * row_lse),
+    );
+    for i in 0..s.r {
+        let (k, v) = (s.row_keys(&pk, &ok, i), s.row_keys(&pv, &ov, i));
+        let qi = &q[i * rows..(i + 1) * rows];
+        let (oi, lse_i) = attention_forward(qi, &k, &v, s.dims(), Some(s.p));
+        o.extend(oi);
+        lse.extend(lse_i);
+    }
+    (
+        Tensor::from_data(TensorData::new(o, [s.r, s.h, s.l, s.d]), &device),
+        Tensor::from_data(TensorData::new(lse, [s.r, s.h, s.l, 1]), &device),
+    )
+}
+
+/// [`prefixed_backward`] on the CPU backend: each row's kernel call on its assembled keys, its
+/// key gradients split between the prefix's (summed over rows) and its own.
+fn prefixed_backward_cpu<B: Backend>(
+    args: [Tensor<B, 4>; 5],
+    o: Tensor<B, 4>,
+    lse: Tensor<B, 4>,
+    d_o: Tensor<B, 4>,
+) -> [Tensor<B, 4>; 5] {
+    let s = Prefixed::of(&args[0], &args[1]);
+    let Prefixed { r, h, p, l, d } = s;
+    let device = args[0].device();
+    let [q, pk, pv, ok, ov] = args.map(floats);
+    let (o, lse, d_o) = (floats(o), floats(lse), floats(d_o));
+    let (rows, n) = (h * l * d, p + l);
+    let mut dq = Vec::with_capacity(r * rows);
+    let (mut dpk, mut dpv) = (vec![0f32; h * p * d], vec![0f32; h * p * d]);
+    let (mut dok, mut dov) = (Vec::with_capacity(r * rows), Vec::with_capacity(r * rows));
+    for i in 0..r {
+        let (k, v) = (s.row_keys(&pk, &ok, i), s.row_keys(&pv, &ov, i));
+        let at = i * rows..(i + 1) * rows;
+        let (dqi, dk, dv) = attention_backward(
+            &q[at.clone()],
+            &k,
+            &v,
+            &o[at.clone()],
+            &lse[i * h * l..(i + 1) * h * l],
+            &d_o[at],
+            s.dims(),
+        );
+        dq.extend(dqi);
+        for head in 0..h {
+            let prefix = head * p * d..(head + 1) * p * d;
+            for (grads, shared, own) in [(&dk, &mut dpk, &mut dok), (&dv, &mut dpv, &mut dov)] {
+                let g = &grads[head * n * d..(head + 1) * n * d];
+                shared[prefix.clone()]
+                    .iter_mut()
+                    .zip(&g[..p * d])
+                    .for_each(|(x, y)| *x += y);
+                own.extend_from_slice(&g[p * d..]);
+            }
+        }
+    }
+    let tensor =
+        |x: Vec<f32>, shape: [usize; 4]| Tensor::from_data(TensorData::new(x, shape), &device);
+    [
+        tensor(dq, [r, h, l, d]),
+        tensor(dpk, [1, h, p, d]),
+        tensor(dpv, [1, h, p, d]),
+        tensor(dok, [r, h, l, d]),
+        tensor(dov, [r, h, l, d]),
     ]
 }
 
@@ -724,6 +874,40 @@ mod tests {
             prefixed_attention(plain(&q), plain(&pk), plain(&pv), plain(&ok), plain(&ov));
         o.into_data()
             .assert_approx_eq::<f32>(&run(true)[0].clone().into_data(), Tolerance::absolute(1e-6));
+    }
+
+    /// The tensor-op forward and backward of prefixed rows (the CUDA path) equal the CPU ones.
+    #[test]
+    fn prefixed_rows_by_tensor_ops_equal_the_cpu_path() {
+        type B = crate::CpuBackend;
+        let dev = Default::default();
+        let (r, h, p, l, d) = (3, 2, 37, 6, 8);
+        let normal =
+            |shape: [usize; 4]| Tensor::<B, 4>::random(shape, Distribution::Normal(0.0, 1.0), &dev);
+        let args = [
+            normal([r, h, l, d]),
+            normal([1, h, p, d]),
+            normal([1, h, p, d]),
+            normal([r, h, l, d]),
+            normal([r, h, l, d]),
+        ];
+        let d_o = normal([r, h, l, d]);
+        let budget = 2 * 8 * (p + l);
+        let tol = Tolerance::<f32>::absolute(2e-5);
+        let (o, lse) = prefixed_forward_cpu(args.clone());
+        let (o_ops, lse_ops) = prefixed_forward_ops(args.clone(), budget);
+        o_ops
+            .into_data()
+            .assert_approx_eq::<f32>(&o.clone().into_data(), tol);
+        lse_ops
+            .into_data()
+            .assert_approx_eq::<f32>(&lse.clone().into_data(), tol);
+        let cpu = prefixed_backward_cpu(args.clone(), o.clone(), lse.clone(), d_o.clone());
+        let ops = prefixed_backward_ops(args, o, lse, d_o, budget);
+        for (a, b) in ops.into_iter().zip(cpu) {
+            assert_eq!(a.dims(), b.dims());
+            a.into_data().assert_approx_eq::<f32>(&b.into_data(), tol);
+        }
     }
 
     /// The inference backend takes the same tiled forward; it equals Burn's attention.
