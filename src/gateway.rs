@@ -122,6 +122,10 @@ pub struct GatewayConfig {
     /// The weight version the loaded checkpoint is served as (later ones come through
     /// [`GatewayPolicy::install`]); every turn records the version that generated it.
     pub version: u64,
+    /// Set by a job that trains a LoRA adapter, never read from a file: installed versions are
+    /// adapters of this shape over the served checkpoint, not whole weights.
+    #[serde(skip)]
+    pub adapter_versions: Option<crate::model::LoraConfig>,
 }
 
 impl Default for GatewayConfig {
@@ -150,6 +154,7 @@ impl Default for GatewayConfig {
             default_max_tokens: 256,
             max_tokens_limit: 4096,
             version: 0,
+            adapter_versions: None,
         }
     }
 }

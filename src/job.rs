@@ -131,8 +131,10 @@ pub struct PolicySpec {
     #[serde(default)]
     pub device: Device,
     /// A low-rank adapter to train instead of the whole policy: `lora = { r, alpha, targets }`
-    /// (see [`crate::model::LoraConfig`]). Parsed and checked; jobs do not train adapters yet
-    /// (`clawrl train-offline --lora` does), so a job that sets it is refused.
+    /// (see [`crate::model::LoraConfig`]). The job starts a fresh adapter (seeded by `seed`)
+    /// over the frozen checkpoint; only the adapter trains, each weight version is the adapter
+    /// alone, and the serving side holds the base once and attaches each version's adapter
+    /// (rollout hosts on other nodes fetch the base once over the bulk plane).
     #[serde(default)]
     pub lora: Option<crate::model::LoraConfig>,
 }
@@ -616,14 +618,6 @@ impl JobSpec {
         }
         if p.max_context < 2 {
             return bad("policy.max_context", "must be at least 2".into());
-        }
-        if p.lora.is_some() {
-            return bad(
-                "policy.lora",
-                "jobs do not train adapters yet: only the whole policy; `clawrl train-offline \
-                 --lora` trains an adapter offline"
-                    .into(),
-            );
         }
         if p.device != Device::Cpu && self.kind != JobKind::Personal {
             return bad(
@@ -1121,10 +1115,17 @@ max_steps = 100
         assert!(e.contains("lora.targets") && e.contains("x_proj"), "{e}");
         let e = lora("{ r = 4, alpha = 8, targets = [\"q_proj\"], dropout = 0.1 }");
         assert!(e.contains("dropout"), "{e}");
-        let e = lora("{ r = 4, alpha = 8, targets = [\"q_proj\"] }");
-        assert!(
-            e.contains("policy.lora") && e.contains("not train adapters"),
-            "{e}"
+        let spec = JobSpec::parse(
+            &GOOD.replace(
+                "checkpoint = \"tests/fixtures/qwen3-tiny\"",
+                "checkpoint = \"tests/fixtures/qwen3-tiny\"\nlora = { r = 4, alpha = 8, targets = [\"q_proj\", \"v_proj\"] }",
+            ),
+            "job.toml",
+        )
+        .unwrap();
+        assert_eq!(
+            spec.policy.lora.map(|l| (l.r, l.targets.len())),
+            Some((4, 2))
         );
         assert!(
             err(&GOOD.replace(r#"backend = "scripted""#, r#"backend = "openai""#))

@@ -43,7 +43,7 @@ use crate::judge::{
 };
 use crate::model::{EngineOptions, SamplingParams};
 use crate::rl::{AdvantageWeights, EpisodeKind};
-use crate::serve::EnginePolicy;
+use crate::serve::{EnginePolicy, VersionWeights};
 use crate::train::TrainConfig;
 use crate::{CpuAutodiff, CpuBackend};
 use parts::{JobParts, LoadedPolicy};
@@ -113,6 +113,7 @@ pub(crate) async fn spawn_teacher(
     spec: &JobSpec,
     file: &str,
     model_config: &crate::model::Qwen3Config,
+    weights: impl FnOnce() -> Result<VersionWeights<CpuBackend>, RunError>,
     template: &Arc<crate::model::ChatTemplate>,
     tokenizer: &Arc<tokenizers::Tokenizer>,
     subscribers: &mut Vec<Subscriber>,
@@ -123,6 +124,7 @@ pub(crate) async fn spawn_teacher(
     spec.method.check_topk(model_config.vocab_size, file)?;
     let scorer = samples::TeacherScorer::new(
         model_config.clone(),
+        weights()?,
         template.clone(),
         tokenizer.clone(),
         spec.method.topk(),
@@ -524,8 +526,9 @@ pub async fn run_job(
     // Rollout workers (they get their first version from the trainer).
     let mut replicas = Vec::new();
     for _ in 0..spec.policy.replicas {
-        let engine_policy = EnginePolicy::<CpuBackend>::new(
+        let engine_policy = EnginePolicy::<CpuBackend>::with_weights(
             policy.model_config.clone(),
+            policy.version_weights(),
             Some(policy.tokenizer.clone()),
             policy.engine,
             Default::default(),

@@ -6,6 +6,10 @@
 //! request holds an `Arc` to the version it started on, so an old version's engine finishes the
 //! sequences it is running and stops when its last request is done; the new version's engine
 //! serves every request that arrives after the switch.
+//!
+//! A version is either whole weights or, in a job that trains a LoRA adapter, the adapter
+//! alone ([`VersionWeights`]): then the replica holds the base once and each version is the
+//! base's tensors (shared, not copied) with that version's adapter attached.
 
 use std::sync::Arc;
 
@@ -16,9 +20,11 @@ use clawrl_actors::bulk::{
 };
 use clawrl_actors::loops::{PolicyReplica, WeightAnnounce};
 
+use crate::model::peft::adapter_from_safetensors;
 use crate::model::{
-    model_from_safetensors, spawn_engine, EngineError, EngineHandle, EngineOptions,
-    GenerationRequest, GenerationResult, LoadError, Qwen3Config,
+    model_from_safetensors, spawn_engine, AdapterLoadError, EngineError, EngineHandle,
+    EngineOptions, GenerationRequest, GenerationResult, LoadError, LoraConfig, LoraError, Qwen3,
+    Qwen3Config,
 };
 use crate::train::learner::VersionedWeights;
 
@@ -40,28 +46,90 @@ impl ServedVersion {
     }
 }
 
-/// A policy replica over the Qwen3 generation engine. Weight blobs are safetensors with Hugging
-/// Face names (any of bf16/f16/f32), as [`crate::train::learner::BurnLearner::export_weights`]
-/// writes them; `config` must be the config they were exported under (the learner's
+/// What a weight version's blob holds.
+pub enum VersionWeights<B: Backend> {
+    /// Every weight: safetensors with Hugging Face names (any of bf16/f16/f32), as
+    /// [`crate::train::learner::BurnLearner::export_weights`] writes them.
+    Full,
+    /// A LoRA adapter of this shape (an `adapter_model.safetensors`, PEFT names), attached to
+    /// `base`; every version shares `base`'s tensors.
+    Adapter {
+        /// The frozen base, without adapters.
+        base: Box<Qwen3<B>>,
+        /// The adapter's rank, alpha and targets.
+        config: LoraConfig,
+    },
+}
+
+impl<B: Backend> VersionWeights<B> {
+    /// The model weight version `version`'s blob `bytes` describes, read under `config` on
+    /// `device`.
+    pub fn model(
+        &self,
+        config: &Qwen3Config,
+        version: u64,
+        bytes: &[u8],
+        device: &B::Device,
+    ) -> Result<Qwen3<B>, VersionLoadError> {
+        match self {
+            VersionWeights::Full => Ok(model_from_safetensors::<B>(config, bytes, device)?),
+            VersionWeights::Adapter { base, config: lora } => {
+                let file = format!("the adapter of weight version {version}");
+                let adapter = adapter_from_safetensors(bytes, lora.clone(), config, &file)?;
+                Ok((**base).clone().with_lora(&adapter)?)
+            }
+        }
+    }
+}
+
+/// Why a weight version could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum VersionLoadError {
+    /// Whole weights that are not a usable safetensors blob for the model.
+    #[error(transparent)]
+    Weights(#[from] LoadError),
+    /// An adapter blob that is not one of the job's shape.
+    #[error(transparent)]
+    Adapter(#[from] AdapterLoadError),
+    /// The adapter does not fit the base.
+    #[error("attaching the adapter: {0}")]
+    Attach(#[from] LoraError),
+}
+
+/// A policy replica over the Qwen3 generation engine. Weight blobs are read as `weights` says,
+/// with `config`, the config they were exported under (the learner's
 /// [`model_config`](crate::train::learner::BurnLearner::model_config)).
 pub struct EnginePolicy<B: Backend = crate::CpuBackend> {
     config: Qwen3Config,
+    weights: VersionWeights<B>,
     tokenizer: Option<Arc<tokenizers::Tokenizer>>,
     options: EngineOptions,
     device: B::Device,
 }
 
 impl<B: Backend> EnginePolicy<B> {
-    /// A replica building engines with `options` on `device`; `tokenizer` is needed only for
-    /// stop strings.
+    /// A replica building engines with `options` on `device` from whole-weight blobs;
+    /// `tokenizer` is needed only for stop strings.
     pub fn new(
         config: Qwen3Config,
         tokenizer: Option<Arc<tokenizers::Tokenizer>>,
         options: EngineOptions,
         device: B::Device,
     ) -> Self {
+        Self::with_weights(config, VersionWeights::Full, tokenizer, options, device)
+    }
+
+    /// As [`new`](Self::new), reading blobs as `weights` says.
+    pub fn with_weights(
+        config: Qwen3Config,
+        weights: VersionWeights<B>,
+        tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+        options: EngineOptions,
+        device: B::Device,
+    ) -> Self {
         EnginePolicy {
             config,
+            weights,
             tokenizer,
             options,
             device,
@@ -75,9 +143,9 @@ impl<B: Backend> EnginePolicy<B> {
 
     /// Serves `model` as `version`: its own engine, with this replica's tokenizer and options.
     /// Both [`PolicyReplica::load`] and the gateway's starting version come this way.
-    pub fn serve_model(&self, version: u64, model: crate::model::Qwen3<B>) -> ServedVersion
+    pub fn serve_model(&self, version: u64, model: Qwen3<B>) -> ServedVersion
     where
-        crate::model::Qwen3<B>: Send + Sync,
+        Qwen3<B>: Send + Sync,
     {
         let engine = spawn_engine(Arc::new(model), self.tokenizer.clone(), self.options);
         ServedVersion { version, engine }
@@ -86,17 +154,19 @@ impl<B: Backend> EnginePolicy<B> {
 
 impl<B: Backend> PolicyReplica for EnginePolicy<B>
 where
-    crate::model::Qwen3<B>: Send + Sync,
+    Qwen3<B>: Send + Sync,
     B::Device: Send + Sync,
 {
     type Request = GenerationRequest;
     type Output = GenerationResult;
     type GenerateError = EngineError;
     type Loaded = ServedVersion;
-    type LoadError = LoadError;
+    type LoadError = VersionLoadError;
 
-    fn load(&self, version: u64, weights: &[u8]) -> Result<ServedVersion, LoadError> {
-        let model = model_from_safetensors::<B>(&self.config, weights, &self.device)?;
+    fn load(&self, version: u64, weights: &[u8]) -> Result<ServedVersion, VersionLoadError> {
+        let model = self
+            .weights
+            .model(&self.config, version, weights, &self.device)?;
         Ok(self.serve_model(version, model))
     }
 

@@ -283,6 +283,7 @@ pub async fn measure(cluster: &Cluster, shape: &str, replicas: usize, rounds: u3
         max_context: MAX_CONTEXT,
         prefix_cache_bytes: 0,
         announce,
+        adapter: None,
     };
     // Version 0 (the initial weights): every host starts the job's worker and loads it.
     let (v0, _, _) = next(&mut rx, 0).await;

@@ -33,8 +33,8 @@ use clawrl_actors::loops::{
 
 use crate::model::engine::EngineOptions;
 use crate::model::qwen3::Qwen3;
-use crate::model::{LoadError, Qwen3Config};
-use crate::serve::{EnginePolicy, ServedVersion};
+use crate::model::{LoraConfig, Qwen3Config};
+use crate::serve::{EnginePolicy, ServedVersion, VersionLoadError, VersionWeights};
 
 /// Why a weight version was not installed; the serving version is unchanged in every case.
 #[derive(Debug, thiserror::Error)]
@@ -55,13 +55,13 @@ pub enum InstallError {
         /// What differs.
         reason: String,
     },
-    /// The bytes are not a usable safetensors blob for this model.
+    /// The bytes are not a usable weights (or adapter) blob for this model.
     #[error("loading weight version {version}: {source}")]
     Load {
         /// The version offered.
         version: u64,
         /// What is wrong with the blob.
-        source: LoadError,
+        source: VersionLoadError,
     },
     /// The blocking load task died.
     #[error("loading weight version {version}: the load task failed: {message}")]
@@ -91,7 +91,7 @@ pub struct PolicyStats {
     pub last_install_s: f64,
 }
 
-type Loader = dyn Fn(u64, &[u8]) -> Result<ServedVersion, LoadError> + Send + Sync;
+type Loader = dyn Fn(u64, &[u8]) -> Result<ServedVersion, VersionLoadError> + Send + Sync;
 
 struct Inner {
     current: RwLock<Arc<ServedVersion>>,
@@ -119,12 +119,14 @@ pub struct GatewayPolicy {
 impl GatewayPolicy {
     /// Serves `model` as `version`. Installed blobs are read with `update_config` (the config the
     /// learner exports under: [`crate::train::learner::BurnLearner::model_config`]) on the device
-    /// `model` lives on; every version's engine uses `tokenizer` (for stop strings) and
-    /// `options`.
+    /// `model` lives on: as whole weights, or with `adapters` as LoRA adapters of that shape over
+    /// `model`'s base (its weights held once, shared by every version); every version's engine
+    /// uses `tokenizer` (for stop strings) and `options`.
     pub fn new<B: Backend>(
         model: Qwen3<B>,
         version: u64,
         update_config: Qwen3Config,
+        adapters: Option<LoraConfig>,
         tokenizer: Option<Arc<tokenizers::Tokenizer>>,
         options: EngineOptions,
     ) -> Self
@@ -133,7 +135,15 @@ impl GatewayPolicy {
         B::Device: Send + Sync,
     {
         let device = model.devices().into_iter().next().unwrap_or_default();
-        let replica = EnginePolicy::<B>::new(update_config, tokenizer, options, device);
+        let weights = match adapters {
+            None => VersionWeights::Full,
+            Some(config) => VersionWeights::Adapter {
+                base: Box::new(model.clone().without_lora()),
+                config,
+            },
+        };
+        let replica =
+            EnginePolicy::<B>::with_weights(update_config, weights, tokenizer, options, device);
         let serving = replica.serve_model(version, model);
         let loader = move |version: u64, bytes: &[u8]| replica.load(version, bytes);
         GatewayPolicy {

@@ -212,6 +212,7 @@ impl Gateway {
             model,
             cfg.version,
             crate::train::learner::float32_config(&config),
+            cfg.adapter_versions.clone(),
             Some(tokenizer.clone()),
             EngineOptions {
                 max_batch: cfg.max_batch,

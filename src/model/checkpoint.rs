@@ -355,6 +355,18 @@ pub fn load_model<B: Backend>(
     Ok((config, model))
 }
 
+/// The weights of checkpoint directory `dir` built under `config` instead of its own (e.g. the
+/// learner's float32 config: [`crate::train::learner::float32_config`]), which must describe the
+/// same shapes.
+pub fn load_model_as<B: Backend>(
+    dir: &Path,
+    config: &Qwen3Config,
+    device: &B::Device,
+) -> Result<Qwen3<B>, LoadError> {
+    let buffers = read_weight_files(dir)?;
+    TensorSource::new(&buffers)?.build(config, device)
+}
+
 /// Loads a whole Hugging Face checkpoint directory.
 pub fn load_checkpoint<B: Backend>(
     dir: &Path,

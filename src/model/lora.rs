@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 
-use burn::module::{Module, Param};
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use rand::{Rng, SeedableRng};
@@ -485,6 +485,52 @@ impl<B: Backend> Qwen3<B> {
                 .into_iter()
                 .any(|t| adapter_of(layer, t).is_some())
         })
+    }
+
+    /// The model with every adapter dropped: the base alone, its weights shared with `self`'s
+    /// (tensors are reference-counted, so no weight is copied).
+    pub fn without_lora(mut self) -> Self {
+        for layer in &mut self.layers {
+            for t in LoraTarget::ALL {
+                slot(layer, t).1.take();
+            }
+        }
+        self
+    }
+
+    /// The shape of the adapters this model carries, read from them: the targets adapted in
+    /// the first block, its rank and `alpha = scaling · r`; `None` without adapters. Every
+    /// block carries the same adapters ([`Qwen3::with_lora`] attaches them so).
+    pub fn lora_config(&self) -> Option<LoraConfig> {
+        let first = self.layers.first()?;
+        let targets: Vec<LoraTarget> = LoraTarget::ALL
+            .into_iter()
+            .filter(|&t| adapter_of(first, t).is_some())
+            .collect();
+        let lora = adapter_of(first, *targets.first()?)?;
+        let r = lora.a.dims()[1];
+        LoraConfig::new(r, lora.scaling * r as f64, targets).ok()
+    }
+
+    /// A blake3 hash of the base weights (adapters excluded), in module order, each tensor's
+    /// shape and f32 values: what an adapter checkpoint records to refuse a different base.
+    /// Reads one tensor at a time.
+    pub fn base_fingerprint(&self) -> String {
+        struct Hasher<'a, B: Backend>(&'a mut blake3::Hasher, std::marker::PhantomData<B>);
+        impl<B: Backend> ModuleVisitor<B> for Hasher<'_, B> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let t = param.val();
+                for d in t.dims() {
+                    self.0.update(&(d as u64).to_le_bytes());
+                }
+                let data = t.into_data().convert::<f32>();
+                self.0.update(data.as_bytes());
+            }
+        }
+        let base = self.clone().without_lora();
+        let mut h = blake3::Hasher::new();
+        base.visit(&mut Hasher::<B>(&mut h, std::marker::PhantomData));
+        h.finalize().to_hex().to_string()
     }
 
     /// Folds every adapter into its base weight (`W + scaling · A B`) and drops the adapters:

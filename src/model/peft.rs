@@ -331,9 +331,27 @@ pub fn load_adapter(dir: &Path, model: &Qwen3Config) -> Result<PeftAdapter, Adap
     let (config, lora_dropout, base_model_name_or_path) =
         parse_adapter_config(&text, &cfg_path.display().to_string())?;
     let st_path = dir.join(WEIGHTS_FILE);
-    let file = st_path.display().to_string();
     let bytes = read(&st_path)?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| AdapterLoadError::SafeTensors {
+    let weights = adapter_from_safetensors(&bytes, config, model, &st_path.display().to_string())?;
+    Ok(PeftAdapter {
+        weights,
+        lora_dropout,
+        base_model_name_or_path,
+    })
+}
+
+/// The adapter of shape `config` held in `bytes` (an `adapter_model.safetensors`, PEFT tensor
+/// names), for a model of shape `model`: every tensor is checked against the rank, the targets
+/// and the model's layers and features, and every configured matrix must be present. `file`
+/// names the bytes in errors.
+pub fn adapter_from_safetensors(
+    bytes: &[u8],
+    config: LoraConfig,
+    model: &Qwen3Config,
+    file: &str,
+) -> Result<LoraWeights, AdapterLoadError> {
+    let file = file.to_string();
+    let st = SafeTensors::deserialize(bytes).map_err(|e| AdapterLoadError::SafeTensors {
         file: file.clone(),
         message: e.to_string(),
     })?;
@@ -392,11 +410,29 @@ pub fn load_adapter(dir: &Path, model: &Qwen3Config) -> Result<PeftAdapter, Adap
             tensors.insert((layer, t), (a, b));
         }
     }
-    Ok(PeftAdapter {
-        weights: LoraWeights { config, tensors },
-        lora_dropout,
-        base_model_name_or_path,
-    })
+    Ok(LoraWeights { config, tensors })
+}
+
+/// `weights` as an `adapter_model.safetensors` (f32, PEFT tensor names): what
+/// [`adapter_from_safetensors`] reads back.
+pub fn adapter_to_safetensors(
+    weights: &LoraWeights,
+) -> Result<Vec<u8>, safetensors::SafeTensorError> {
+    let r = weights.config.r;
+    let mut named = Vec::with_capacity(2 * weights.tensors.len());
+    for ((layer, t), (a, b)) in &weights.tensors {
+        named.push((
+            tensor_name(*layer, *t, "lora_A"),
+            vec![r, a.len() / r],
+            a.clone(),
+        ));
+        named.push((
+            tensor_name(*layer, *t, "lora_B"),
+            vec![b.len() / r, r],
+            b.clone(),
+        ));
+    }
+    f32_safetensors(named)
 }
 
 /// Reads the adapter directory `dir` and attaches it to `model` (whose shape is `cfg`), freezing
@@ -459,22 +495,8 @@ pub fn save_adapter(
         move |source| AdapterSaveError::Io { path, source }
     };
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let r = weights.config.r;
-    let mut named = Vec::with_capacity(2 * weights.tensors.len());
-    for ((layer, t), (a, b)) in &weights.tensors {
-        named.push((
-            tensor_name(*layer, *t, "lora_A"),
-            vec![r, a.len() / r],
-            a.clone(),
-        ));
-        named.push((
-            tensor_name(*layer, *t, "lora_B"),
-            vec![b.len() / r, r],
-            b.clone(),
-        ));
-    }
     let st = dir.join(WEIGHTS_FILE);
-    std::fs::write(&st, f32_safetensors(named)?).map_err(io(&st))?;
+    std::fs::write(&st, adapter_to_safetensors(weights)?).map_err(io(&st))?;
     let cfg = dir.join(CONFIG_FILE);
     let text = serde_json::to_string_pretty(&adapter_config_json(
         &weights.config,

@@ -40,7 +40,7 @@ use crate::gateway::{
     Gateway, GatewayConfig, GatewayCounts, GatewayError, PolicyStats, TurnEnd, TurnRecord,
 };
 use crate::job::{JobKind, JobSpec};
-use crate::model::load_checkpoint;
+use crate::model::checkpoint::{load_config, load_tokenizer_files, Checkpoint};
 use crate::model::Qwen3;
 use crate::CpuAutodiff;
 
@@ -139,12 +139,14 @@ impl GatewayJobReport {
 }
 
 /// The gateway config a spec describes: `[gateway]` (or the defaults), a relative `data_dir`
-/// under the run directory.
+/// under the run directory, versions read as adapters when the job trains one.
 pub fn gateway_config(spec: &JobSpec, out: &Path) -> GatewayConfig {
     let mut cfg = spec.gateway.clone().unwrap_or_default();
     if cfg.data_dir.is_relative() {
         cfg.data_dir = out.join(&cfg.data_dir);
     }
+    // The trainer publishes the adapter alone; the gateway attaches it to its checkpoint.
+    cfg.adapter_versions = spec.policy.lora.clone();
     cfg
 }
 
@@ -307,12 +309,23 @@ where
     let cfg = gateway_config(spec, &out);
     let turns_dir = cfg.data_dir.clone();
     let listen = cfg.listen;
-    let serve_ck = load_checkpoint::<AB::InnerBackend>(&policy.ckpt_dir, &device).map_err(|e| {
-        RunError::Checkpoint {
+    // The gateway serves the learner's starting weights, sharing their tensors (a frozen LoRA
+    // base is then held once in this process); only the tokenizer files are read again.
+    let serve_ck = {
+        let ckpt = |e: crate::model::LoadError| RunError::Checkpoint {
             path: policy.ckpt_dir.clone(),
             message: e.to_string(),
+        };
+        let (tokenizer, chat_template, files) =
+            load_tokenizer_files(&policy.ckpt_dir).map_err(ckpt)?;
+        Checkpoint {
+            config: load_config(&policy.ckpt_dir).map_err(ckpt)?,
+            model: policy.serving_model(),
+            tokenizer,
+            chat_template,
+            files,
         }
-    })?;
+    };
     let default_name = policy
         .ckpt_dir
         .canonicalize()

@@ -250,7 +250,7 @@ where
             return Ok(false);
         }
         let dir = checkpoint::latest(root)?;
-        self.inner = checkpoint::restore::<B>(&dir, self.inner.device())?;
+        self.inner = checkpoint::restore_onto(&dir, &self.inner)?;
         Ok(true)
     }
 

@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use clawrl_actors::loops::{
     spawn_job, JobArgs, JobCounts, JobMsg, ProgressReport, Recorder, RecorderConfig,
@@ -35,8 +36,11 @@ use super::{
     train_config, trainer_config, wait_serving, RunError,
 };
 use crate::job::JobSpec;
-use crate::model::{load_checkpoint, ChatTemplate, EngineOptions, Qwen3Config};
+use crate::model::checkpoint::load_model_as;
+use crate::model::{load_checkpoint, ChatTemplate, EngineOptions, LoraWeights, Qwen3, Qwen3Config};
+use crate::serve::VersionWeights;
 use crate::train::learner::BurnLearner;
+use crate::CpuBackend;
 
 /// Checkpoints kept under `<out>/checkpoints`.
 const KEEP_CHECKPOINTS: usize = 3;
@@ -60,7 +64,9 @@ pub struct LoadedPolicy<AB: AutodiffBackend> {
 }
 
 impl<AB: AutodiffBackend> LoadedPolicy<AB> {
-    /// Loads `policy.checkpoint` on `device` into a learner with the spec's optimiser settings.
+    /// Loads `policy.checkpoint` on `device` into a learner with the spec's optimiser settings;
+    /// with `policy.lora`, a fresh adapter seeded by the spec's seed is attached and only it
+    /// trains.
     pub fn load(spec: &JobSpec, device: AB::Device) -> Result<Self, RunError> {
         let ckpt_dir = spec.resolve(&spec.policy.checkpoint);
         let ck = load_checkpoint::<AB>(&ckpt_dir, &device).map_err(|e| RunError::Checkpoint {
@@ -68,7 +74,17 @@ impl<AB: AutodiffBackend> LoadedPolicy<AB> {
             message: e.to_string(),
         })?;
         let stop_ids = ck.stop_token_ids();
-        let learner = BurnLearner::new(ck.config, ck.model, train_config(spec), device, spec.seed);
+        let model = match &spec.policy.lora {
+            None => ck.model,
+            Some(lora) => ck
+                .model
+                .with_lora(&LoraWeights::fresh(lora, &ck.config, spec.seed))
+                .map_err(|e| RunError::Checkpoint {
+                    path: ckpt_dir.clone(),
+                    message: format!("attaching the adapter of `policy.lora`: {e}"),
+                })?,
+        };
+        let learner = BurnLearner::new(ck.config, model, train_config(spec), device, spec.seed);
         let p = &spec.policy;
         Ok(LoadedPolicy {
             ckpt_dir,
@@ -83,6 +99,49 @@ impl<AB: AutodiffBackend> LoadedPolicy<AB> {
             },
             learner,
         })
+    }
+
+    /// The learner's weights as they start (version 0), for a serving side in this process: its
+    /// tensors are the learner's, shared rather than copied.
+    pub fn serving_model(&self) -> Qwen3<AB::InnerBackend> {
+        self.learner.policy().valid()
+    }
+
+    /// [`version_weights`](Self::version_weights) for a reader on the CPU whatever device the
+    /// learner uses (the OPD teacher): with `policy.lora`, its own copy of the base, read from
+    /// the checkpoint under the learner's config.
+    pub fn cpu_version_weights(&self) -> Result<VersionWeights<CpuBackend>, RunError> {
+        match self.learner.policy().valid().lora_config() {
+            None => Ok(VersionWeights::Full),
+            Some(config) => {
+                let base = load_model_as::<CpuBackend>(
+                    &self.ckpt_dir,
+                    &self.model_config,
+                    &Default::default(),
+                )
+                .map_err(|e| RunError::Checkpoint {
+                    path: self.ckpt_dir.clone(),
+                    message: e.to_string(),
+                })?;
+                Ok(VersionWeights::Adapter {
+                    base: Box::new(base),
+                    config,
+                })
+            }
+        }
+    }
+
+    /// What the serving side reads weight versions as: whole weights, or with `policy.lora`,
+    /// adapters over the learner's frozen base (its tensors shared, not copied).
+    pub fn version_weights(&self) -> VersionWeights<AB::InnerBackend> {
+        let policy = self.learner.policy().valid();
+        match policy.lora_config() {
+            None => VersionWeights::Full,
+            Some(config) => VersionWeights::Adapter {
+                base: Box::new(policy.without_lora()),
+                config,
+            },
+        }
     }
 }
 
@@ -143,6 +202,7 @@ impl JobParts {
             spec,
             file,
             &policy.model_config,
+            || policy.cpu_version_weights(),
             &policy.template,
             &policy.tokenizer,
             &mut subscribers,

@@ -37,11 +37,12 @@ use ractor::ActorRef;
 
 use crate::job::MethodKind;
 use crate::judge::{TeacherError, TeacherModel, TeacherScore};
-use crate::model::{model_from_safetensors, ChatTemplate, LoadError, Qwen3, Qwen3Config};
+use crate::model::{ChatTemplate, Qwen3, Qwen3Config};
 use crate::rl::{
     binary_samples, step_reward, zscore_buckets, AdvantageWeights, BinaryTurn, CombineCase,
     EpisodeKind, StepSample,
 };
+use crate::serve::{VersionLoadError, VersionWeights};
 use crate::CpuBackend;
 
 /// One teacher scoring request: the original messages and tools of `s_t`, the hint, and the
@@ -74,22 +75,26 @@ pub enum TeacherScoreError {
 /// (with the top-k at every response position when `topk` is set).
 pub struct TeacherScorer {
     config: Qwen3Config,
+    weights: VersionWeights<CpuBackend>,
     template: Arc<ChatTemplate>,
     tokenizer: Arc<tokenizers::Tokenizer>,
     topk: Option<usize>,
 }
 
 impl TeacherScorer {
-    /// A teacher reading weight blobs under `config` (the learner's export config); with
-    /// `topk = Some(k)` each score also carries the teacher's top-k (`1 ≤ k ≤ vocab`).
+    /// A teacher reading weight blobs as `weights` says under `config` (the learner's export
+    /// config); with `topk = Some(k)` each score also carries the teacher's top-k
+    /// (`1 ≤ k ≤ vocab`).
     pub fn new(
         config: Qwen3Config,
+        weights: VersionWeights<CpuBackend>,
         template: Arc<ChatTemplate>,
         tokenizer: Arc<tokenizers::Tokenizer>,
         topk: Option<usize>,
     ) -> Self {
         TeacherScorer {
             config,
+            weights,
             template,
             tokenizer,
             topk,
@@ -102,10 +107,11 @@ impl PolicyReplica for TeacherScorer {
     type Output = TeacherScore;
     type GenerateError = TeacherScoreError;
     type Loaded = Qwen3<CpuBackend>;
-    type LoadError = LoadError;
+    type LoadError = VersionLoadError;
 
-    fn load(&self, _version: u64, weights: &[u8]) -> Result<Qwen3<CpuBackend>, LoadError> {
-        model_from_safetensors::<CpuBackend>(&self.config, weights, &Default::default())
+    fn load(&self, version: u64, weights: &[u8]) -> Result<Qwen3<CpuBackend>, VersionLoadError> {
+        self.weights
+            .model(&self.config, version, weights, &Default::default())
     }
 
     async fn generate(

@@ -12,6 +12,18 @@
 //!                                           per-parameter step counts in the metadata
 //!                   /trainer_state.json     version, steps, training config, RNG state
 //! ```
+//! A learner that trains a LoRA adapter (its policy carries adapters, the base frozen) writes
+//! the adapters instead of whole weights, so a checkpoint is as small as what trains, and its
+//! directory is a PEFT adapter:
+//! ```text
+//! ROOT/step-00000042/adapter_config.json         the adapter's rank, alpha and targets
+//!                   /adapter_model.safetensors   the policy's adapter, PEFT names, f32
+//!                   /reference_adapter.safetensors  the reference's (only with kl_coef > 0)
+//! ```
+//! with `config.json`, `optimizer.safetensors` and `trainer_state.json` as above; the state's
+//! `base` is the frozen base's fingerprint ([`Qwen3::base_fingerprint`]). Such a checkpoint is
+//! restored onto a learner that holds the same base ([`restore_onto`]); another base is refused.
+//!
 //! Writes are atomic: a checkpoint is written into a temporary directory (each file written
 //! and synced), renamed into place, and only then does `latest` move to it (temporary file,
 //! then rename). A crash at any point leaves the previous checkpoint intact and `latest` valid.
@@ -31,7 +43,14 @@ use serde::{Deserialize, Serialize};
 use super::config::TrainConfig;
 use super::learner::BurnLearner;
 use super::optim::{AdamW, MomentsData};
-use crate::model::{model_from_safetensors, model_to_safetensors, Qwen3, Qwen3Config};
+use crate::model::peft::{
+    adapter_config_json, adapter_from_safetensors, adapter_to_safetensors, parse_adapter_config,
+    CONFIG_FILE as ADAPTER_CONFIG, WEIGHTS_FILE as ADAPTER_WEIGHTS,
+};
+use crate::model::{model_from_safetensors, model_to_safetensors, LoraConfig, Qwen3, Qwen3Config};
+
+/// The reference model's adapter in an adapter checkpoint.
+const REFERENCE_ADAPTER: &str = "reference_adapter.safetensors";
 
 /// Why saving or restoring a checkpoint failed.
 #[derive(Debug, thiserror::Error)]
@@ -63,6 +82,36 @@ pub enum CheckpointError {
         /// The cause.
         source: crate::model::LoadError,
     },
+    /// An adapter file is malformed or does not fit the model.
+    #[error("loading an adapter: {0}")]
+    Adapter(#[from] crate::model::AdapterLoadError),
+    /// The adapter does not fit the base it is restored onto.
+    #[error("attaching the adapter: {0}")]
+    Attach(#[from] crate::model::LoraError),
+    /// The adapter checkpoint was trained over another base than the learner holds.
+    #[error(
+        "{path}: the adapters were trained over base {saved}, but the learner's base is {held}: \
+         restore them onto the checkpoint they were trained from"
+    )]
+    OtherBase {
+        /// The state file.
+        path: PathBuf,
+        /// The saved base fingerprint.
+        saved: String,
+        /// The learner's.
+        held: String,
+    },
+    /// The checkpoint holds adapters and needs a base to restore onto.
+    #[error(
+        "{path}: the checkpoint holds LoRA adapters: restore it onto a learner holding its base"
+    )]
+    NeedsBase {
+        /// The checkpoint directory.
+        path: PathBuf,
+    },
+    /// Writing an adapter failed.
+    #[error("saving an adapter: {0}")]
+    AdapterSave(#[from] safetensors::SafeTensorError),
 }
 
 /// RNG state: ChaCha8 seed, stream and word position.
@@ -114,6 +163,9 @@ pub struct TrainerState {
     pub train: TrainConfig,
     /// RNG state.
     pub rng: RngState,
+    /// With adapters: the fingerprint of the frozen base they were trained over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<String>,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
@@ -254,16 +306,39 @@ pub fn save<B: AutodiffBackend>(
     std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
     let cfg = learner.model_config();
     write_synced(&tmp.join("config.json"), cfg.to_json().as_bytes())?;
-    write_synced(
-        &tmp.join("model.safetensors"),
-        &model_to_safetensors(&learner.policy().valid(), cfg)?,
-    )?;
-    if let Some(reference) = learner.reference() {
-        write_synced(
-            &tmp.join("reference.safetensors"),
-            &model_to_safetensors(reference, cfg)?,
-        )?;
-    }
+    let policy = learner.policy().valid();
+    let base = match policy.lora_config() {
+        None => {
+            write_synced(
+                &tmp.join("model.safetensors"),
+                &model_to_safetensors(&policy, cfg)?,
+            )?;
+            if let Some(reference) = learner.reference() {
+                write_synced(
+                    &tmp.join("reference.safetensors"),
+                    &model_to_safetensors(reference, cfg)?,
+                )?;
+            }
+            None
+        }
+        Some(lora) => {
+            let json = adapter_config_json(&lora, "");
+            let text = serde_json::to_string_pretty(&json).expect("JSON serialises");
+            write_synced(&tmp.join(ADAPTER_CONFIG), text.as_bytes())?;
+            write_synced(
+                &tmp.join(ADAPTER_WEIGHTS),
+                &adapter_to_safetensors(&policy.lora_weights(&lora)?)?,
+            )?;
+            if let Some(reference) = learner.reference() {
+                write_synced(
+                    &tmp.join(REFERENCE_ADAPTER),
+                    &adapter_to_safetensors(&reference.lora_weights(&lora)?)?,
+                )?;
+            }
+            Some(policy.base_fingerprint())
+        }
+    };
+    drop(policy);
     write_synced(
         &tmp.join("optimizer.safetensors"),
         &optimizer_bytes(&learner.optimizer().export_state())?,
@@ -273,6 +348,7 @@ pub fn save<B: AutodiffBackend>(
         steps: learner.steps(),
         train: learner.train_config().clone(),
         rng: RngState::capture(learner.rng_state()),
+        base,
     };
     let json = serde_json::to_vec_pretty(&state).expect("state serialises");
     write_synced(&tmp.join("trainer_state.json"), &json)?;
@@ -335,10 +411,34 @@ fn load_weights<B: burn::tensor::backend::Backend>(
 }
 
 /// Restores the learner saved in checkpoint directory `dir` (a `step-*` directory; see
-/// [`latest`]) onto `device`.
+/// [`latest`]) onto `device`. A checkpoint of adapters needs its base: use [`restore_onto`].
 pub fn restore<B: AutodiffBackend>(
     dir: &Path,
     device: &B::Device,
+) -> Result<BurnLearner<B>, CheckpointError> {
+    if dir.join(ADAPTER_CONFIG).exists() {
+        return Err(CheckpointError::NeedsBase {
+            path: dir.to_path_buf(),
+        });
+    }
+    restore_parts(dir, device, None)
+}
+
+/// Restores the checkpoint in `dir` onto `learner`'s device. A checkpoint of LoRA adapters is
+/// attached to `learner`'s frozen base (the policy's and the reference's, their adapters
+/// replaced), after checking the base is the one the adapters were trained over; a checkpoint
+/// of whole weights is restored as [`restore`] does.
+pub fn restore_onto<B: AutodiffBackend>(
+    dir: &Path,
+    learner: &BurnLearner<B>,
+) -> Result<BurnLearner<B>, CheckpointError> {
+    restore_parts(dir, learner.device(), Some(learner))
+}
+
+fn restore_parts<B: AutodiffBackend>(
+    dir: &Path,
+    device: &B::Device,
+    onto: Option<&BurnLearner<B>>,
 ) -> Result<BurnLearner<B>, CheckpointError> {
     let cfg_path = dir.join("config.json");
     let cfg_text =
@@ -355,18 +455,30 @@ pub fn restore<B: AutodiffBackend>(
         .rng
         .restore()
         .ok_or_else(|| invalid(&state_path, "malformed `rng`"))?;
-    let policy = load_weights::<B>(&cfg, &dir.join("model.safetensors"), device)?;
-    let ref_path = dir.join("reference.safetensors");
-    let reference = if ref_path.exists() {
-        Some(load_weights::<B::InnerBackend>(&cfg, &ref_path, device)?)
-    } else if state.train.kl_coef > 0.0 {
+    let (policy, reference) = match onto.filter(|_| dir.join(ADAPTER_CONFIG).exists()) {
+        Some(held) => restore_adapters(dir, &cfg, &state, &state_path, held)?,
+        None if dir.join(ADAPTER_CONFIG).exists() => {
+            return Err(CheckpointError::NeedsBase {
+                path: dir.to_path_buf(),
+            })
+        }
+        None => {
+            let policy = load_weights::<B>(&cfg, &dir.join("model.safetensors"), device)?;
+            let ref_path = dir.join("reference.safetensors");
+            let reference = if ref_path.exists() {
+                Some(load_weights::<B::InnerBackend>(&cfg, &ref_path, device)?)
+            } else {
+                None
+            };
+            (policy, reference)
+        }
+    };
+    if reference.is_none() && state.train.kl_coef > 0.0 {
         return Err(invalid(
             dir,
-            "kl_coef > 0 but reference.safetensors is missing",
+            "kl_coef > 0 but the checkpoint holds no reference model",
         ));
-    } else {
-        None
-    };
+    }
     let opt_path = dir.join("optimizer.safetensors");
     let moments = optimizer_from_bytes(&opt_path, &read(&opt_path)?)?;
     let mut optim = AdamW::new(super::learner::adamw_params(&state.train));
@@ -382,4 +494,58 @@ pub fn restore<B: AutodiffBackend>(
         state.steps,
         rng,
     ))
+}
+
+type Restored<B> = (
+    Qwen3<B>,
+    Option<Qwen3<<B as AutodiffBackend>::InnerBackend>>,
+);
+
+/// The policy and reference of an adapter checkpoint, attached to `held`'s base.
+fn restore_adapters<B: AutodiffBackend>(
+    dir: &Path,
+    cfg: &Qwen3Config,
+    state: &TrainerState,
+    state_path: &Path,
+    held: &BurnLearner<B>,
+) -> Result<Restored<B>, CheckpointError> {
+    let cfg_path = dir.join(ADAPTER_CONFIG);
+    let text = String::from_utf8_lossy(&read(&cfg_path)?).into_owned();
+    let (lora, _, _): (LoraConfig, _, _) =
+        parse_adapter_config(&text, &cfg_path.display().to_string())?;
+    let saved = state
+        .base
+        .clone()
+        .ok_or_else(|| invalid(state_path, "an adapter checkpoint without `base`"))?;
+    let held_base = held.policy().valid().base_fingerprint();
+    if saved != held_base {
+        return Err(CheckpointError::OtherBase {
+            path: state_path.to_path_buf(),
+            saved,
+            held: held_base,
+        });
+    }
+    let adapter = |name: &str| -> Result<_, CheckpointError> {
+        let path = dir.join(name);
+        Ok(adapter_from_safetensors(
+            &read(&path)?,
+            lora.clone(),
+            cfg,
+            &path.display().to_string(),
+        )?)
+    };
+    let policy = held
+        .policy()
+        .clone()
+        .without_lora()
+        .with_lora(&adapter(ADAPTER_WEIGHTS)?)?;
+    let reference = match held.reference() {
+        Some(r) if dir.join(REFERENCE_ADAPTER).exists() => Some(
+            r.clone()
+                .without_lora()
+                .with_lora(&adapter(REFERENCE_ADAPTER)?)?,
+        ),
+        _ => None,
+    };
+    Ok((policy, reference))
 }

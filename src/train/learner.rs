@@ -17,6 +17,7 @@ use super::config::TrainConfig;
 use super::loss::{policy_loss, target_logprobs, token_logprobs, topk_reverse_kl, LossParams};
 use super::optim::{clip_coefficient, global_grad_norm, AdamW, AdamWParams};
 use super::packing::Packing;
+use crate::model::peft::adapter_to_safetensors;
 use crate::model::qwen3::rope_inv_freq;
 use crate::model::{model_to_safetensors, Qwen3, Qwen3Config, SaveError};
 
@@ -108,7 +109,9 @@ pub struct StepMetrics {
     pub skipped: Option<String>,
 }
 
-/// One published weight version: safetensors bytes with Hugging Face tensor names (f32).
+/// One published weight version: safetensors bytes (f32) with Hugging Face tensor names, or for
+/// a learner that trains a LoRA adapter, the adapter alone with PEFT's names (see
+/// [`BurnLearner::export_weights`]).
 #[derive(Debug, Clone)]
 pub struct VersionedWeights {
     /// Monotonically increasing version (0 = the initial weights).
@@ -501,9 +504,24 @@ impl<B: AutodiffBackend> BurnLearner<B> {
         Ok(first)
     }
 
-    /// The current weights as one safetensors blob with Hugging Face names, and their version.
+    /// The current weights as one safetensors blob, and their version. What trains is what
+    /// travels: the whole model with Hugging Face names, or when the policy carries LoRA adapters
+    /// (its base frozen), only the adapters, as an `adapter_model.safetensors` with PEFT names
+    /// (a replica holding the base attaches them: [`crate::serve::VersionWeights::Adapter`]).
     pub fn export_weights(&self) -> Result<VersionedWeights, SaveError> {
-        let bytes = model_to_safetensors(&self.policy.valid(), &self.model_config)?;
+        let policy = self.policy.valid();
+        let bytes = match policy.lora_config() {
+            None => model_to_safetensors(&policy, &self.model_config)?,
+            Some(lora) => {
+                let weights = policy
+                    .lora_weights(&lora)
+                    .map_err(|e| SaveError::Mismatch {
+                        tensor: "the LoRA adapters".into(),
+                        reason: e.to_string(),
+                    })?;
+                adapter_to_safetensors(&weights)?
+            }
+        };
         let hash = blake3::hash(&bytes).to_hex().to_string();
         Ok(VersionedWeights {
             version: self.version,

@@ -3,14 +3,15 @@
 //! node SIGKILLed (its sessions restart on the other node or count as lost), and the trainer
 //! node SIGKILLed (restarted, it resumes from the last checkpoint and versions keep counting
 //! up). Every job uses the fixture policy, a scripted environment and a scripted judge; counts
-//! must balance (`produced = trained + dropped_stale + failed + pending`).
+//! must balance (`produced = trained + dropped_stale + failed + pending`). One more job trains
+//! a LoRA adapter across nodes: the rollout node serves adapter versions over a base it fetched.
 //!
 //! No test races its job: each job is submitted with a step limit it cannot reach
 //! ([`HELD_OPEN`]), so it is still running when the fault is in place whatever the machine's
 //! speed; only then does the test set the real limit through Control (`clawrl limit`), above
 //! the steps already made, and the job runs on to it.
 //!
-//! The three tests share the machine's cores, so they run one at a time.
+//! The tests share the machine's cores, so they run one at a time.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -126,6 +127,11 @@ impl Cluster {
 
     /// Writes the job spec and submits it, held open ([`HELD_OPEN`]); returns the job id.
     fn submit(&self, parallelism: u32, checkpoint_every: u64) -> String {
+        self.submit_with(parallelism, checkpoint_every, "")
+    }
+
+    /// [`submit`](Self::submit) with more `[policy]` keys.
+    fn submit_with(&self, parallelism: u32, checkpoint_every: u64, policy_keys: &str) -> String {
         let tasks = self.dir.path().join("tasks.jsonl");
         std::fs::write(
             &tasks,
@@ -144,6 +150,7 @@ seed = 3
 checkpoint = "{FIXTURE}"
 max_new_tokens = 8
 max_context = 512
+{policy_keys}
 [judge]
 backend = "scripted"
 votes = 1
@@ -384,4 +391,70 @@ fn a_restarted_trainer_node_resumes_the_job_from_its_checkpoint() {
         log.contains("trainer resumed"),
         "the trainer did not resume:\n{log}"
     );
+}
+
+/// A job that trains a LoRA adapter runs across nodes: the rollout node fetches the job's base
+/// from the trainer node once, then installs every version (an adapter alone) over it; turns
+/// flow on trained versions and the job completes.
+#[test]
+fn a_lora_job_across_nodes_serves_adapter_versions_over_a_base_fetched_once() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let mut c = Cluster::new(&["ctl", "tr", "r1", "e1"]);
+    c.start("ctl", &["control"], None);
+    c.start("tr", &["trainer", "judge"], None);
+    c.start("r1", &["rollout"], None);
+    c.start("e1", &["env"], Some("scripted:4"));
+    c.wait_up(&[("clawrl.rollout", 1), ("clawrl.envhost.scripted", 1)]);
+
+    let job = c.submit_with(
+        4,
+        0,
+        r#"lora = { r = 4, alpha = 8, targets = ["q_proj", "v_proj", "up_proj"] }"#,
+    );
+    let now = c.wait_counts(&job, "two trainer steps", |p| {
+        p["trainer"]["steps"].as_u64().unwrap_or(0) >= 2
+    });
+    let max_steps = n(&now["trainer"], "steps") + 2;
+    c.limit(&job, max_steps);
+    let end = c.wait_finished(&job);
+    assert_completed(&end, max_steps);
+    let log = c.procs["r1"].log_text();
+    assert!(log.contains("serving the job's policy"), "{}", c.logs());
+    // Versions above 0 exist only as adapters: r1 serving one means it attached it to the base.
+    let served: Vec<u64> = log
+        .lines()
+        .map(without_ansi)
+        .filter(|l| l.contains("serving a new weight version"))
+        .filter_map(|l| {
+            let v = l.split(" version=").nth(1)?;
+            v.split(|ch: char| !ch.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert!(
+        served.iter().any(|&v| v >= 2),
+        "r1 never served a trained adapter version ({served:?}):\n{}",
+        c.logs()
+    );
+    assert!(!log.contains("loading the weights failed"), "{}", c.logs());
+}
+
+/// `line` without its terminal colour codes (`ESC [ ... m`).
+fn without_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(ch) = chars.next() {
+        if ch == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(ch);
+        }
+    }
+    out
 }

@@ -4,7 +4,7 @@
 //! turns give no samples, and at SIGTERM the job drains and prints a summary whose counts
 //! balance, with judge records on disk.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -42,64 +42,77 @@ fn content(body: &Value) -> String {
         .to_string()
 }
 
+/// Three sessions of three main turns: the user praises turn 0, corrects turn 1, and ends the
+/// session (turn 2 is kept without a next state, so unjudged); a side session runs too. Then
+/// 6 judged turns with reward ±1 make 6 samples, 3 steps of 2, which the gateway installs: waits
+/// for a side turn answered by a trained version and returns its body and version header.
+async fn converse_until_trained(
+    run: &PersonalRun,
+    http: &reqwest::Client,
+    base: &str,
+) -> (Value, String) {
+    for s in 0..3 {
+        let sid = format!("user-{s}");
+        let h = [("X-Session-Id", sid.as_str())];
+        let mut messages = vec![json!({"role": "user", "content": format!("Explain item {s}.")})];
+        let (b, _) = chat(http, base, json!(messages), &h).await;
+        assert_eq!(b["session_id"], sid.as_str());
+        messages.push(json!({"role": "assistant", "content": content(&b)}));
+        messages.push(json!({"role": "user", "content": "Thanks, that helps!"}));
+        let (b, _) = chat(http, base, json!(messages), &h).await;
+        messages.push(json!({"role": "assistant", "content": content(&b)}));
+        messages.push(json!({"role": "user", "content": "That is wrong, try again."}));
+        let side = [("X-Session-Id", "side-task"), ("X-Turn-Type", "side")];
+        chat(
+            http,
+            base,
+            json!([{"role": "user", "content": "Summarize: thanks"}]),
+            &side,
+        )
+        .await;
+        let done = [("X-Session-Id", sid.as_str()), ("X-Session-Done", "1")];
+        chat(http, base, json!(messages), &done).await;
+    }
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let probe = [("X-Turn-Type", "side")];
+        let (b, h) = chat(
+            http,
+            base,
+            json!([{"role": "user", "content": "hi"}]),
+            &probe,
+        )
+        .await;
+        if b["version"].as_u64().unwrap_or(0) >= 1 {
+            return (b, h);
+        }
+        if Instant::now() > deadline {
+            panic!("the gateway never served a trained version: {}", run.log());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Runs the job of spec `job` until the gateway serves a trained version (answering with its
+/// version in the body and the header alike), then stops it as Ctrl-C does (drain and print the
+/// summary): the JSON summary.
+async fn train_then_stop(job: &Path, out: &Path) -> Value {
+    let run = PersonalRun::start(job, out, Duration::from_secs(60));
+    let base = run.base.clone();
+    let http = reqwest::Client::new();
+    let (body, header) = converse_until_trained(&run, &http, &base).await;
+    assert_eq!(header, body["version"].as_u64().unwrap().to_string());
+    run.stop()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn personal_job_trains_from_gateway_turns_and_serves_the_new_version() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
     let job = dir.path().join("personal.toml");
     std::fs::write(&job, spec(&out)).unwrap();
-    let run = PersonalRun::start(&job, &out, Duration::from_secs(60));
-    let base = run.base.clone();
-    let http = reqwest::Client::new();
-
-    // Three sessions of three main turns: the user praises turn 0, corrects turn 1, and ends
-    // the session (turn 2 is kept without a next state, so unjudged). A side session runs too.
-    for s in 0..3 {
-        let sid = format!("user-{s}");
-        let h = [("X-Session-Id", sid.as_str())];
-        let mut messages = vec![json!({"role": "user", "content": format!("Explain item {s}.")})];
-        let (b, _) = chat(&http, &base, json!(messages), &h).await;
-        assert_eq!(b["session_id"], sid.as_str());
-        messages.push(json!({"role": "assistant", "content": content(&b)}));
-        messages.push(json!({"role": "user", "content": "Thanks, that helps!"}));
-        let (b, _) = chat(&http, &base, json!(messages), &h).await;
-        messages.push(json!({"role": "assistant", "content": content(&b)}));
-        messages.push(json!({"role": "user", "content": "That is wrong, try again."}));
-        let side = [("X-Session-Id", "side-task"), ("X-Turn-Type", "side")];
-        chat(
-            &http,
-            &base,
-            json!([{"role": "user", "content": "Summarize: thanks"}]),
-            &side,
-        )
-        .await;
-        let done = [("X-Session-Id", sid.as_str()), ("X-Session-Done", "1")];
-        chat(&http, &base, json!(messages), &done).await;
-    }
-
-    // 6 judged turns with reward ±1 → 6 samples → 3 steps of 2; the gateway installs them.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let (body, header) = loop {
-        let probe = [("X-Turn-Type", "side")];
-        let (b, h) = chat(
-            &http,
-            &base,
-            json!([{"role": "user", "content": "hi"}]),
-            &probe,
-        )
-        .await;
-        if b["version"].as_u64().unwrap_or(0) >= 1 {
-            break (b, h);
-        }
-        if Instant::now() > deadline {
-            panic!("the gateway never served a trained version: {}", run.log());
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    assert_eq!(header, body["version"].as_u64().unwrap().to_string());
-
-    // Ctrl-C equivalent: drain and print the summary.
-    let s = run.stop();
+    let s = train_then_stop(&job, &out).await;
     assert_eq!(s["stopped_by"], "interrupted", "{s}");
     assert_eq!(s["balanced"], true, "{s}");
     let t = &s["trainer"];
@@ -137,5 +150,72 @@ async fn personal_job_trains_from_gateway_turns_and_serves_the_new_version() {
     assert!(
         kinds.get("trainer_step").copied().unwrap_or(0) >= 1,
         "{kinds:?}"
+    );
+}
+
+/// With `policy.lora` the job trains a fresh adapter over the frozen checkpoint: each version it
+/// publishes is the adapter alone, the gateway attaches it to the base it holds and serves it,
+/// and the final checkpoint is a PEFT adapter directory (no base weights written).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lora_personal_job_trains_the_adapter_alone_and_serves_its_versions() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let job = dir.path().join("personal.toml");
+    let text = personal_run::spec(
+        &out,
+        &SpecParams {
+            name: "personal-lora",
+            seed: 3,
+            key: KEY,
+            votes: 1,
+            kl: 0.05,
+        },
+    );
+    let lora = "lora = { r = 4, alpha = 8, targets = [\"q_proj\", \"v_proj\", \"down_proj\"] }";
+    let text = text.replacen(
+        "max_new_tokens = 6\n",
+        &format!("max_new_tokens = 6\n{lora}\n"),
+        1,
+    );
+    assert!(text.contains(lora));
+    std::fs::write(&job, text).unwrap();
+    let s = train_then_stop(&job, &out).await;
+    assert_eq!(s["balanced"], true, "{s}");
+    let g = &s["gateway"];
+    assert_eq!(g["failed_installs"], 0, "{g}");
+    assert!(g["switches"].as_u64().unwrap() >= 1, "{g}");
+    // What travels is the adapter: r 4 on three targets of the fixture's blocks is about 15 KB,
+    // against about 430 KB of whole f32 weights.
+    let t = &s["trainer"];
+    let bytes = t["published_bytes"]
+        .as_u64()
+        .expect("a version was published");
+    let ck = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3-tiny");
+    let (cfg, model) =
+        clawrl::model::load_model::<clawrl::CpuBackend>(&ck, &Default::default()).unwrap();
+    let whole = clawrl::model::model_to_safetensors(&model, &cfg)
+        .unwrap()
+        .len() as u64;
+    eprintln!("lora job: a version is {bytes} bytes; whole weights would be {whole} bytes");
+    assert!(
+        bytes * 20 < whole,
+        "a version of {bytes} bytes is not an adapter alone: {t}"
+    );
+
+    // The final checkpoint is the trained adapter, as PEFT writes one.
+    let final_ck = PathBuf::from(s["final_checkpoint"].as_str().expect("a final checkpoint"));
+    assert!(final_ck.join("adapter_model.safetensors").exists());
+    assert!(!final_ck.join("model.safetensors").exists());
+    let adapter = clawrl::model::load_adapter(&final_ck, &cfg).unwrap();
+    assert_eq!(adapter.weights.config.r, 4);
+    assert_eq!(adapter.weights.tensors.len(), 3 * cfg.num_hidden_layers);
+    // B starts at zero; trained, it is not.
+    assert!(
+        adapter
+            .weights
+            .tensors
+            .values()
+            .any(|(_, b)| b.iter().any(|&x| x != 0.0)),
+        "the adapter did not train"
     );
 }

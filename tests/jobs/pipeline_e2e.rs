@@ -426,3 +426,38 @@ async fn a_topk_beyond_the_vocabulary_is_refused() {
         "{e}"
     );
 }
+
+/// With `policy.lora` a local job trains a fresh adapter: its rollout workers and its OPD
+/// teacher (the current policy, combined method) attach each published adapter to the base they
+/// hold, switching versions as a whole-weights job does, and every version is the adapter alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lora_job_serves_and_scores_adapter_versions() {
+    let lora = r#"lora = { r = 4, alpha = 8, targets = ["q_proj", "k_proj", "gate_proj"] }"#;
+    let spec = spec_text("combined").replacen(
+        "max_context = 512\n",
+        &format!("max_context = 512\n{lora}\n"),
+        1,
+    );
+    assert!(spec.contains(lora));
+    let (r, rec) = run_spec("combined", &spec).await;
+    check_common("combined", &r, &rec);
+    assert_eq!(r.trainer.failed_attempts, 0, "{:?}", r.trainer);
+    let bytes = r.trainer.published_bytes.expect("versions were published");
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3-tiny");
+    let (cfg, model) = clawrl::model::load_model::<clawrl::CpuBackend>(
+        std::path::Path::new(fixture),
+        &Default::default(),
+    )
+    .unwrap();
+    let whole = clawrl::model::model_to_safetensors(&model, &cfg)
+        .unwrap()
+        .len() as u64;
+    assert!(bytes * 20 < whole, "a version of {bytes} bytes vs {whole}");
+    // The teacher scored on the trained versions too: OPD samples were built after version 1.
+    assert!(
+        rec.of("judge")
+            .iter()
+            .any(|(_, _, j)| j["teacher_version"].as_u64().unwrap_or(0) >= 1),
+        "no turn was scored by a trained teacher version"
+    );
+}

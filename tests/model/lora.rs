@@ -16,13 +16,18 @@ use std::process::{Command, Stdio};
 use burn::module::AutodiffModule;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
+use clawrl::model::peft::{adapter_from_safetensors, adapter_to_safetensors};
 use clawrl::model::qwen3::rope_inv_freq;
 use clawrl::model::{
-    load_adapter, load_checkpoint, load_model, save_adapter, LoraConfig, LoraTarget, LoraWeights,
-    Qwen3,
+    load_adapter, load_checkpoint, load_model, model_from_safetensors, model_to_safetensors,
+    save_adapter, AdapterLoadError, EngineOptions, GenerationRequest, LoraConfig, LoraTarget,
+    LoraWeights, Qwen3, SamplingParams,
 };
+use clawrl::serve::{EnginePolicy, VersionLoadError, VersionWeights};
+use clawrl::train::checkpoint::{self, CheckpointError};
 use clawrl::train::learner::BurnLearner;
 use clawrl::{CpuAutodiff, CpuBackend};
+use clawrl_actors::loops::PolicyReplica;
 use serde_json::{json, Value};
 
 use crate::cli::{case_files, clawrl};
@@ -680,4 +685,211 @@ fn serve_with_an_adapter_answers_as_generate_does() {
         v["choices"][0]["message"]["content"], want["text"],
         "{body}"
     );
+}
+
+/// A learner that trains an adapter publishes the adapter alone; a replica holding the base
+/// attaches it and generates exactly as the trained policy scores, and refuses a blob that is
+/// not an adapter of the job's shape.
+#[test]
+fn a_lora_learners_versions_are_adapters_a_replica_attaches_to_its_base() {
+    let exp = expected()["train_step"].clone();
+    let samples = reference_samples();
+    let (cfg, model) = adapted::<CpuAutodiff>();
+    let lora = model.valid().lora_config().expect("the fixture adapter");
+    assert_eq!(
+        lora,
+        load_adapter(&adapter_dir(), &cfg).unwrap().weights.config
+    );
+    let full_size = model_to_safetensors(&model.valid(), &cfg).unwrap().len();
+    let mut learner = BurnLearner::new(
+        cfg,
+        model,
+        reference_train_config(&exp["hyper"]),
+        Default::default(),
+        0,
+    );
+    learner.step(&samples).unwrap();
+    let w = learner.export_weights().unwrap();
+    assert_eq!(w.version, 1);
+    let policy = learner.policy().valid();
+    let mcfg = learner.model_config().clone();
+    let read = adapter_from_safetensors(&w.bytes, lora.clone(), &mcfg, "version 1").unwrap();
+    assert_eq!(read, policy.lora_weights(&lora).unwrap());
+    eprintln!(
+        "version blob: {} bytes (adapter), whole weights {} bytes",
+        w.bytes.len(),
+        full_size
+    );
+    assert!(
+        w.bytes.len() * 4 < full_size,
+        "{} vs {full_size}",
+        w.bytes.len()
+    );
+
+    let replica = |weights| {
+        EnginePolicy::<B>::with_weights(
+            mcfg.clone(),
+            weights,
+            None,
+            EngineOptions::default(),
+            Default::default(),
+        )
+    };
+    let base = policy.clone().without_lora();
+    let over_base = replica(VersionWeights::Adapter {
+        base: Box::new(base.clone()),
+        config: lora.clone(),
+    });
+    let served = over_base.load(1, &w.bytes).unwrap();
+    let plain = replica(VersionWeights::Full)
+        .load(0, &model_to_safetensors(&base, &mcfg).unwrap())
+        .unwrap();
+    let prompt = samples[0].prompt_ids.clone();
+    let request = || {
+        GenerationRequest::new(
+            prompt.clone(),
+            SamplingParams {
+                temperature: 1.0,
+                max_new_tokens: 8,
+                seed: 11,
+                ..Default::default()
+            },
+        )
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let got = rt.block_on(served.engine().generate(request())).unwrap();
+    let on_base = rt.block_on(plain.engine().generate(request())).unwrap();
+    let scored = learner
+        .logprobs(&[clawrl::train::Sample {
+            prompt_ids: prompt.clone(),
+            response_ids: got.response_ids.clone(),
+            advantages: vec![0.0; got.response_ids.len()],
+            old_logprobs: None,
+            ref_logprobs: None,
+            rollout_logprobs: None,
+            opd: None,
+            importance: None,
+        }])
+        .unwrap();
+    let d = max_abs(&got.logprobs, &scored[0]);
+    eprintln!("adapter version: served vs trained log-probs, max abs diff {d:.2e}");
+    assert!(
+        d < 1e-4,
+        "served {:?} vs trained {:?}",
+        got.logprobs,
+        scored[0]
+    );
+    // The adapter changes what is served: the base alone gives other log-probs.
+    assert!(
+        got.response_ids != on_base.response_ids
+            || max_abs(&got.logprobs, &on_base.logprobs) > 1e-3,
+        "the adapter version serves what the base does"
+    );
+
+    // Whole weights are not an adapter version.
+    let e = over_base
+        .load(2, &model_to_safetensors(&policy, &mcfg).unwrap())
+        .err()
+        .expect("whole weights refused");
+    assert!(
+        matches!(
+            e,
+            VersionLoadError::Adapter(AdapterLoadError::UnexpectedTensor { .. })
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("weight version 2"), "{e}");
+    // An adapter of another rank is refused by tensor and shape.
+    let other = LoraWeights::fresh(&LoraConfig::parse_cli("2,4,all").unwrap(), &mcfg, 1);
+    let e = over_base
+        .load(3, &adapter_to_safetensors(&other).unwrap())
+        .err()
+        .expect("another rank refused");
+    assert!(
+        matches!(
+            e,
+            VersionLoadError::Adapter(AdapterLoadError::WrongShape { .. })
+        ),
+        "{e}"
+    );
+}
+
+/// An adapter checkpoint holds the adapters, not the base: restored onto a learner holding the
+/// same base, the next step is the uninterrupted run's; onto another base, or with no base, it
+/// is refused.
+#[test]
+fn an_adapter_checkpoint_resumes_exactly_and_refuses_another_base() {
+    let exp = expected()["train_step"].clone();
+    let samples = reference_samples();
+    let train = reference_train_config(&exp["hyper"]);
+    assert!(
+        train.kl_coef > 0.0,
+        "the reference model is checkpointed too"
+    );
+    let learner = |seed: u64| {
+        let (cfg, model) = adapted::<CpuAutodiff>();
+        BurnLearner::new(cfg, model, train.clone(), Default::default(), seed)
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = learner(0);
+    a.step(&samples).unwrap();
+    let saved = checkpoint::save(&a, dir.path(), 0).unwrap();
+    let names: Vec<String> = std::fs::read_dir(&saved)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    for want in [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "reference_adapter.safetensors",
+        "optimizer.safetensors",
+        "trainer_state.json",
+    ] {
+        assert!(names.iter().any(|n| n == want), "{want} missing: {names:?}");
+    }
+    assert!(
+        !names.iter().any(|n| n == "model.safetensors"),
+        "the base was written: {names:?}"
+    );
+    // The directory is a PEFT adapter.
+    let (cfg, _) = load_model::<B>(&base_dir(), &Default::default()).unwrap();
+    let peft = load_adapter(&saved, &cfg).unwrap();
+    assert_eq!(
+        peft.weights,
+        a.policy()
+            .valid()
+            .lora_weights(&peft.weights.config)
+            .unwrap()
+    );
+
+    let next = a.step(&samples).unwrap();
+    // A fresh learner over the same base (its own adapter state) takes the checkpoint's.
+    let fresh = learner(7);
+    let mut b = checkpoint::restore_onto(&checkpoint::latest(dir.path()).unwrap(), &fresh).unwrap();
+    assert_eq!((b.version(), b.steps()), (1, 1));
+    let resumed = b.step(&samples).unwrap();
+    assert_eq!(
+        (resumed.loss.to_bits(), resumed.grad_norm.to_bits()),
+        (next.loss.to_bits(), next.grad_norm.to_bits()),
+        "resumed {resumed:?} vs uninterrupted {next:?}"
+    );
+    assert_eq!(
+        a.export_weights().unwrap().hash,
+        b.export_weights().unwrap().hash
+    );
+
+    // Without a base, or onto another one, the checkpoint is refused.
+    let e = checkpoint::restore::<CpuAutodiff>(&saved, &Default::default()).expect_err("no base");
+    assert!(matches!(e, CheckpointError::NeedsBase { .. }), "{e}");
+    // The fixture's adapter folded in: a base with other weights.
+    let (cfg, model) = adapted::<B>();
+    let merged = model_to_safetensors(&model.merge_lora(), &cfg).unwrap();
+    let other_base = model_from_safetensors::<CpuAutodiff>(&cfg, &merged, &Default::default())
+        .unwrap()
+        .with_lora(&LoraWeights::fresh(&peft.weights.config, &cfg, 1))
+        .unwrap();
+    let other =
+        BurnLearner::<CpuAutodiff>::new(cfg, other_base, train.clone(), Default::default(), 0);
+    let e = checkpoint::restore_onto(&saved, &other).expect_err("another base");
+    assert!(matches!(e, CheckpointError::OtherBase { .. }), "{e}");
 }

@@ -447,6 +447,9 @@ pub struct TrainerStats {
     pub steps: u64,
     /// The newest version published.
     pub published: Option<u64>,
+    /// The size in bytes of the newest version published (whole weights, or an adapter alone).
+    #[serde(default)]
+    pub published_bytes: Option<u64>,
     /// Step attempts that failed.
     pub failed_attempts: u64,
     /// Checkpoints written by this incarnation.
@@ -984,6 +987,7 @@ impl TrainerState {
 
     fn announce(&mut self, announce: WeightAnnounce, bytes: Bytes, step_finished: Option<Instant>) {
         self.stats.published = Some(announce.version);
+        self.stats.published_bytes = Some(announce.size);
         self.published.push_back(announce.clone());
         while self.published.len() > self.config.keep_published {
             if let Some(old) = self.published.pop_front() {

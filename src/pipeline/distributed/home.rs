@@ -8,13 +8,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use clawrl_actors::bulk::{BlobId, BulkPlane};
 use clawrl_actors::config::{NodeConfig, Role};
 use clawrl_actors::control::{ControlReply, ControlRequest, JobRecord, JobState as PlacedState};
 use clawrl_actors::loops::{
     JobCounts, JobMsg, JobPhase, ProgressReport, RelayPublisher, TrainSample, TurnSource,
     WeightPublisher,
 };
-use clawrl_actors::node::Node;
+use clawrl_actors::node::{Node, NodeConnector};
 use clawrl_actors::worker::EnvSpec;
 use ractor::{Actor, ActorRef};
 
@@ -22,12 +23,16 @@ use super::env_host::{EnvHost, EnvHostArgs};
 use super::remote_env::RemoteEnvironment;
 use super::remote_policy::{RemoteChatPolicy, RolloutPool};
 use super::rollout_host::{RolloutHost, RolloutHostArgs};
+use super::wire::AdapterServing;
 use super::{control_call, lock, RUNNER_POLL};
 use crate::env::EnvKind;
 use crate::job::{JobKind, JobSpec};
 use crate::judge::JudgeAccess;
+use crate::model::model_to_safetensors;
 use crate::pipeline::parts::{JobParts, LoadedPolicy};
 use crate::pipeline::{sampling_params, RunError};
+use crate::serve::{publish_version, VersionWeights};
+use crate::train::learner::VersionedWeights;
 use crate::CpuAutodiff;
 
 /// Runs one job placed on this node to its stop condition (see the module docs). Returns its
@@ -115,10 +120,42 @@ pub async fn run_placed_job(
             message: e.to_string(),
         })?,
     );
+    // A job that trains an adapter publishes its frozen base once; hosts fetch it when they
+    // start serving the job, then install each version's adapter over it.
+    let adapter = match policy.version_weights() {
+        VersionWeights::Full => None,
+        VersionWeights::Adapter { base, config } => {
+            let weights =
+                model_to_safetensors(&base, &policy.model_config).map_err(|e| RunError::Actor {
+                    what: "the adapter's base",
+                    message: e.to_string(),
+                })?;
+            let hash = blake3::hash(&weights).to_hex().to_string();
+            let base = publish_version(
+                node.bulk(),
+                &VersionedWeights {
+                    version: 0,
+                    bytes: weights,
+                    hash,
+                },
+            )
+            .map_err(|e| RunError::Actor {
+                what: "publishing the adapter's base",
+                message: e.to_string(),
+            })?;
+            Some(AdapterServing { base, lora: config })
+        }
+    };
+    // The base blob leaves this node's store when the job ends, however it ends.
+    let _base_blob = adapter.as_ref().map(|a| PublishedBlob {
+        plane: node.bulk().clone(),
+        blob: a.base.blob,
+    });
     let pool = RolloutPool::start(
         &job_id,
         &policy.model_config,
         policy.engine,
+        adapter,
         Some(relay.clone()),
     );
     let chat = RemoteChatPolicy {
@@ -174,6 +211,18 @@ pub async fn run_placed_job(
     pool.release().await;
     finished?;
     Ok(counts)
+}
+
+/// A blob this job published on its node's bulk plane, removed from the store when dropped.
+struct PublishedBlob {
+    plane: BulkPlane<NodeConnector>,
+    blob: BlobId,
+}
+
+impl Drop for PublishedBlob {
+    fn drop(&mut self) {
+        self.plane.remove(&self.blob);
+    }
 }
 
 /// Sends `counts` to Control as job `id`'s progress, retrying a while (the final counts must

@@ -15,7 +15,7 @@ use clawrl_actors::rpc;
 use ractor::{ActorCell, ActorId};
 
 use super::rollout_host::GENERATE_TIMEOUT;
-use super::wire::{RolloutReply, RolloutRequest};
+use super::wire::{AdapterServing, RolloutReply, RolloutRequest};
 use super::{lock, CONTROL_CALL, POOL_TICK};
 use crate::model::{ChatTemplate, EngineOptions, GenerationResult, Qwen3Config, SamplingParams};
 use crate::pipeline::policy;
@@ -91,6 +91,7 @@ struct PoolShared {
     job: String,
     model_config: String,
     engine: EngineOptions,
+    adapter: Option<AdapterServing>,
     latest: Mutex<Option<WeightAnnounce>>,
     /// The version each host last reported serving.
     serving: Mutex<HashMap<ActorId, Option<u64>>>,
@@ -137,6 +138,7 @@ impl PoolShared {
                     max_context: self.engine.max_context,
                     prefix_cache_bytes: self.engine.prefix_cache_bytes,
                     announce: announce.clone(),
+                    adapter: self.adapter.clone(),
                 };
                 calls.spawn(async move {
                     let r = rpc::call::<_, RolloutReply>(&h, &req, CONTROL_CALL).await;
@@ -163,18 +165,21 @@ impl PoolShared {
 }
 
 impl RolloutPool {
-    /// Starts offering the job's versions to the cluster's rollout hosts; with `relay` (the
-    /// trainer's publisher), keeps its targets the nodes of the hosts.
+    /// Starts offering the job's versions to the cluster's rollout hosts, with `adapter` when
+    /// they are LoRA adapters over a base the hosts fetch once; with `relay` (the trainer's
+    /// publisher), keeps its targets the nodes of the hosts.
     pub fn start(
         job: &str,
         model_config: &Qwen3Config,
         engine: EngineOptions,
+        adapter: Option<AdapterServing>,
         relay: Option<Arc<RelayPublisher<NodeConnector>>>,
     ) -> RolloutPool {
         let shared = Arc::new(PoolShared {
             job: job.to_string(),
             model_config: model_config.to_json(),
             engine,
+            adapter,
             latest: Mutex::new(None),
             serving: Mutex::new(HashMap::new()),
             wake: tokio::sync::Notify::new(),

@@ -1,5 +1,7 @@
 //! The rollout host: on a `rollout` node, one `RolloutWorker` per job over the generation
-//! engine, brought to each announced weight version over the bulk plane.
+//! engine, brought to each announced weight version over the bulk plane. For a job that trains a
+//! LoRA adapter, the host fetches the job's base once when it starts serving it, and each
+//! version is an adapter attached to that base.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,9 +12,9 @@ use clawrl_actors::rpc;
 use clawrl_actors::rpc::Rpc;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use super::wire::{RolloutReply, RolloutRequest};
-use crate::model::{EngineOptions, GenerationRequest, Qwen3Config};
-use crate::serve::EnginePolicy;
+use super::wire::{AdapterServing, RolloutReply, RolloutRequest};
+use crate::model::{model_from_safetensors, EngineOptions, GenerationRequest, Qwen3Config};
+use crate::serve::{EnginePolicy, VersionWeights};
 use crate::CpuBackend;
 
 type Replica = ActorRef<RolloutMsg<EnginePolicy<CpuBackend>>>;
@@ -33,6 +35,34 @@ pub struct RolloutHostState {
 }
 
 pub(super) const GENERATE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The base of a job that trains an adapter, fetched over the bulk plane (checked against its
+/// announced size and hash) and loaded on the CPU: what its versions attach to.
+async fn fetch_base(
+    source: &Arc<dyn WeightSource>,
+    config: &Qwen3Config,
+    adapter: &AdapterServing,
+) -> Result<VersionWeights<CpuBackend>, String> {
+    let bytes = source
+        .fetch_weights(&adapter.base)
+        .await
+        .map_err(|e| format!("fetching the job's base: {e}"))?;
+    adapter
+        .base
+        .check(&bytes)
+        .map_err(|e| format!("the job's base: {e}"))?;
+    let config = config.clone();
+    let base = tokio::task::spawn_blocking(move || {
+        model_from_safetensors::<CpuBackend>(&config, &bytes, &Default::default())
+    })
+    .await
+    .map_err(|e| format!("loading the job's base: the task died: {e}"))?
+    .map_err(|e| format!("loading the job's base: {e}"))?;
+    Ok(VersionWeights::Adapter {
+        base: Box::new(base),
+        config: adapter.lora.clone(),
+    })
+}
 
 impl Actor for RolloutHost {
     type Msg = Rpc;
@@ -78,6 +108,7 @@ impl Actor for RolloutHost {
                 max_context,
                 prefix_cache_bytes,
                 announce,
+                adapter,
             } => {
                 let alive = state
                     .jobs
@@ -94,8 +125,19 @@ impl Actor for RolloutHost {
                             return Ok(());
                         }
                     };
-                    let policy = EnginePolicy::<CpuBackend>::new(
+                    let weights = match adapter {
+                        None => VersionWeights::Full,
+                        Some(a) => match fetch_base(&state.source, &config, &a).await {
+                            Ok(w) => w,
+                            Err(e) => {
+                                rpc::reply(msg.reply, &RolloutReply::Refused(e));
+                                return Ok(());
+                            }
+                        },
+                    };
+                    let policy = EnginePolicy::<CpuBackend>::with_weights(
                         config,
+                        weights,
                         None,
                         EngineOptions {
                             max_batch,

@@ -4,7 +4,18 @@
 use clawrl_actors::loops::{Generated, RolloutStats, WeightAnnounce};
 use serde::{Deserialize, Serialize};
 
-use crate::model::{GenerationResult, SamplingParams};
+use crate::model::{GenerationResult, LoraConfig, SamplingParams};
+
+/// How a job that trains a LoRA adapter is served: the frozen base travels once, as a blob on
+/// the job home's bulk plane; every version is then an adapter of this shape.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct AdapterServing {
+    /// The base's whole weights (safetensors, Hugging Face names); its `version` is that of the
+    /// first version served over it.
+    pub base: WeightAnnounce,
+    /// The adapter's rank, alpha and targets (validated when decoded).
+    pub lora: LoraConfig,
+}
 
 /// A request to a [`RolloutHost`](super::RolloutHost).
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -24,6 +35,8 @@ pub enum RolloutRequest {
         prefix_cache_bytes: usize,
         /// The version to install.
         announce: WeightAnnounce,
+        /// Set when the job trains a LoRA adapter: versions are adapters over this base.
+        adapter: Option<AdapterServing>,
     },
     /// Generate for `job`.
     Generate {
