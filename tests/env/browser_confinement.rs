@@ -86,18 +86,44 @@ fn plant(path: &Path, text: &str, mode: u32, owner: (u32, u32)) {
     std::os::unix::fs::chown(path, Some(owner.0), Some(owner.1)).unwrap();
 }
 
-fn status_field(pid: i32, field: &str) -> String {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(&format!("{field}:")))
-        .map(|v| v.split_whitespace().collect::<Vec<_>>().join(" "))
-        .unwrap_or_default()
+/// What the test reads of one process, all at once.
+#[derive(Debug)]
+struct Proc {
+    pid: i32,
+    cmdline: String,
+    status: String,
+    /// `net`, `mnt` and `user` namespaces.
+    ns: std::collections::HashMap<&'static str, PathBuf>,
 }
 
-fn cmdline(pid: i32) -> String {
-    String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default())
-        .replace('\0', " ")
+impl Proc {
+    /// `None` when the process is gone.
+    fn read(pid: i32) -> Option<Proc> {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let mut ns = std::collections::HashMap::new();
+        for kind in ["net", "mnt", "user"] {
+            ns.insert(
+                kind,
+                std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).ok()?,
+            );
+        }
+        Some(Proc {
+            pid,
+            cmdline: String::from_utf8_lossy(&cmdline).replace('\0', " "),
+            status,
+            ns,
+        })
+    }
+
+    /// A `/proc/PID/status` field, its values joined by single spaces.
+    fn field(&self, name: &str) -> String {
+        self.status
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}:")))
+            .map(|v| v.split_whitespace().collect::<Vec<_>>().join(" "))
+            .unwrap_or_default()
+    }
 }
 
 fn ns(pid: &str, kind: &str) -> PathBuf {
@@ -181,40 +207,38 @@ async fn the_browser_runs_unprivileged_sandboxed_and_reads_only_what_it_may() {
     // Every process of B runs as the browser uid and group, in network and mount namespaces
     // that are not the node's; its renderers (where pages run) are under a seccomp filter in
     // user namespaces of their own: Chromium's namespace sandbox, not a setuid helper.
-    let procs = browser_processes(0, &b_dir);
-    let renderers: Vec<i32> = procs
-        .iter()
-        .copied()
-        .filter(|p| cmdline(*p).contains("--type=renderer"))
+    // Read once each; one that exits meanwhile (a spare renderer let go) is left out.
+    let procs: Vec<Proc> = browser_processes(0, &b_dir)
+        .into_iter()
+        .filter_map(Proc::read)
         .collect();
-    let main: Vec<i32> = procs
+    let renderers: Vec<&Proc> = procs
         .iter()
-        .copied()
-        .filter(|p| {
-            let c = cmdline(*p);
-            !c.contains("--type=") && !c.contains("crashpad")
-        })
+        .filter(|p| p.cmdline.contains("--type=renderer"))
         .collect();
-    assert_eq!(main.len(), 1, "{procs:?}");
-    assert!(!renderers.is_empty(), "{procs:?}");
-    let ids = format!("{BROWSER_UID} {BROWSER_UID} {BROWSER_UID} {BROWSER_UID}");
+    let main: Vec<&Proc> = procs
+        .iter()
+        .filter(|p| !p.cmdline.contains("--type=") && !p.cmdline.contains("crashpad"))
+        .collect();
+    assert_eq!(main.len(), 1, "{procs:#?}");
+    assert!(!renderers.is_empty(), "{procs:#?}");
+    let uids = format!("{BROWSER_UID} {BROWSER_UID} {BROWSER_UID} {BROWSER_UID}");
+    let gids = format!("{BROWSER_GID} {BROWSER_GID} {BROWSER_GID} {BROWSER_GID}");
     for p in &procs {
-        assert_eq!(status_field(*p, "Uid"), ids, "{p}: {}", cmdline(*p));
-        assert_eq!(
-            status_field(*p, "Gid"),
-            ids.replace(&BROWSER_UID.to_string(), &BROWSER_GID.to_string())
-        );
-        assert_eq!(status_field(*p, "Groups"), "", "{p}");
-        assert_eq!(status_field(*p, "NoNewPrivs"), "1", "{p}");
+        assert_eq!(p.field("Uid"), uids, "{p:#?}");
+        assert_eq!(p.field("Gid"), gids, "{p:#?}");
+        assert_eq!(p.field("Groups"), "", "{p:#?}");
+        assert_eq!(p.field("NoNewPrivs"), "1", "{p:#?}");
     }
-    let main = main[0].to_string();
+    let main = main[0];
     for kind in ["net", "mnt"] {
-        assert_ne!(ns(&main, kind), ns("self", kind), "{kind}");
+        assert_ne!(main.ns[kind], ns("self", kind), "{kind}");
     }
     for r in &renderers {
-        assert_eq!(status_field(*r, "Seccomp"), "2", "{r}");
-        assert_ne!(ns(&r.to_string(), "user"), ns(&main, "user"), "{r}");
+        assert_eq!(r.field("Seccomp"), "2", "{r:#?}");
+        assert_ne!(r.ns["user"], main.ns["user"], "{r:#?}");
     }
+    let main = main.pid;
     // In B's view, the node's world-writable directories are root-owned covers, and the files
     // refused above are out of sight (A's, beside B's directory, in /tmp), not only unreadable.
     for gone in [&refused[0].0, &refused[1].0, &refused[2].0] {
