@@ -239,8 +239,8 @@ async fn the_browser_runs_unprivileged_sandboxed_and_reads_only_what_it_may() {
         assert_ne!(r.ns["user"], main.ns["user"], "{r:#?}");
     }
     let main = main.pid;
-    // In B's view, the node's world-writable directories are root-owned covers, and the files
-    // refused above are out of sight (A's, beside B's directory, in /tmp), not only unreadable.
+    // In B's view, the files refused above are out of sight (A's, beside B's directory, in
+    // /tmp), not only unreadable.
     for gone in [&refused[0].0, &refused[1].0, &refused[2].0] {
         let seen = PathBuf::from(format!("/proc/{main}/root{}", gone.display()));
         assert!(!seen.exists(), "{}", seen.display());
@@ -252,7 +252,8 @@ async fn the_browser_runs_unprivileged_sandboxed_and_reads_only_what_it_may() {
         std::fs::read_to_string(&scratch_seen).unwrap(),
         "B-GIVEN-TEXT"
     );
-    for d in ["tmp", "var/tmp", "dev/shm"] {
+    // The node's world-writable directories and /run are root-owned covers.
+    for d in ["tmp", "var/tmp", "dev/shm", "run"] {
         let seen = PathBuf::from(format!("/proc/{main}/root/{d}"));
         let m = std::fs::metadata(&seen).unwrap();
         assert_eq!(
@@ -262,6 +263,14 @@ async fn the_browser_runs_unprivileged_sandboxed_and_reads_only_what_it_may() {
             seen.display()
         );
     }
+
+    // Its /proc lists only its own uid's processes.
+    let mounts = std::fs::read_to_string(format!("/proc/{main}/mountinfo")).unwrap();
+    let proc_mount = mounts
+        .lines()
+        .rfind(|l| l.split(' ').nth(4) == Some("/proc") && l.contains(" - proc "))
+        .unwrap_or_default();
+    assert!(proc_mount.contains("hidepid=invisible"), "{mounts}");
 
     a.kill().await;
     b.kill().await;

@@ -11,14 +11,16 @@
 //!   run, live in user and pid namespaces of their own under a seccomp filter and cannot open
 //!   files at all.
 //! - **Files.** In the new mount namespace (private: nothing propagates back to the host) an
-//!   empty tmpfs owned by root (mode 0755) covers each world-writable directory
-//!   ([`WORLD_WRITABLE`]) and the highest ancestor of the browser directory that
+//!   empty tmpfs owned by root (mode 0755) covers each world-writable directory and `/run`
+//!   ([`COVERED`]) and the highest ancestor of the browser directory that
 //!   [`BROWSER_UID`] could not enter anyway (the work dir pool's root is always one: mode
 //!   0700). Inside the cover that holds the browser directory, the path down to it is
 //!   re-created and the directory itself is bind-mounted there; its `tmp` is bind-mounted at
 //!   [`SCRATCH`] (`TMPDIR`). Both are opened before the covers go on. So the browser reaches
 //!   its directory at the same path as on the host (process sweeps find it by that path in
 //!   command lines), sees no other episode's directory, and finds nowhere else to write.
+//!   `/proc` is a procfs of its own with `hidepid=invisible`: the node's other processes,
+//!   their command lines included, are not listed.
 //!
 //! The plan is computed first ([`plan`], pure: it is given whether each ancestor is
 //! searchable); [`Prepared::enter`] only replays it with system calls.
@@ -31,9 +33,10 @@ use std::path::{Component, Path, PathBuf};
 
 pub use crate::sandbox::{BROWSER_GID, BROWSER_UID};
 
-/// Directories anyone may write to on a usual Linux host; each that exists is covered by an
-/// empty, root-owned tmpfs in the browser's mount namespace.
-pub const WORLD_WRITABLE: [&str; 5] = ["/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/dev/mqueue"];
+/// Directories covered by an empty, root-owned tmpfs in the browser's mount namespace, each
+/// where it exists: those anyone may write to on a usual Linux host, and `/run`, where daemons
+/// keep Unix sockets (which no network namespace stops) and which holds `/run/lock`.
+pub const COVERED: [&str; 5] = ["/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue", "/run"];
 
 /// Where the browser's temporary files go (`TMPDIR`) in its namespace: the browser
 /// directory's [`SCRATCH_SOURCE`], mounted in the `/tmp` cover at a short path (Chromium makes
@@ -99,7 +102,7 @@ pub fn searchable(mode: u32, owner: u32, group: u32, uid: u32, gid: u32) -> bool
 }
 
 /// The mount plan for browser directory `dir` (absolute, normal): `covers_wanted` are the
-/// world-writable directories present on the host (`/tmp` is covered in any case, to hold
+/// directories of [`COVERED`] present on the host (`/tmp` is covered in any case, to hold
 /// [`SCRATCH`]); `enterable(ancestor)` says whether the browser's uid can search an ancestor of
 /// `dir` (asked top down, `/` excluded).
 pub fn plan(
@@ -198,9 +201,9 @@ fn cstrs(ps: &[PathBuf]) -> Result<Vec<CString>, ConfineError> {
     ps.iter().map(|p| cstr(p)).collect()
 }
 
-/// The world-writable directories of [`WORLD_WRITABLE`] that exist here (links not followed).
-fn present_world_writable() -> Vec<PathBuf> {
-    WORLD_WRITABLE
+/// The directories of [`COVERED`] that exist here (links not followed).
+fn present_covered() -> Vec<PathBuf> {
+    COVERED
         .iter()
         .map(PathBuf::from)
         .filter(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir()))
@@ -213,7 +216,7 @@ impl Prepared {
     /// examined counts as closed, and is covered); the bind sources are opened in the child,
     /// inside its new namespace, following no link at their last component.
     pub fn for_dir(dir: &Path) -> Result<Prepared, ConfineError> {
-        let plan = plan(dir, &present_world_writable(), |a| {
+        let plan = plan(dir, &present_covered(), |a| {
             std::fs::symlink_metadata(a).is_ok_and(|m| {
                 m.is_dir() && searchable(m.mode(), m.uid(), m.gid(), BROWSER_UID, BROWSER_GID)
             })
@@ -233,18 +236,19 @@ impl Prepared {
         })
     }
 
-    /// No directory: only the namespaces, the covers of the world-writable directories and the
-    /// uid change (what a privilege probe needs).
+    /// No directory: only the namespaces, `/proc`, the covers of [`COVERED`] and the uid
+    /// change (what a privilege probe needs).
     pub fn without_dir() -> Result<Prepared, ConfineError> {
         Ok(Prepared {
-            covers: cstrs(&present_world_writable())?,
+            covers: cstrs(&present_covered())?,
             mkdirs: Vec::new(),
             binds: Vec::new(),
         })
     }
 
-    /// Runs in the forked child before exec: new network and mount namespaces, the covers,
-    /// directories and binds of the plan, then [`BROWSER_UID`] with no groups and
+    /// Runs in the forked child before exec: new network and mount namespaces, a `/proc` of
+    /// its own that lists only its uid's processes, the covers, directories and binds of the
+    /// plan, then [`BROWSER_UID`] with no groups and
     /// `no_new_privs`. Needs root (`CAP_SYS_ADMIN`, `CAP_SETUID`, `CAP_SETGID`).
     ///
     /// # Safety
@@ -278,6 +282,16 @@ impl Prepared {
             if *fd < 0 {
                 return fail();
             }
+        }
+        if libc::mount(
+            c"proc".as_ptr(),
+            c"/proc".as_ptr(),
+            c"proc".as_ptr(),
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            c"hidepid=invisible".as_ptr().cast(),
+        ) != 0
+        {
+            return fail();
         }
         for c in &self.covers {
             if libc::mount(
@@ -426,7 +440,7 @@ mod tests {
 
     #[test]
     fn an_open_path_binds_only_the_scratch_and_bad_paths_are_refused() {
-        // No world-writable directory on this host: /tmp is covered all the same.
+        // Nothing of COVERED on this host: /tmp is covered all the same.
         let plan = plan(&p("/srv/b"), &[], |_| true).unwrap();
         assert_eq!(
             plan,
