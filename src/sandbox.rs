@@ -49,6 +49,15 @@ use serde::Serialize;
 /// The host uid (and gid) the sandboxed command runs as (it is uid/gid 1000 inside).
 pub const HOST_UID: u32 = 100_000;
 
+/// The host uid the GUI environment's browser runs as (`crate::env::gui`), apart from
+/// [`HOST_UID`] so that a browser and a sandboxed command can never signal, trace or write to
+/// each other. No process runs as it before the browser starts; the browser's directory is
+/// handed to it.
+pub const BROWSER_UID: u32 = 100_001;
+
+/// The gid that goes with [`BROWSER_UID`].
+pub const BROWSER_GID: u32 = 100_001;
+
 /// Resource limits of one command.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {

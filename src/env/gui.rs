@@ -11,16 +11,20 @@
 //! that cannot be read are errors naming the line and the key.
 //!
 //! Each episode has a browser of its own (profile, `HOME` and screenshots in the episode's work
-//! dir), started in a new network namespace; the page is served from memory at
-//! [`page::PAGE_ORIGIN`] and every other request is refused. The browser does **not** run in the
-//! command sandbox ([`crate::sandbox`]): it runs as the node's user, with Chromium's own sandbox
-//! off. Closing the episode kills every process of its browser. Browsers are launched ahead of
+//! dir); the page is served from memory at [`page::PAGE_ORIGIN`] and every other request is
+//! refused. The browser is confined ([`confine`]): it runs as [`confine::BROWSER_UID`], not as
+//! the node's user, with Chromium's own sandbox on, in network and mount namespaces of its own
+//! where the only place it can write is the episode's browser directory and no other episode's
+//! directory is visible. That needs root: without it the environment refuses to start rather
+//! than run a browser that could read whatever the node's user can and reach the network.
+//! Closing the episode kills every process of its browser. Browsers are launched ahead of
 //! the episodes that will use them ([`pool`], `EnvOptions::warm_browsers` kept ready). At most
 //! `EnvOptions::max_concurrent_commands` browsers of one environment are alive at once, ready
 //! ones included.
 
 pub mod axtree;
 pub mod cdp;
+pub mod confine;
 pub mod page;
 pub mod pool;
 
@@ -288,8 +292,8 @@ pub fn parse_action(call: &ToolCallAction) -> Result<GuiAction, String> {
     })
 }
 
-/// Checks once per process that Chromium is installed and can be started in a network namespace
-/// of its own; returns its path.
+/// Checks once per process that Chromium is installed and that this process can confine it
+/// ([`confine`]: namespaces and a uid change, which need root); returns its path.
 fn probe_browser() -> Result<PathBuf, EnvBuildError> {
     static PROBE: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     PROBE
@@ -307,22 +311,19 @@ fn probe_browser() -> Result<PathBuf, EnvBuildError> {
                     String::from_utf8_lossy(&out.stderr).trim()
                 ));
             }
+            let confined = confine::Prepared::without_dir().map_err(|e| e.to_string())?;
             let mut cmd = std::process::Command::new("/bin/true");
-            // SAFETY: one async-signal-safe system call between fork and exec.
+            // SAFETY: `enter` makes only async-signal-safe system calls.
             unsafe {
-                std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
-                    if libc::unshare(libc::CLONE_NEWNET) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || confined.enter());
             }
             match cmd.status() {
                 Ok(s) if s.success() => Ok(binary),
-                Ok(s) => Err(format!("/bin/true in a new network namespace: {s}")),
+                Ok(s) => Err(format!("/bin/true confined as the browser is: {s}")),
                 Err(e) => Err(format!(
-                    "the browser must run in a network namespace of its own, which needs root \
-                     or CAP_SYS_ADMIN: unshare(CLONE_NEWNET): {e}"
+                    "the browser runs as uid {} in network and mount namespaces of its own, \
+                     which needs root (CAP_SYS_ADMIN, CAP_SETUID and CAP_SETGID): {e}",
+                    confine::BROWSER_UID
                 )),
             }
         })

@@ -3,6 +3,7 @@
 //! One test binary of modules: every module here shares one build and link of the
 //! crates it tests.
 
+mod browser_confinement;
 mod episodes;
 mod gui;
 mod sandbox_cli;

@@ -3,15 +3,17 @@
 //! commands matched to their replies by id, events handed to a channel, and a kill that leaves no
 //! process behind.
 //!
-//! The browser starts in a process group of its own and in a new network namespace (only a
-//! down loopback: no network at all, whatever the page asks for), with `HOME` and the profile
-//! (`--user-data-dir`) in a directory of its own. [`Browser::kill`] SIGKILLs the group, reaps the
-//! main process and then sweeps `/proc` for anything left that belongs to the group or names that
-//! directory (Chromium's crash handler leaves the group), until none is alive.
+//! The browser starts in a process group of its own, confined ([`super::confine`]): as an
+//! unprivileged uid with Chromium's own sandbox on, in new network and mount namespaces, able
+//! to write only a directory of its own that holds `HOME`, `TMPDIR` and the profile
+//! (`--user-data-dir`). [`Browser::kill`] SIGKILLs the group, reaps the main process and then
+//! sweeps `/proc` for anything left that belongs to the group or names that directory
+//! (Chromium's crash handler leaves the group), until none is alive.
 
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -21,6 +23,8 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot};
+
+use super::confine::{self, Prepared, BROWSER_GID, BROWSER_UID};
 
 /// The largest message accepted from the browser (a screenshot of a huge page, a big tree).
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
@@ -196,7 +200,9 @@ impl Cdp {
 pub struct LaunchOptions {
     /// The Chromium executable.
     pub binary: PathBuf,
-    /// A directory of its own (created if missing): `HOME` and the profile live in it.
+    /// A directory of its own (created if missing, then handed over to [`BROWSER_UID`]):
+    /// `HOME`, the profile and `TMPDIR` (its `tmp`, seen at [`confine::SCRATCH`]) live in it,
+    /// and it is all the browser may write.
     pub dir: PathBuf,
     /// The viewport, in CSS pixels.
     pub width: u32,
@@ -204,6 +210,21 @@ pub struct LaunchOptions {
     pub height: u32,
     /// How long a command may wait for its reply.
     pub timeout: Duration,
+}
+
+/// The file in the browser's directory that receives Chromium's standard error.
+pub const STDERR_LOG: &str = "chromium.log";
+
+/// The last `max` bytes of `log` as text (read through this process's own fd).
+fn log_tail(log: &std::fs::File, max: u64) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = log;
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut buf = Vec::new();
+    if f.seek(SeekFrom::Start(len.saturating_sub(max))).is_ok() {
+        let _ = f.take(max).read_to_end(&mut buf);
+    }
+    String::from_utf8_lossy(&buf).trim().to_string()
 }
 
 /// A running browser: its process group and the protocol connection.
@@ -276,8 +297,29 @@ impl Browser {
             reason,
         };
         let profile = opts.dir.join("profile");
-        std::fs::create_dir_all(&profile)
-            .map_err(|e| launch_err(format!("creating {}: {e}", profile.display())))?;
+        let tmp = opts.dir.join(confine::SCRATCH_SOURCE);
+        for d in [&profile, &tmp] {
+            std::fs::create_dir_all(d)
+                .map_err(|e| launch_err(format!("creating {}: {e}", d.display())))?;
+        }
+        crate::sandbox::host_fs::hand_over(&opts.dir, BROWSER_UID, BROWSER_GID)
+            .map_err(|e| launch_err(format!("handing the browser its directory: {e}")))?;
+        let confined = Prepared::for_dir(&opts.dir)
+            .map_err(|e| launch_err(format!("confining the browser: {e}")))?;
+        // Chromium's own log goes to a file this process creates (new: nothing planted there
+        // is opened) and keeps open, so that a failed start can say why.
+        let log_path = opts.dir.join(STDERR_LOG);
+        let _ = std::fs::remove_file(&log_path);
+        let log = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&log_path)
+            .map_err(|e| launch_err(format!("creating {}: {e}", log_path.display())))?;
+        let log_for_browser = log
+            .try_clone()
+            .map_err(|e| launch_err(format!("creating {}: {e}", log_path.display())))?;
         let (to_browser_r, to_browser_w) =
             cloexec_pipe().map_err(|e| launch_err(format!("pipe: {e}")))?;
         let (from_browser_r, from_browser_w) =
@@ -285,7 +327,6 @@ impl Browser {
         let mut cmd = tokio::process::Command::new(&opts.binary);
         cmd.args([
             "--headless",
-            "--no-sandbox",
             "--disable-gpu",
             "--disable-dev-shm-usage",
             "--remote-debugging-pipe",
@@ -311,16 +352,23 @@ impl Browser {
         .env("HOME", &opts.dir)
         .env("XDG_CONFIG_HOME", opts.dir.join(".config"))
         .env("XDG_CACHE_HOME", opts.dir.join(".cache"))
+        .env("TMPDIR", confine::SCRATCH)
         .env("PATH", "/usr/local/bin:/usr/bin:/bin")
         .env("LANG", "C.UTF-8")
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(log_for_browser)
         .kill_on_drop(true);
         let (read_fd, write_fd) = (to_browser_r.as_raw_fd(), from_browser_w.as_raw_fd());
         // SAFETY: only async-signal-safe system calls run between fork and exec.
         unsafe {
             cmd.pre_exec(move || {
+                if libc::setpgid(0, 0) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                // The namespaces and mounts need root, which the uid change at its end gives
+                // up; moving the pipe ends needs none.
+                confined.enter()?;
                 // Move both ends above the standard range first, so that placing one at 3 or 4
                 // cannot close the other.
                 let a = libc::fcntl(read_fd, libc::F_DUPFD_CLOEXEC, 10);
@@ -328,23 +376,17 @@ impl Browser {
                 if a < 0 || b < 0 || libc::dup2(a, 3) < 0 || libc::dup2(b, 4) < 0 {
                     return Err(io::Error::last_os_error());
                 }
-                if libc::setpgid(0, 0) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                if libc::unshare(libc::CLONE_NEWNET) != 0 {
-                    let e = io::Error::last_os_error();
-                    return Err(io::Error::new(
-                        e.kind(),
-                        format!(
-                            "unshare(CLONE_NEWNET): {e} (the browser runs without network in a \
-                             namespace of its own, which needs root or CAP_SYS_ADMIN)"
-                        ),
-                    ));
-                }
                 Ok(())
             });
         }
-        let child = cmd.spawn().map_err(|e| launch_err(e.to_string()))?;
+        let child = cmd.spawn().map_err(|e| {
+            launch_err(format!(
+                "{e} (the browser runs as uid {BROWSER_UID} in network and mount namespaces of \
+                 its own, which needs root)"
+            ))
+        })?;
+        // This process's copy of the browser's standard error goes with the command.
+        drop(cmd);
         drop(to_browser_r);
         drop(from_browser_w);
         let pgid = child.id().map(|p| p as i32).unwrap_or(0);
@@ -375,7 +417,10 @@ impl Browser {
             .await
         {
             browser.kill().await;
-            return Err(launch_err(format!("the browser did not answer: {e}")));
+            return Err(launch_err(format!(
+                "the browser did not answer: {e}; its log ends: {}",
+                log_tail(&log, 2048)
+            )));
         }
         Ok(browser)
     }
