@@ -17,7 +17,9 @@
 //! relay chain to the replicas' nodes before announcing; their fetches are then local).
 //!
 //! Shapes: the test fixture `tests/fixtures/qwen3-tiny` and `benches/shapes/qwen3-20m` (random
-//! weights). Reference in the same run: one replica's load of the same bytes alone
+//! weights), each also with a LoRA adapter (`20m-lora16`: rank 16 on every linear layer), whose
+//! versions are the adapter alone, attached by each replica to the base it holds (fetched once
+//! in `procs` mode). Reference in the same run: one replica's load of the same bytes alone
 //! (`EnginePolicy::load`), and one plain bulk-plane fetch of the blob, to say where the time goes.
 //!
 //! `WU_MODE=procs` (or `both`: the two in one run) measures the same with every replica in its
@@ -40,9 +42,12 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use clawrl::model::{load_model, EngineOptions, Qwen3, Qwen3Config};
+use burn::module::AutodiffModule;
+use clawrl::model::{
+    load_model, EngineOptions, LoraConfig, LoraTarget, LoraWeights, Qwen3, Qwen3Config,
+};
 use clawrl::pipeline::learner::PolicyLearner;
-use clawrl::serve::EnginePolicy;
+use clawrl::serve::{EnginePolicy, VersionWeights};
 use clawrl::train::learner::BurnLearner;
 use clawrl::train::TrainConfig;
 use clawrl::{CpuAutodiff, CpuBackend};
@@ -64,6 +69,9 @@ fn env_list(name: &str, default: &str) -> Vec<String> {
         .collect()
 }
 
+/// The learner of `shape`: `tiny` (the test fixture) or `20m` (`benches/shapes/qwen3-20m`,
+/// random weights), either with `-loraR` (e.g. `20m-lora16`): a fresh rank-R adapter on every
+/// linear layer (alpha 2R), so that versions are the adapter alone.
 fn learner(shape: &str) -> BurnLearner<CpuAutodiff> {
     let device = Default::default();
     let train = TrainConfig {
@@ -71,21 +79,44 @@ fn learner(shape: &str) -> BurnLearner<CpuAutodiff> {
         kl_coef: 0.0,
         ..TrainConfig::default()
     };
-    match shape {
-        "tiny" => {
-            let (cfg, model) =
-                load_model::<CpuAutodiff>(Path::new("tests/fixtures/qwen3-tiny"), &device)
-                    .expect("the fixture model loads");
-            BurnLearner::new(cfg, model, train, device, 1)
-        }
+    let (base, rank) = match shape.split_once("-lora") {
+        Some((base, r)) => (base, Some(r.parse::<usize>().expect("WU_SHAPES: -loraR"))),
+        None => (shape, None),
+    };
+    let (cfg, model) = match base {
+        "tiny" => load_model::<CpuAutodiff>(Path::new("tests/fixtures/qwen3-tiny"), &device)
+            .expect("the fixture model loads"),
         "20m" => {
             let text = std::fs::read_to_string("benches/shapes/qwen3-20m/config.json")
                 .expect("benches/shapes/qwen3-20m/config.json");
             let cfg = Qwen3Config::from_json(&text).expect("valid config");
             let model = Qwen3::<CpuAutodiff>::init(&cfg, &device);
-            BurnLearner::new(cfg, model, train, device, 1)
+            (cfg, model)
         }
-        other => panic!("WU_SHAPES: unknown shape {other:?} (expected tiny or 20m)"),
+        other => panic!("WU_SHAPES: unknown shape {other:?} (expected tiny or 20m, -loraR)"),
+    };
+    let model = match rank {
+        None => model,
+        Some(r) => {
+            let lora = LoraConfig::new(r, 2.0 * r as f64, LoraTarget::ALL.to_vec())
+                .expect("a valid adapter shape");
+            model
+                .with_lora(&LoraWeights::fresh(&lora, &cfg, 1))
+                .expect("the adapter fits")
+        }
+    };
+    BurnLearner::new(cfg, model, train, device, 1)
+}
+
+/// How the learner's versions are read: whole weights, or its adapters over its frozen base.
+fn version_weights(learner: &PolicyLearner) -> VersionWeights<CpuBackend> {
+    let policy = learner.inner().policy().valid();
+    match policy.lora_config() {
+        None => VersionWeights::Full,
+        Some(config) => VersionWeights::Adapter {
+            base: Box::new(policy.without_lora()),
+            config,
+        },
     }
 }
 
@@ -171,8 +202,9 @@ async fn measure(shape: &str, replicas: usize, relay: bool, rounds: u32) -> Row 
         max_context: 64,
         prefix_cache_bytes: 0,
     };
-    let policy = Arc::new(Policy::new(
+    let policy = Arc::new(Policy::with_weights(
         model_config.clone(),
+        version_weights(&policy_learner),
         None,
         options,
         Default::default(),
@@ -391,7 +423,7 @@ fn main() {
     }
     println!();
     println!(
-        "{:<6} {:<6} {:>8} {:>9} {:>12} {:>10} {:>10} {:>10} {:>10} {:>14}",
+        "{:<12} {:<6} {:>8} {:>9} {:>12} {:>10} {:>10} {:>10} {:>10} {:>14}",
         "shape",
         "mode",
         "replicas",
@@ -409,7 +441,7 @@ fn main() {
         let mut e = row.export_ms.clone();
         let mut p = row.publish_ms.clone();
         println!(
-            "{:<6} {:<6} {:>8} {:>9.2} {:>10.1}ms {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>12.1}ms",
+            "{:<12} {:<6} {:>8} {:>9.2} {:>10.1}ms {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>8.1}ms {:>12.1}ms",
             row.shape,
             row.mode,
             row.replicas,

@@ -21,9 +21,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use clawrl::model::model_to_safetensors;
 use clawrl::model::EngineOptions;
-use clawrl::pipeline::distributed::{RolloutReply, RolloutRequest};
+use clawrl::pipeline::distributed::{AdapterServing, RolloutReply, RolloutRequest};
 use clawrl::pipeline::learner::PolicyLearner;
+use clawrl::serve::{publish_version, VersionWeights};
+use clawrl::train::learner::VersionedWeights;
 use clawrl_actors::bulk::BulkConfig;
 use clawrl_actors::config::NodeConfig;
 use clawrl_actors::loops::{
@@ -229,6 +232,7 @@ pub async fn measure(cluster: &Cluster, shape: &str, replicas: usize, rounds: u3
         joined.elapsed().as_secs_f64()
     );
     let policy_learner = PolicyLearner::new(learner(shape), 0);
+    let versions = super::version_weights(&policy_learner);
     let model_config = policy_learner.model_config().clone();
     let vocab = model_config.vocab_size as u32;
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Heard>();
@@ -276,6 +280,25 @@ pub async fn measure(cluster: &Cluster, shape: &str, replicas: usize, rounds: u3
     )
     .await
     .unwrap();
+    // A learner with adapters: its base is published once, and hosts fetch it on the first
+    // offer (not part of any timed update).
+    let adapter = match &versions {
+        VersionWeights::Full => None,
+        VersionWeights::Adapter { base, config } => {
+            let bytes = model_to_safetensors(base, &model_config).unwrap();
+            let hash = blake3::hash(&bytes).to_hex().to_string();
+            let weights = VersionedWeights {
+                version: 0,
+                bytes,
+                hash,
+            };
+            let base = publish_version(cluster.node.bulk(), &weights).unwrap();
+            Some(AdapterServing {
+                base,
+                lora: config.clone(),
+            })
+        }
+    };
     let serve = |announce: WeightAnnounce| RolloutRequest::Serve {
         job: job.clone(),
         model_config: model_config.to_json(),
@@ -283,7 +306,7 @@ pub async fn measure(cluster: &Cluster, shape: &str, replicas: usize, rounds: u3
         max_context: MAX_CONTEXT,
         prefix_cache_bytes: 0,
         announce,
-        adapter: None,
+        adapter: adapter.clone(),
     };
     // Version 0 (the initial weights): every host starts the job's worker and loads it.
     let (v0, _, _) = next(&mut rx, 0).await;
@@ -326,8 +349,9 @@ pub async fn measure(cluster: &Cluster, shape: &str, replicas: usize, rounds: u3
     // running), and one plain bulk-plane fetch of them between two in-process loopback nodes.
     let (announce, bytes) = newest.expect("at least one round");
     row.blob_mib = bytes.len() as f64 / (1 << 20) as f64;
-    let policy = Arc::new(Policy::new(
+    let policy = Arc::new(Policy::with_weights(
         model_config.clone(),
+        versions,
         None,
         EngineOptions {
             max_batch: MAX_BATCH,

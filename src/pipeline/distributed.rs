@@ -52,7 +52,7 @@ pub use home::{run_placed_job, start_node_services, JobRunner, ServicesError};
 pub use remote_env::RemoteEnvironment;
 pub use remote_policy::{RemoteChatPolicy, RolloutPool};
 pub use rollout_host::{RolloutHost, RolloutHostArgs, RolloutHostState};
-pub use wire::{EnvReply, EnvRequest, RolloutReply, RolloutRequest};
+pub use wire::{AdapterServing, EnvReply, EnvRequest, RolloutReply, RolloutRequest};
 
 /// The group of environment hosts of `kind`.
 pub fn envhost_group(kind: &str) -> String {
