@@ -101,6 +101,15 @@ pub enum CheckpointError {
         /// The learner's.
         held: String,
     },
+    /// The checkpoint holds another kind of weights (adapters or whole weights), or adapters of
+    /// another shape, than the learner it is restored onto trains.
+    #[error("{path}: {message}")]
+    OtherLayout {
+        /// The checkpoint directory.
+        path: PathBuf,
+        /// What differs.
+        message: String,
+    },
     /// The checkpoint holds adapters and needs a base to restore onto.
     #[error(
         "{path}: the checkpoint holds LoRA adapters: restore it onto a learner holding its base"
@@ -432,7 +441,24 @@ pub fn restore_onto<B: AutodiffBackend>(
     dir: &Path,
     learner: &BurnLearner<B>,
 ) -> Result<BurnLearner<B>, CheckpointError> {
-    restore_parts(dir, learner.device(), Some(learner))
+    // What trains must stay what trains: a learner of whole weights does not take adapters
+    // (nor the other way round) because a checkpoint happens to hold them.
+    let mismatch = |message: &str| CheckpointError::OtherLayout {
+        path: dir.to_path_buf(),
+        message: message.to_string(),
+    };
+    match (
+        learner.policy().valid().lora_config(),
+        dir.join(ADAPTER_CONFIG).exists(),
+    ) {
+        (None, true) => Err(mismatch(
+            "the checkpoint holds LoRA adapters, but the learner trains whole weights",
+        )),
+        (Some(_), false) => Err(mismatch(
+            "the checkpoint holds whole weights, but the learner trains a LoRA adapter",
+        )),
+        _ => restore_parts(dir, learner.device(), Some(learner)),
+    }
 }
 
 fn restore_parts<B: AutodiffBackend>(
@@ -513,6 +539,20 @@ fn restore_adapters<B: AutodiffBackend>(
     let text = String::from_utf8_lossy(&read(&cfg_path)?).into_owned();
     let (lora, _, _): (LoraConfig, _, _) =
         parse_adapter_config(&text, &cfg_path.display().to_string())?;
+    let held_lora = held.policy().valid().lora_config();
+    let same_shape = held_lora.as_ref().is_some_and(|h| {
+        h.r == lora.r
+            && h.targets == lora.targets
+            && (h.alpha - lora.alpha).abs() <= 1e-9 * lora.alpha
+    });
+    if !same_shape {
+        return Err(CheckpointError::OtherLayout {
+            path: cfg_path,
+            message: format!(
+                "the checkpoint's adapter is {lora:?}, but the learner trains {held_lora:?}"
+            ),
+        });
+    }
     let saved = state
         .base
         .clone()

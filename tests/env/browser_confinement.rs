@@ -159,8 +159,8 @@ async fn the_browser_runs_unprivileged_sandboxed_and_reads_only_what_it_may() {
     // - A's file, though the browsers share a uid: A's directory is not in B's view;
     // - a private file of the node beside B's directory;
     // - a file readable by all in /tmp, which B sees only as an empty cover;
-    // - a private file of the node where B can see it (the build's scratch dir): the uid keeps
-    //   it out;
+    // - a private file of the node where B can see it (a directory outside every cover): the
+    //   uid keeps it out;
     // - the host's password hashes.
     let beside = root.path().join("secret.txt");
     plant(&beside, "NODE-SECRET-BESIDE", 0o600, (0, 0));
@@ -169,7 +169,7 @@ async fn the_browser_runs_unprivileged_sandboxed_and_reads_only_what_it_may() {
         .tempfile_in("/tmp")
         .unwrap();
     plant(world.path(), "WORLD-READABLE-IN-TMP", 0o644, (0, 0));
-    let scratch = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let scratch = tempfile::tempdir_in(uncovered_dir(root.path())).unwrap();
     std::fs::set_permissions(scratch.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let visible = scratch.path().join("secret.txt");
     plant(&visible, "NODE-SECRET-VISIBLE", 0o600, (0, 0));
@@ -342,4 +342,23 @@ async fn a_task_page_reads_no_file_and_reaches_no_network() {
     let accepted = tokio::time::timeout(Duration::from_millis(100), listener.accept()).await;
     assert!(accepted.is_err(), "the page reached the host's loopback");
     assert_eq!(browser_processes(0, root.path()), Vec::<i32>::new());
+}
+
+/// A directory of the host that the browser's mount namespace shows as it is: outside every
+/// cover ([`confine::COVERED`]) and outside `root` (whose unreachable ancestors are covered too).
+/// The build's scratch dir when it qualifies (a checkout under `/tmp` does not), else `/var/lib`.
+fn uncovered_dir(root: &Path) -> PathBuf {
+    let covered = |p: &Path| {
+        confine::COVERED.iter().any(|c| p.starts_with(c))
+            || root
+                .ancestors()
+                .any(|a| a != Path::new("/") && p.starts_with(a))
+    };
+    [
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")),
+        PathBuf::from("/var/lib"),
+    ]
+    .into_iter()
+    .find(|d| d.is_dir() && !covered(d))
+    .expect("a directory outside the browser's covers")
 }

@@ -815,8 +815,9 @@ fn a_lora_learners_versions_are_adapters_a_replica_attaches_to_its_base() {
 }
 
 /// An adapter checkpoint holds the adapters, not the base: restored onto a learner holding the
-/// same base, the next step is the uninterrupted run's; onto another base, or with no base, it
-/// is refused.
+/// same base, the next step is the uninterrupted run's; onto another base, with no base, onto a
+/// learner of whole weights or of another adapter shape, it is refused, and a learner with an
+/// adapter refuses a checkpoint of whole weights.
 #[test]
 fn an_adapter_checkpoint_resumes_exactly_and_refuses_another_base() {
     let exp = expected()["train_step"].clone();
@@ -892,4 +893,32 @@ fn an_adapter_checkpoint_resumes_exactly_and_refuses_another_base() {
         BurnLearner::<CpuAutodiff>::new(cfg, other_base, train.clone(), Default::default(), 0);
     let e = checkpoint::restore_onto(&saved, &other).expect_err("another base");
     assert!(matches!(e, CheckpointError::OtherBase { .. }), "{e}");
+
+    // Onto a learner of whole weights, or of another adapter shape, it is refused too.
+    let (cfg, model) = load_model::<CpuAutodiff>(&base_dir(), &Default::default()).unwrap();
+    let whole =
+        BurnLearner::<CpuAutodiff>::new(cfg.clone(), model, train.clone(), Default::default(), 0);
+    let e = checkpoint::restore_onto(&saved, &whole).expect_err("whole weights");
+    assert!(matches!(e, CheckpointError::OtherLayout { .. }), "{e}");
+    let (_, model) = load_model::<CpuAutodiff>(&base_dir(), &Default::default()).unwrap();
+    let rank2 = LoraConfig::parse_cli("2,4,all").unwrap();
+    let other_shape = BurnLearner::<CpuAutodiff>::new(
+        cfg.clone(),
+        model
+            .with_lora(&LoraWeights::fresh(&rank2, &cfg, 1))
+            .unwrap(),
+        train.clone(),
+        Default::default(),
+        0,
+    );
+    let e = checkpoint::restore_onto(&saved, &other_shape).expect_err("another rank");
+    assert!(
+        matches!(e, CheckpointError::OtherLayout { .. }) && e.to_string().contains("r: 2"),
+        "{e}"
+    );
+    // And a learner with an adapter does not take a checkpoint of whole weights.
+    let whole_dir = tempfile::tempdir().unwrap();
+    let whole_ck = checkpoint::save(&whole, whole_dir.path(), 0).unwrap();
+    let e = checkpoint::restore_onto(&whole_ck, &fresh).expect_err("whole into adapter");
+    assert!(matches!(e, CheckpointError::OtherLayout { .. }), "{e}");
 }
