@@ -145,19 +145,7 @@ fn main() {
             .await
             .expect("launch");
             let cdp = b.cdp().clone();
-            let target = cdp
-                .call("Target.createTarget", json!({"url": "about:blank"}), None)
-                .await
-                .expect("target");
-            let att = cdp
-                .call(
-                    "Target.attachToTarget",
-                    json!({"targetId": target["targetId"], "flatten": true}),
-                    None,
-                )
-                .await
-                .expect("attach");
-            let s = att["sessionId"].as_str().unwrap().to_string();
+            let s = cdp.open_tab().await.expect("a tab");
             for _ in 0..5 {
                 let t = Instant::now();
                 cdp.call("Runtime.evaluate", json!({"expression": "1"}), Some(&s))

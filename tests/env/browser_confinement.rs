@@ -42,19 +42,7 @@ async fn launch(dir: PathBuf) -> (Browser, UnboundedReceiver<Value>) {
 /// Opens `url` in a new tab, straight (no interception); returns the navigation's error, if
 /// any, and the text the tab then shows once its document is complete.
 async fn visit(cdp: &Cdp, url: &str) -> (Option<String>, String) {
-    let target = cdp
-        .call("Target.createTarget", json!({"url": "about:blank"}), None)
-        .await
-        .unwrap();
-    let att = cdp
-        .call(
-            "Target.attachToTarget",
-            json!({"targetId": target["targetId"], "flatten": true}),
-            None,
-        )
-        .await
-        .unwrap();
-    let s = att["sessionId"].as_str().unwrap().to_string();
+    let s = cdp.open_tab().await.unwrap();
     let nav = cdp
         .call("Page.navigate", json!({"url": url}), Some(&s))
         .await

@@ -212,19 +212,7 @@ impl ProxiedTab {
                 }
             });
         }
-        let target = cdp
-            .call("Target.createTarget", json!({"url": "about:blank"}), None)
-            .await
-            .unwrap();
-        let att = cdp
-            .call(
-                "Target.attachToTarget",
-                json!({"targetId": target["targetId"], "flatten": true}),
-                None,
-            )
-            .await
-            .unwrap();
-        let session = att["sessionId"].as_str().unwrap().to_string();
+        let session = cdp.open_tab().await.unwrap();
         let s = Some(session.as_str());
         for (method, params) in [
             (

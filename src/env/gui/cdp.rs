@@ -81,6 +81,25 @@ pub struct Cdp {
 }
 
 impl Cdp {
+    /// Opens a blank tab and attaches to it (flattened); returns its session id, which later
+    /// calls to the tab name.
+    pub async fn open_tab(&self) -> Result<String, CdpError> {
+        let target = self
+            .call("Target.createTarget", json!({"url": "about:blank"}), None)
+            .await?;
+        let att = self
+            .call(
+                "Target.attachToTarget",
+                json!({"targetId": target["targetId"], "flatten": true}),
+                None,
+            )
+            .await?;
+        att["sessionId"]
+            .as_str()
+            .map(str::to_string)
+            .ok_or_else(|| CdpError::Closed(format!("attachToTarget gave no session: {att}")))
+    }
+
     /// Sends `method` (to `session`, or to the browser) and waits for its reply.
     pub async fn call(
         &self,

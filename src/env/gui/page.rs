@@ -208,21 +208,7 @@ impl TaskPage {
             Arc::clone(&blocked),
         ));
         let opened = async {
-            let target = cdp
-                .call("Target.createTarget", json!({"url": "about:blank"}), None)
-                .await?;
-            let target_id = target["targetId"].as_str().unwrap_or("").to_string();
-            let att = cdp
-                .call(
-                    "Target.attachToTarget",
-                    json!({"targetId": target_id, "flatten": true}),
-                    None,
-                )
-                .await?;
-            let session = att["sessionId"]
-                .as_str()
-                .ok_or_else(|| CdpError::Closed(format!("attachToTarget gave no session: {att}")))?
-                .to_string();
+            let session = cdp.open_tab().await?;
             let s = Some(session.as_str());
             cdp.call(
                 "Fetch.enable",
