@@ -10,8 +10,8 @@ use crate::model::{GenerationResult, LoraConfig, SamplingParams};
 /// the job home's bulk plane; every version is then an adapter of this shape.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct AdapterServing {
-    /// The base's whole weights (safetensors, Hugging Face names); its `version` is that of the
-    /// first version served over it.
+    /// The base's whole weights (safetensors, Hugging Face names); its `version` is 0 and names
+    /// no weight version: only the blob, its size and its hash are read.
     pub base: WeightAnnounce,
     /// The adapter's rank, alpha and targets (validated when decoded).
     pub lora: LoraConfig,
