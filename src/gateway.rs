@@ -64,6 +64,14 @@ pub use sink::{TurnRecord, TurnSink};
 /// default_max_tokens = 256         # when a request gives none
 /// max_tokens_limit = 4096          # the most a request may ask for
 /// version = 0                      # weight version the loaded checkpoint is served as
+///
+/// [adapters]                       # more model ids: PEFT LoRA adapter directories over the
+/// alice = "adapters/alice"         # checkpoint, each served as its own model id; requests
+/// bob = "adapters/bob"             # for any of them share decode batches over the one base
+///
+/// [[scoped_keys]]                  # a key that sees only these model ids (others: 404)
+/// key = "sk-alice"
+/// models = ["alice"]
 /// ```
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -126,6 +134,21 @@ pub struct GatewayConfig {
     /// adapters of this shape over the served checkpoint, not whole weights.
     #[serde(skip)]
     pub adapter_versions: Option<crate::model::LoraConfig>,
+    /// More model ids: name → PEFT adapter directory, each adapter attached to the served
+    /// checkpoint and served under its name (as vLLM's `--lora-modules name=path`).
+    pub adapters: std::collections::BTreeMap<String, PathBuf>,
+    /// Keys that may use only the model ids they list; to them every other id does not exist.
+    pub scoped_keys: Vec<ScopedKey>,
+}
+
+/// An API key limited to some model ids (`[[scoped_keys]]`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScopedKey {
+    /// The bearer key.
+    pub key: String,
+    /// The model ids it may use (the checkpoint's name or an `adapters` name).
+    pub models: Vec<String>,
 }
 
 impl Default for GatewayConfig {
@@ -155,6 +178,8 @@ impl Default for GatewayConfig {
             max_tokens_limit: 4096,
             version: 0,
             adapter_versions: None,
+            adapters: Default::default(),
+            scoped_keys: Vec::new(),
         }
     }
 }
@@ -258,7 +283,60 @@ impl GatewayConfig {
         if matches!(&self.model_name, Some(n) if n.trim().is_empty()) {
             return bad("model_name", "must not be empty");
         }
+        for name in self.adapters.keys() {
+            if !valid_model_id(name) {
+                return Err(ConfigError::Invalid {
+                    key: "adapters",
+                    reason: format!(
+                        "{name:?} is not a model id: 1 to 128 characters, none of them \
+                         whitespace, a control character, `/` first or `?#%`"
+                    ),
+                });
+            }
+            if self.model_name.as_deref() == Some(name) {
+                return Err(ConfigError::Invalid {
+                    key: "adapters",
+                    reason: format!("{name:?} is also the checkpoint's model_name"),
+                });
+            }
+        }
+        for (i, k) in self.scoped_keys.iter().enumerate() {
+            if k.key.trim().is_empty() {
+                return Err(ConfigError::Invalid {
+                    key: "scoped_keys",
+                    reason: format!("entry {i}: the key must not be empty"),
+                });
+            }
+            if k.models.is_empty() {
+                return Err(ConfigError::Invalid {
+                    key: "scoped_keys",
+                    reason: format!("entry {i}: `models` must name at least one model id"),
+                });
+            }
+            if self.api_keys.contains(&k.key) {
+                return Err(ConfigError::Invalid {
+                    key: "scoped_keys",
+                    reason: format!("entry {i}: the key is also in api_keys, unscoped"),
+                });
+            }
+        }
         Ok(())
+    }
+
+    /// The accepted keys: [`resolved_api_keys`](Self::resolved_api_keys), for every model id,
+    /// then `scoped_keys`, each for the ids it lists.
+    pub fn accepted_keys(&self) -> auth::ApiKeys {
+        let mut keys: Vec<(String, Option<Vec<String>>)> = self
+            .resolved_api_keys()
+            .into_iter()
+            .map(|k| (k, None))
+            .collect();
+        keys.extend(
+            self.scoped_keys
+                .iter()
+                .map(|k| (k.key.clone(), Some(k.models.clone()))),
+        );
+        auth::ApiKeys::scoped(&keys)
     }
 
     /// The session rules of this config.
@@ -285,6 +363,16 @@ impl GatewayConfig {
         }
         keys
     }
+}
+
+/// Whether `name` can be a model id in a URL path (`/v1/models/{id}`) and a JSON field as
+/// given: 1 to 128 characters, no whitespace or control character, no `/` first, none of `?#%`.
+fn valid_model_id(name: &str) -> bool {
+    (1..=128).contains(&name.chars().count())
+        && !name.starts_with('/')
+        && !name
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control() || "?#%".contains(c))
 }
 
 #[cfg(test)]

@@ -807,6 +807,14 @@ impl JobSpec {
                                 .into(),
                         );
                     }
+                    if !g.adapters.is_empty() {
+                        return bad(
+                            "gateway.adapters",
+                            "a personal job trains one policy and serves it alone; serve fixed \
+                             adapters beside a checkpoint with `clawrl serve`"
+                                .into(),
+                        );
+                    }
                 }
             }
         }

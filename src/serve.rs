@@ -2,14 +2,15 @@
 //! [`RolloutWorker`](clawrl_actors::loops::RolloutWorker), and the trainer-side helpers that turn
 //! a learner's [`VersionedWeights`] into a weight announcement.
 //!
-//! Each loaded version is its own engine (its own scheduler thread over its own weights). A
-//! request holds an `Arc` to the version it started on, so an old version's engine finishes the
-//! sequences it is running and stops when its last request is done; the new version's engine
-//! serves every request that arrives after the switch.
+//! Each loaded version of whole weights is its own engine (its own scheduler thread over its
+//! own weights). A request holds an `Arc` to the version it started on, so an old version's
+//! engine finishes the sequences it is running and stops when its last request is done; the new
+//! version's engine serves every request that arrives after the switch.
 //!
 //! A version is either whole weights or, in a job that trains a LoRA adapter, the adapter
-//! alone ([`VersionWeights`]): then the replica holds the base once and each version is the
-//! base's tensors (shared, not copied) with that version's adapter attached.
+//! alone ([`VersionWeights`]): then the replica runs one engine over the base, and each version
+//! is an adapter attached to it ([`EngineHandle::attach`]). Requests of every version decode in
+//! the same batches, and a version's adapter is detached once its last request is done.
 
 use std::sync::Arc;
 
@@ -28,13 +29,32 @@ use crate::model::{
 };
 use crate::train::learner::VersionedWeights;
 
-/// One loaded weight version: an engine over those weights.
+/// One loaded weight version: an engine handle whose requests run on those weights.
 pub struct ServedVersion {
     version: u64,
     engine: EngineHandle,
 }
 
 impl ServedVersion {
+    /// Weight version `version`, served by `engine`.
+    pub fn new(version: u64, engine: EngineHandle) -> Self {
+        ServedVersion { version, engine }
+    }
+
+    /// Weight version `version` whose blob `bytes` is an adapter of shape `lora` for a model of
+    /// shape `config`, attached to `engine`'s base weights.
+    pub fn attach(
+        engine: &EngineHandle,
+        lora: &LoraConfig,
+        config: &Qwen3Config,
+        version: u64,
+        bytes: &[u8],
+    ) -> Result<Self, VersionLoadError> {
+        let file = format!("the adapter of weight version {version}");
+        let adapter = adapter_from_safetensors(bytes, lora.clone(), config, &file)?;
+        Ok(ServedVersion::new(version, engine.attach(adapter)))
+    }
+
     /// The weight version.
     pub fn version(&self) -> u64 {
         self.version
@@ -105,6 +125,8 @@ pub struct EnginePolicy<B: Backend = crate::CpuBackend> {
     tokenizer: Option<Arc<tokenizers::Tokenizer>>,
     options: EngineOptions,
     device: B::Device,
+    /// With adapter versions, the one engine over the base that every version attaches to.
+    base_engine: Option<EngineHandle>,
 }
 
 impl<B: Backend> EnginePolicy<B> {
@@ -126,13 +148,25 @@ impl<B: Backend> EnginePolicy<B> {
         tokenizer: Option<Arc<tokenizers::Tokenizer>>,
         options: EngineOptions,
         device: B::Device,
-    ) -> Self {
+    ) -> Self
+    where
+        Qwen3<B>: Send + Sync,
+    {
+        let base_engine = match &weights {
+            VersionWeights::Full => None,
+            VersionWeights::Adapter { base, .. } => Some(spawn_engine(
+                Arc::new((**base).clone()),
+                tokenizer.clone(),
+                options,
+            )),
+        };
         EnginePolicy {
             config,
             weights,
             tokenizer,
             options,
             device,
+            base_engine,
         }
     }
 
@@ -141,12 +175,23 @@ impl<B: Backend> EnginePolicy<B> {
         &self.config
     }
 
-    /// Serves `model` as `version`: its own engine, with this replica's tokenizer and options.
-    /// Both [`PolicyReplica::load`] and the gateway's starting version come this way.
+    /// Serves `model` as `version`, with this replica's tokenizer and options: with adapter
+    /// versions, `model`'s adapters attached to the base engine; else its own engine. The
+    /// gateway's starting version comes this way.
     pub fn serve_model(&self, version: u64, model: Qwen3<B>) -> ServedVersion
     where
         Qwen3<B>: Send + Sync,
     {
+        if let (Some(engine), VersionWeights::Adapter { config, .. }) =
+            (&self.base_engine, &self.weights)
+        {
+            if let Ok(adapter) = model.lora_weights(config) {
+                return ServedVersion {
+                    version,
+                    engine: engine.attach(adapter),
+                };
+            }
+        }
         let engine = spawn_engine(Arc::new(model), self.tokenizer.clone(), self.options);
         ServedVersion { version, engine }
     }
@@ -164,10 +209,17 @@ where
     type LoadError = VersionLoadError;
 
     fn load(&self, version: u64, weights: &[u8]) -> Result<ServedVersion, VersionLoadError> {
-        let model = self
-            .weights
-            .model(&self.config, version, weights, &self.device)?;
-        Ok(self.serve_model(version, model))
+        match (&self.weights, &self.base_engine) {
+            (VersionWeights::Adapter { config: lora, .. }, Some(engine)) => {
+                ServedVersion::attach(engine, lora, &self.config, version, weights)
+            }
+            _ => {
+                let model = self
+                    .weights
+                    .model(&self.config, version, weights, &self.device)?;
+                Ok(self.serve_model(version, model))
+            }
+        }
     }
 
     async fn generate(

@@ -22,8 +22,8 @@ use serde_json::json;
 use clawrl::device::{Device, InferenceTask, TrainingTask};
 use clawrl::model::chat::parse_json_value;
 use clawrl::model::{
-    load_checkpoint, load_model, spawn_engine, EngineOptions, GenerationRequest, Qwen3,
-    SamplingParams, StreamEvent,
+    load_checkpoint, load_model, spawn_engine, EngineHandle, EngineOptions, GenerationRequest,
+    LoraConfig, LoraTarget, LoraWeights, Qwen3, SamplingParams, StreamEvent,
 };
 use clawrl::train::learner::BurnLearner;
 use clawrl::train::{Sample, TrainConfig};
@@ -78,6 +78,14 @@ pub enum CheckCommand {
         /// Train: run every sequence whole, without packing shared prefixes.
         #[arg(long)]
         no_packing: bool,
+        /// Generate, decode: attach this many fresh LoRA adapters (rank `--adapter-rank` on
+        /// every linear layer, alpha twice the rank) to the one engine and spread the requests
+        /// over them (request `i` on adapter `i mod N`); 0 runs the base alone.
+        #[arg(long, default_value_t = 0)]
+        adapters: usize,
+        /// The rank of `--adapters`.
+        #[arg(long, default_value_t = 16)]
+        adapter_rank: usize,
     },
 }
 
@@ -133,6 +141,8 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
             rounds,
             shared_prefix,
             no_packing,
+            adapters,
+            adapter_rank,
         } => {
             anyhow::ensure!(batch >= 1, "--batch must be at least 1");
             anyhow::ensure!(prompt >= 1, "--prompt must be at least 1");
@@ -146,6 +156,22 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
                 !train_only || matches!(workload, Workload::Train),
                 "--shared-prefix and --no-packing apply to --workload train only"
             );
+            anyhow::ensure!(
+                adapters == 0 || matches!(workload, Workload::Generate | Workload::Decode),
+                "--adapters applies to --workload generate and decode only"
+            );
+            let adapters = match adapters {
+                0 => None,
+                n => Some((
+                    n,
+                    LoraConfig::new(
+                        adapter_rank,
+                        2.0 * adapter_rank as f64,
+                        LoraTarget::ALL.to_vec(),
+                    )
+                    .map_err(|e| anyhow::anyhow!("--adapter-rank: {e}"))?,
+                )),
+            };
             let shape = Shape {
                 dir: &model,
                 batch,
@@ -154,6 +180,7 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
                 rounds,
                 shared_prefix,
                 packing: !no_packing,
+                adapters: adapters.clone(),
             };
             let rates = match workload {
                 Workload::Generate => device.run_inference(GenerateSpeed(shape, false))??,
@@ -171,6 +198,8 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
                     "new_tokens": new_tokens,
                     "shared_prefix": shared_prefix,
                     "packing": !no_packing,
+                    "adapters": adapters.as_ref().map_or(0, |(n, _)| *n),
+                    "adapter_rank": adapters.as_ref().map(|(_, c)| c.r),
                     "dtype": "float32",
                     "tokens_per_s": median(&rates),
                     "rounds_tokens_per_s": rates,
@@ -478,6 +507,8 @@ struct Shape<'a> {
     shared_prefix: usize,
     /// Train: whether the learner packs shared prefixes.
     packing: bool,
+    /// Generate: how many adapters of which shape the requests are spread over.
+    adapters: Option<(usize, LoraConfig)>,
 }
 
 /// Deterministic prompt ids spread over the vocabulary (the same formula as the reference
@@ -528,13 +559,21 @@ impl InferenceTask for GenerateSpeed<'_> {
             },
         );
         let vocab = cfg.vocab_size;
+        // Fresh adapters (`B` zero): their outputs equal the base's, their cost is any
+        // adapter's of that shape.
+        let handles: Vec<EngineHandle> = match &s.adapters {
+            None => vec![engine.clone()],
+            Some((n, lora)) => (0..*n)
+                .map(|k| engine.attach(LoraWeights::fresh(lora, &cfg, k as u64 + 1)))
+                .collect(),
+        };
         // All requests at once, so the engine batches them; `new` tokens each. Returns the
         // tokens counted and the seconds they took (see `Workload`).
         let generate = |new: usize| -> anyhow::Result<(usize, f64)> {
             let t0 = Instant::now();
             let mut rxs: Vec<_> = (0..s.batch)
                 .map(|i| {
-                    engine.submit_streaming(GenerationRequest::new(
+                    handles[i % handles.len()].submit_streaming(GenerationRequest::new(
                         prompt_ids(s.prompt, i + 1, vocab),
                         SamplingParams {
                             temperature: 0.0,

@@ -46,6 +46,12 @@ pub struct ServeArgs {
     /// A PEFT LoRA adapter directory applied to the checkpoint for every request.
     #[arg(long)]
     adapter: Option<PathBuf>,
+    /// A PEFT LoRA adapter directory served as model id NAME beside the checkpoint
+    /// (repeatable; as vLLM's `--lora-modules NAME=PATH`): requests name the adapter in
+    /// `model`, and requests for any of them share decode batches over the one base. Added to
+    /// the config's `[adapters]`.
+    #[arg(long = "lora-module", value_name = "NAME=DIR")]
+    lora_module: Vec<String>,
     /// Address to listen on (overrides the config's `listen`); port 0 picks a free port.
     #[arg(long)]
     listen: Option<std::net::SocketAddr>,
@@ -127,6 +133,18 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         cfg.data_dir = d;
     }
     cfg.api_keys.extend(a.api_key);
+    for module in &a.lora_module {
+        let Some((name, dir)) = module.split_once('=') else {
+            anyhow::bail!("--lora-module {module:?}: expected NAME=DIR");
+        };
+        if cfg
+            .adapters
+            .insert(name.to_string(), PathBuf::from(dir))
+            .is_some()
+        {
+            anyhow::bail!("--lora-module: the model id {name:?} is given twice");
+        }
+    }
     cfg.validate()?;
     let mut ck = load_checkpoint::<CpuBackend>(&a.model, &Default::default())
         .with_context(|| format!("loading checkpoint {}", a.model.display()))?;

@@ -1,25 +1,50 @@
 //! API keys: the bearer keys a server accepts, kept as blake3 digests and checked in constant
-//! time. Shared by the gateway and the dashboard, so both accept exactly the same keys.
+//! time, and the model ids each may use. Shared by the gateway and the dashboard, so both
+//! accept exactly the same keys.
 
 use axum::http::HeaderMap;
 
 use super::session::Scope;
 
-/// The accepted keys (none = every request is admitted, as `Scope(0)`).
+/// The accepted keys (none = every request is admitted, as key 0).
 #[derive(Debug, Clone, Default)]
 pub struct ApiKeys {
-    /// blake3 digests of the keys, in config order (a key's index is its [`Scope`]).
+    /// blake3 digests of the keys, in config order (a key's index is its [`Scope`]'s key).
     digests: Vec<[u8; 32]>,
+    /// Per key, the model ids it may use (`None`: every one).
+    models: Vec<Option<Vec<String>>>,
 }
 
 impl ApiKeys {
-    /// Accepts `keys`.
+    /// Accepts `keys`, for every model id.
     pub fn new(keys: &[String]) -> Self {
         ApiKeys {
             digests: keys
                 .iter()
                 .map(|k| *blake3::hash(k.as_bytes()).as_bytes())
                 .collect(),
+            models: vec![None; keys.len()],
+        }
+    }
+
+    /// Accepts each key of `keys`, for the model ids it lists (`None`: every one).
+    pub fn scoped(keys: &[(String, Option<Vec<String>>)]) -> Self {
+        ApiKeys {
+            digests: keys
+                .iter()
+                .map(|(k, _)| *blake3::hash(k.as_bytes()).as_bytes())
+                .collect(),
+            models: keys.iter().map(|(_, m)| m.clone()).collect(),
+        }
+    }
+
+    /// Whether the key of `scope` may use model id `model` (with no key configured, every
+    /// request may use every model).
+    pub fn allows(&self, scope: Scope, model: &str) -> bool {
+        match self.models.get(scope.key as usize) {
+            None => self.digests.is_empty(),
+            Some(None) => true,
+            Some(Some(ids)) => ids.iter().any(|m| m == model),
         }
     }
 
@@ -28,7 +53,7 @@ impl ApiKeys {
         self.digests.is_empty()
     }
 
-    /// The scope of the bearer key in `headers`: `Scope(0)` when no key is configured, else the
+    /// The scope of the bearer key in `headers`: key 0 when no key is configured, else the
     /// index of the first configured key it matches; `None` when it matches none or is
     /// missing. The given key's blake3 digest is compared with every configured key's digest
     /// in constant time, with no early exit, so the time taken tells neither which bytes of a
@@ -36,7 +61,7 @@ impl ApiKeys {
     pub fn check(&self, headers: &HeaderMap) -> Option<Scope> {
         use subtle::{ConditionallySelectable, ConstantTimeEq};
         if self.digests.is_empty() {
-            return Some(Scope(0));
+            return Some(Scope::key(0));
         }
         let given = headers
             .get(axum::http::header::AUTHORIZATION)
@@ -51,6 +76,6 @@ impl ApiKeys {
             index.conditional_assign(&(i as u32), hit & !found);
             found |= hit;
         }
-        bool::from(found).then_some(Scope(index))
+        bool::from(found).then_some(Scope::key(index))
     }
 }

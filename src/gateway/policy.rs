@@ -1,8 +1,9 @@
 //! The gateway's policy: the weight versions it serves, and the switch to a new one without
 //! pausing (docs/design.md §2, "serving never pauses for an update").
 //!
-//! Each version is its own generation engine ([`crate::model::engine`]: one scheduler thread
-//! over that version's weights; the gateway streams tokens through
+//! Each version of whole weights is its own generation engine ([`crate::model::engine`]: one
+//! scheduler thread over that version's weights), and each adapter version an adapter attached
+//! to the one engine over the base (the gateway streams tokens through
 //! [`EngineHandle::submit_streaming`](crate::model::engine::EngineHandle::submit_streaming)),
 //! loaded and started by the same [`EnginePolicy`] the rollout worker serves, so a version is
 //! built one way wherever it is served. A request takes an `Arc` of the version current when it
@@ -33,7 +34,7 @@ use clawrl_actors::loops::{
 
 use crate::model::engine::EngineOptions;
 use crate::model::qwen3::Qwen3;
-use crate::model::{LoraConfig, Qwen3Config};
+use crate::model::{LoraConfig, LoraWeights, Qwen3Config};
 use crate::serve::{EnginePolicy, ServedVersion, VersionLoadError, VersionWeights};
 
 /// Why a weight version was not installed; the serving version is unchanged in every case.
@@ -146,12 +147,35 @@ impl GatewayPolicy {
             EnginePolicy::<B>::with_weights(update_config, weights, tokenizer, options, device);
         let serving = replica.serve_model(version, model);
         let loader = move |version: u64, bytes: &[u8]| replica.load(version, bytes);
+        Self::serving(serving, Box::new(loader))
+    }
+
+    /// Serves `adapter` as `version`, attached to the engine `base` serves now (its base
+    /// weights, shared: requests of both decode in the same batches). Installed blobs are
+    /// adapters of the same shape for a model of shape `update_config`, attached to that engine.
+    pub fn attached(
+        base: &GatewayPolicy,
+        adapter: LoraWeights,
+        version: u64,
+        update_config: Qwen3Config,
+    ) -> Self {
+        let engine = base.current().engine().base();
+        let lora = adapter.config.clone();
+        let serving = ServedVersion::new(version, engine.attach(adapter));
+        let loader = move |version: u64, bytes: &[u8]| {
+            ServedVersion::attach(&engine, &lora, &update_config, version, bytes)
+        };
+        Self::serving(serving, Box::new(loader))
+    }
+
+    fn serving(serving: ServedVersion, loader: Box<Loader>) -> Self {
+        let version = serving.version();
         GatewayPolicy {
             inner: Arc::new(Inner {
                 current: RwLock::new(Arc::new(serving)),
                 installing: tokio::sync::Mutex::new(()),
                 swap: Mutex::new(VersionSwap::new(Some(version))),
-                loader: Box::new(loader),
+                loader,
                 switches: AtomicU64::new(0),
                 stale: AtomicU64::new(0),
                 failed: AtomicU64::new(0),

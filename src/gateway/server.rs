@@ -8,7 +8,8 @@
 //! are configured: a missing or wrong key gets 401 from the headers alone, before the body is
 //! read, and the key found is the request's session [`Scope`]. Bodies over the limit get 413,
 //! malformed JSON 400, messages with keys the gateway does not understand 400, an unknown model
-//! 404, a main request that would open more sessions than its key may have 429 with
+//! 404 (the checkpoint's model id and the adapters' of `[adapters]`, less those the key may not
+//! use: to a scoped key they do not exist), a main request that would open more sessions than its key may have 429 with
 //! `Retry-After`; every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 //! Each answer carries `session_id` (body field and `X-Session-Id` header): the one the request
 //! named, else the one inferred from the conversation it resends ([`super::infer`]), else a
@@ -71,16 +72,33 @@ pub enum GatewayError {
     /// The record sink could not start.
     #[error(transparent)]
     Sink(#[from] SinkError),
+    /// An adapter of `adapters` could not be loaded.
+    #[error("adapters.{name}: {error}")]
+    Adapter {
+        /// The model id it was to be served as.
+        name: String,
+        /// Why.
+        error: Box<crate::model::AdapterLoadError>,
+    },
     /// Serving failed.
     #[error("serving: {0}")]
     Io(#[from] std::io::Error),
 }
 
+/// A model id the gateway serves beside the checkpoint: an adapter attached to its engine.
+struct AdapterModel {
+    name: String,
+    policy: GatewayPolicy,
+}
+
 struct AppState {
     cfg: GatewayConfig,
     model_name: String,
-    /// The accepted API keys.
+    /// The accepted API keys, and the model ids each may use.
     keys: ApiKeys,
+    /// The model ids served beside the checkpoint's, in `adapters` order (model index 1, 2, ...
+    /// of a [`Scope`]; 0 is the checkpoint).
+    adapters: Vec<AdapterModel>,
     /// The dashboard's data: the run's records (when a job set them) and this gateway's state.
     dashboard: std::sync::OnceLock<Arc<DashboardSource>>,
     policy: GatewayPolicy,
@@ -208,10 +226,11 @@ impl Gateway {
             }
             Some(c) => c,
         };
+        let update_config = crate::train::learner::float32_config(&config);
         let policy = GatewayPolicy::new(
             model,
             cfg.version,
-            crate::train::learner::float32_config(&config),
+            update_config.clone(),
             cfg.adapter_versions.clone(),
             Some(tokenizer.clone()),
             EngineOptions {
@@ -223,13 +242,53 @@ impl Gateway {
         // Turns a crash left waiting for their next state are recorded as lost, unless last turns
         // are dropped (a dropped one has no complete record either).
         let reconcile = cfg.on_session_end == super::session::EndPolicy::Keep;
+        let model_name = cfg
+            .model_name
+            .clone()
+            .unwrap_or_else(|| default_name.to_string());
+        let mut adapters = Vec::with_capacity(cfg.adapters.len());
+        for (name, dir) in &cfg.adapters {
+            if *name == model_name {
+                return Err(super::ConfigError::Invalid {
+                    key: "adapters",
+                    reason: format!("{name:?} is also the checkpoint's model id"),
+                }
+                .into());
+            }
+            let adapter = crate::model::load_adapter(dir, &config).map_err(|error| {
+                GatewayError::Adapter {
+                    name: name.clone(),
+                    error: Box::new(error),
+                }
+            })?;
+            adapters.push(AdapterModel {
+                name: name.clone(),
+                policy: GatewayPolicy::attached(
+                    &policy,
+                    adapter.weights,
+                    cfg.version,
+                    update_config.clone(),
+                ),
+            });
+        }
+        for (i, k) in cfg.scoped_keys.iter().enumerate() {
+            if let Some(m) = k
+                .models
+                .iter()
+                .find(|m| **m != model_name && !cfg.adapters.contains_key(*m))
+            {
+                return Err(super::ConfigError::Invalid {
+                    key: "scoped_keys",
+                    reason: format!("entry {i}: {m:?} is not a model id this gateway serves"),
+                }
+                .into());
+            }
+        }
         let (sink, writer) = TurnSink::start(&cfg.data_dir, cfg.record_queue, reconcile)?;
         let state = AppState {
-            model_name: cfg
-                .model_name
-                .clone()
-                .unwrap_or_else(|| default_name.to_string()),
-            keys: ApiKeys::new(&cfg.resolved_api_keys()),
+            model_name,
+            keys: cfg.accepted_keys(),
+            adapters,
             dashboard: std::sync::OnceLock::new(),
             policy,
             tokenizer,
@@ -458,7 +517,7 @@ fn engine_error(e: EngineError) -> ApiError {
         EngineError::TooManyTopLogprobs { .. } => {
             ApiError::bad("invalid_value", Some("top_logprobs"), e.to_string())
         }
-        EngineError::NoTokenizer | EngineError::Closed => ApiError {
+        EngineError::NoTokenizer | EngineError::Adapter(_) | EngineError::Closed => ApiError {
             status: StatusCode::INTERNAL_SERVER_ERROR,
             kind: "server_error",
             code: "generation_failed",
@@ -512,31 +571,66 @@ async fn require_key(State(s): State<Arc<AppState>>, mut req: Request, next: Nex
     }
 }
 
-fn model_json(s: &AppState) -> Json_ {
-    json!({"id": s.model_name, "object": "model", "created": s.created, "owned_by": "clawrl"})
-}
-
-async fn list_models(State(s): State<Arc<AppState>>) -> Response {
-    Json(json!({"object": "list", "data": [model_json(&s)]})).into_response()
-}
-
-async fn get_model(State(s): State<Arc<AppState>>, AxPath(id): AxPath<String>) -> Response {
-    if id != s.model_name {
-        return unknown_model(&id, &s).into_response();
+impl AppState {
+    /// The model ids the key of `scope` may use, with their model index and policy: the
+    /// checkpoint's first, then the adapters'.
+    fn models_for(&self, scope: Scope) -> Vec<(u32, &str, &GatewayPolicy)> {
+        std::iter::once((self.model_name.as_str(), &self.policy))
+            .chain(self.adapters.iter().map(|a| (a.name.as_str(), &a.policy)))
+            .enumerate()
+            .filter(|(_, (name, _))| self.keys.allows(scope, name))
+            .map(|(i, (name, policy))| (i as u32, name, policy))
+            .collect()
     }
-    Json(model_json(&s)).into_response()
+
+    /// Model id `id` as the key of `scope` sees it: its index and policy, or 404 when it does
+    /// not exist for that key (a model the key may not use is one it cannot see).
+    fn model(&self, scope: Scope, id: &str) -> Result<(u32, GatewayPolicy), ApiError> {
+        let models = self.models_for(scope);
+        match models.iter().find(|(_, name, _)| *name == id) {
+            Some((i, _, policy)) => Ok((*i, (*policy).clone())),
+            None => Err(unknown_model(
+                id,
+                &models.iter().map(|(_, n, _)| *n).collect::<Vec<_>>(),
+            )),
+        }
+    }
 }
 
-fn unknown_model(id: &str, s: &AppState) -> ApiError {
+fn model_json(s: &AppState, id: &str) -> Json_ {
+    json!({"id": id, "object": "model", "created": s.created, "owned_by": "clawrl"})
+}
+
+async fn list_models(
+    State(s): State<Arc<AppState>>,
+    Extension(scope): Extension<Scope>,
+) -> Response {
+    let data: Vec<Json_> = s
+        .models_for(scope)
+        .iter()
+        .map(|(_, id, _)| model_json(&s, id))
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn get_model(
+    State(s): State<Arc<AppState>>,
+    Extension(scope): Extension<Scope>,
+    AxPath(id): AxPath<String>,
+) -> Response {
+    match s.model(scope, &id) {
+        Ok(_) => Json(model_json(&s, &id)).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+fn unknown_model(id: &str, served: &[&str]) -> ApiError {
     ApiError {
         status: StatusCode::NOT_FOUND,
         kind: "invalid_request_error",
         code: "model_not_found",
         param: Some("model".into()),
-        message: format!(
-            "the model {id:?} does not exist; this gateway serves {:?}",
-            s.model_name
-        ),
+        message: format!("the model {id:?} does not exist; this gateway serves {served:?}"),
     }
 }
 
@@ -1260,7 +1354,12 @@ fn rebuild(map: &minijinja::Value, key: &str, value: minijinja::Value) -> miniji
 
 /// Everything a request resolved to before generation.
 struct Prepared {
+    /// The key's scope, narrowed to the model the request names.
     scope: Scope,
+    /// The model id, as named.
+    model: String,
+    /// Its weight versions.
+    policy: GatewayPolicy,
     session_id: String,
     /// The session a main request without a session id continues, by inference.
     inferred: Option<Inferred>,
@@ -1429,9 +1528,9 @@ fn prepare(
     headers: &HeaderMap,
     r: ChatRequest,
 ) -> Result<Prepared, ApiError> {
-    if r.model != s.model_name {
-        return Err(unknown_model(&r.model, s));
-    }
+    let (model_index, policy) = s.model(scope, &r.model)?;
+    // Sessions belong to the key and the model: one model's turns never meet another's.
+    let scope = scope.with_model(model_index);
     let header = |name: &str| {
         headers
             .get(name)
@@ -1513,6 +1612,8 @@ fn prepare(
     })?;
     Ok(Prepared {
         scope,
+        model: r.model,
+        policy,
         session_id,
         inferred,
         sent,
@@ -1650,7 +1751,7 @@ async fn chat_completions(
     // The request runs, to its end, on the version current now; a request that names the
     // version it must be answered by (`X-Clawrl-Version`) is refused with 409, before it
     // touches any session, when that is not the one.
-    let served = s.policy.current();
+    let served = prepared.policy.current();
     match pinned_version(&headers) {
         Ok(Some(want)) if want != served.version() => {
             return version_conflict(want, served.version())
@@ -1665,7 +1766,7 @@ async fn chat_completions(
             s.sessions
                 .lock()
                 .unwrap()
-                .admit(scope, &prepared.session_id, Instant::now());
+                .admit(prepared.scope, &prepared.session_id, Instant::now());
         match admitted {
             Ok(a) => {
                 prepared.hold = Some(Hold {
@@ -1683,7 +1784,7 @@ async fn chat_completions(
             .sessions
             .lock()
             .unwrap()
-            .on_inferred(scope, i, Instant::now()),
+            .on_inferred(prepared.scope, i, Instant::now()),
         None => {
             let last = prepared
                 .messages
@@ -1691,7 +1792,7 @@ async fn chat_completions(
                 .ok()
                 .and_then(|m| serde_json::to_value(&m).ok());
             s.sessions.lock().unwrap().on_request(
-                scope,
+                prepared.scope,
                 &prepared.session_id,
                 prepared.turn_type,
                 last.as_ref(),
@@ -1717,7 +1818,7 @@ async fn chat_completions(
                     .sessions
                     .lock()
                     .unwrap()
-                    .end_session(scope, &prepared.session_id);
+                    .end_session(prepared.scope, &prepared.session_id);
                 record_all(&s, out).await;
             }
             return engine_error(e).into_response();
@@ -1818,7 +1919,7 @@ async fn finish_turn(
     let record = TurnRecord {
         session_id: p.session_id.clone(),
         version,
-        model: s.model_name.clone(),
+        model: p.model.clone(),
         messages: p.messages,
         tools: p.tools,
         template_kwargs: p.template_kwargs,
@@ -1878,7 +1979,7 @@ async fn abandon_turn(
     let record = TurnRecord {
         session_id: p.session_id.clone(),
         version,
-        model: s.model_name.clone(),
+        model: p.model.clone(),
         messages: p.messages.clone(),
         tools: p.tools.clone(),
         template_kwargs: p.template_kwargs.clone(),
@@ -1956,7 +2057,7 @@ async fn complete_response(
         "id": id,
         "object": "chat.completion",
         "created": unix_now(),
-        "model": s.model_name,
+        "model": p.model,
         "choices": [{"index": 0, "message": message, "finish_reason": reason,
                      "logprobs": logprobs_object(s, &p, &c)}],
         "usage": usage(p.prompt_ids.len(), c.ids.len(), c.cached_tokens),
@@ -1986,7 +2087,7 @@ fn stream_response(
         let chunk = |delta: Json_, finish: Option<&str>, logprobs: Json_| {
             let v = json!({
                 "id": id, "object": "chat.completion.chunk", "created": created,
-                "model": s.model_name, "session_id": p.session_id, "version": version,
+                "model": p.model, "session_id": p.session_id, "version": version,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
             });
             Event::default().data(v.to_string())
@@ -2096,7 +2197,7 @@ fn stream_response(
         if p.include_usage {
             let v = json!({
                 "id": id, "object": "chat.completion.chunk", "created": created,
-                "model": s.model_name, "session_id": p.session_id, "version": version,
+                "model": p.model, "session_id": p.session_id, "version": version,
                 "choices": [],
                 "usage": usage(p.prompt_ids.len(), c.ids.len(), c.cached_tokens),
             });

@@ -7,9 +7,10 @@
 //!   continues the open session of its key whose served turn it extends (it resends that
 //!   conversation: [`super::infer`] has the rule, [`SessionTable::infer`] the choice), and gets a
 //!   fresh id when it extends none;
-//! - sessions belong to the API key that opened them ([`Scope`]): the table is keyed by
-//!   (scope, id), so the same id sent with another key is another session, and one key's
-//!   requests never complete, end or see another key's turns;
+//! - sessions belong to the API key that opened them and the model id they talk to
+//!   ([`Scope`]): the table is keyed by (scope, id), so the same id sent with another key or to
+//!   another model is another session, and one key's requests never complete, end or see
+//!   another key's turns, nor one model's another's;
 //! - its turn type is `main` or `side` (`X-Turn-Type` / `turn_type`); when absent, a request
 //!   that names a session is `main`, and one that does not takes the configured default
 //!   (`main` unless configured otherwise);
@@ -100,10 +101,28 @@ pub enum TurnEnd {
 }
 
 /// Whose sessions: the API key a request authenticated with, as its index among the gateway's
-/// keys (`Scope(0)` for every request when no key is configured, so there is one scope).
-/// Session ids are chosen by clients, so only (scope, id) names a session.
+/// keys (0 for every request when no key is configured), and the model id it talks to, as its
+/// index among the gateway's models (0: the checkpoint itself). Session ids are chosen by
+/// clients, so only (scope, id) names a session.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Scope(pub u32);
+pub struct Scope {
+    /// The API key's index.
+    pub key: u32,
+    /// The model id's index.
+    pub model: u32,
+}
+
+impl Scope {
+    /// Key `key` talking to the checkpoint itself.
+    pub const fn key(key: u32) -> Self {
+        Scope { key, model: 0 }
+    }
+
+    /// The same key talking to model `model`.
+    pub const fn with_model(self, model: u32) -> Self {
+        Scope { model, ..self }
+    }
+}
 
 /// Session rules.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -616,8 +635,8 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    const A: Scope = Scope(0);
-    const B: Scope = Scope(1);
+    const A: Scope = Scope::key(0);
+    const B: Scope = Scope::key(1);
 
     fn table(on_end: EndPolicy) -> SessionTable<&'static str> {
         SessionTable::new(SessionConfig {
@@ -1101,7 +1120,7 @@ mod tests {
                 for op in ops {
                     let got = match op {
                         Op::Admit { scope, sess } => {
-                            if let Ok(a) = t.admit(Scope(scope.into()), &format!("s{sess}"), now) {
+                            if let Ok(a) = t.admit(Scope::key(scope.into()), &format!("s{sess}"), now) {
                                 in_flight.push(a);
                             }
                             Vec::new()
@@ -1138,7 +1157,7 @@ mod tests {
                                 json!({"role": "assistant", "content": "prefill"})
                             };
                             let kind = if side { TurnType::Side } else { TurnType::Main };
-                            t.on_request(Scope(scope.into()), &format!("s{sess}"), kind, Some(&last), now)
+                            t.on_request(Scope::key(scope.into()), &format!("s{sess}"), kind, Some(&last), now)
                         }
                         Op::Extend { k } if !served.is_empty() => {
                             let k = k % served.len();
@@ -1156,7 +1175,7 @@ mod tests {
                                 None => Vec::new(),
                             }
                         }
-                        Op::End { scope, sess } => t.end_session(Scope(scope.into()), &format!("s{sess}")),
+                        Op::End { scope, sess } => t.end_session(Scope::key(scope.into()), &format!("s{sess}")),
                         Op::Wait { secs } => {
                             now += Duration::from_secs(secs.into());
                             t.expire(now)
@@ -1169,7 +1188,7 @@ mod tests {
                         out.push(f);
                     }
                     for scope in 0..2 {
-                        prop_assert!(t.held(Scope(scope)) <= cap, "the cap holds");
+                        prop_assert!(t.held(Scope::key(scope)) <= cap, "the cap holds");
                     }
                 }
                 for a in in_flight.drain(..) {
@@ -1188,7 +1207,7 @@ mod tests {
                 );
                 prop_assert_eq!(st.started, st.ended_done + st.ended_idle, "every session ended");
                 prop_assert_eq!(t.open_sessions(), 0);
-                prop_assert_eq!(t.held(Scope(0)) + t.held(Scope(1)), 0);
+                prop_assert_eq!(t.held(Scope::key(0)) + t.held(Scope::key(1)), 0);
             }
         }
     }

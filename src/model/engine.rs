@@ -9,8 +9,15 @@
 //! (up to floating-point differences between batch shapes). Log-probs are those of
 //! [`super::sampling`]: under `softmax(logits / T)`, before top-k/top-p truncation; a request
 //! may also ask for raw log-probs (under `softmax(logits)`) with the most likely alternatives.
+//!
+//! Adapters: [`EngineHandle::attach`] gives the engine a LoRA adapter over its base weights and
+//! returns a handle whose requests run with it. Sequences of any adapters, and of the base, are
+//! decoded in one batch: the base products once for every row, each adapter's over its own rows
+//! ([`Qwen3::decode_step_mixed`]). A sequence keeps the adapter it was admitted with to its end;
+//! the engine forgets an adapter (and its cached prefixes) once its last handle is dropped.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
@@ -21,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
 use super::kv_cache::{KvCache, LayerKv};
+use super::lora::LoraWeights;
 use super::prefix_cache::PrefixIndex;
 use super::qwen3::Qwen3;
 use super::sampling::{raw_logprobs, sample_token, RawLogprobs, SamplingError, SamplingParams};
@@ -149,6 +157,9 @@ pub enum EngineError {
     /// Stop strings were given but the engine has no tokenizer to decode with.
     #[error("stop strings need an engine with a tokenizer")]
     NoTokenizer,
+    /// The request's adapter could not be attached to the engine's base weights.
+    #[error("the adapter does not fit the served model: {0}")]
+    Adapter(String),
     /// The engine thread is gone.
     #[error("the generation engine has shut down")]
     Closed,
@@ -215,18 +226,74 @@ impl Reply {
     }
 }
 
+/// Which weights a request runs on: [`BASE`] for the engine's own, else an attached adapter.
+type AdapterKey = u64;
+
+/// The engine's own weights.
+const BASE: AdapterKey = 0;
+
+/// Adapter keys, unique in the process (so never reused by an engine).
+static NEXT_ADAPTER: AtomicU64 = AtomicU64::new(BASE + 1);
+
 enum Command {
-    Generate(GenerationRequest, Reply),
+    Generate(GenerationRequest, AdapterKey, Reply),
+    Attach(AdapterKey, Box<LoraWeights>),
+    Detach(AdapterKey),
 }
 
-/// A cheap, cloneable handle to a running engine. The engine stops when every handle is dropped
-/// and its running sequences are done.
-#[derive(Clone)]
-pub struct EngineHandle {
+/// An adapter attached to an engine; detaches it when the last handle using it is dropped.
+struct Attached {
+    key: AdapterKey,
     tx: mpsc::UnboundedSender<Command>,
 }
 
+impl Drop for Attached {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Command::Detach(self.key));
+    }
+}
+
+/// A cheap, cloneable handle to a running engine, running its requests on the engine's own
+/// weights or on one attached adapter ([`EngineHandle::attach`]). The engine stops when every
+/// handle is dropped and its running sequences are done.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::UnboundedSender<Command>,
+    adapter: Option<Arc<Attached>>,
+}
+
 impl EngineHandle {
+    fn key(&self) -> AdapterKey {
+        self.adapter.as_ref().map_or(BASE, |a| a.key)
+    }
+
+    /// A handle to the same engine whose requests run on its own weights, without this
+    /// handle's adapter.
+    pub fn base(&self) -> EngineHandle {
+        EngineHandle {
+            tx: self.tx.clone(),
+            adapter: None,
+        }
+    }
+
+    /// A handle to the same engine whose requests run with `adapter` attached to the engine's
+    /// base weights (its own weights without any adapter they carry). The adapter's tensors are
+    /// built on the engine thread before any request of the new handle; if they do not fit the
+    /// base, its requests fail with [`EngineError::Adapter`]. Dropping the last clone of the
+    /// new handle detaches the adapter once its sequences are done.
+    pub fn attach(&self, adapter: LoraWeights) -> EngineHandle {
+        let key = NEXT_ADAPTER.fetch_add(1, Ordering::Relaxed);
+        // If the engine is gone, requests on the new handle report `Closed`.
+        let _ = self.tx.send(Command::Attach(key, Box::new(adapter)));
+        EngineHandle {
+            tx: self.tx.clone(),
+            adapter: Some(Arc::new(Attached {
+                key,
+                tx: self.tx.clone(),
+            })),
+        }
+    }
+
     /// Submits a request; the receiver resolves when it finishes (await it, or
     /// `blocking_recv` it outside async code).
     pub fn submit(
@@ -235,7 +302,9 @@ impl EngineHandle {
     ) -> oneshot::Receiver<Result<GenerationResult, EngineError>> {
         let (tx, rx) = oneshot::channel();
         // If the engine is gone, `tx` is dropped and the receiver reports it.
-        let _ = self.tx.send(Command::Generate(request, Reply::Once(tx)));
+        let _ = self
+            .tx
+            .send(Command::Generate(request, self.key(), Reply::Once(tx)));
         rx
     }
 
@@ -247,8 +316,9 @@ impl EngineHandle {
         request: GenerationRequest,
     ) -> mpsc::UnboundedReceiver<StreamEvent> {
         let (tx, rx) = mpsc::unbounded_channel();
-        if let Err(mpsc::error::SendError(Command::Generate(_, reply))) =
-            self.tx.send(Command::Generate(request, Reply::Stream(tx)))
+        if let Err(mpsc::error::SendError(Command::Generate(_, _, reply))) = self
+            .tx
+            .send(Command::Generate(request, self.key(), Reply::Stream(tx)))
         {
             reply.send(Err(EngineError::Closed));
         }
@@ -290,11 +360,13 @@ where
         .name("clawrl-generate".into())
         .spawn(move || Scheduler::new(model, tokenizer, options).run(rx))
         .expect("spawning the engine thread");
-    EngineHandle { tx }
+    EngineHandle { tx, adapter: None }
 }
 
 /// One sequence being decoded.
 struct Active<B: Backend> {
+    /// The weights it runs on: the engine's own, or an adapter's.
+    model: Arc<Qwen3<B>>,
     params: SamplingParams,
     raw_k: Option<usize>,
     raw: Vec<RawLogprobs>,
@@ -306,13 +378,25 @@ struct Active<B: Backend> {
     reply: Reply,
 }
 
+/// A request waiting for room in the batch.
+struct Waiting<B: Backend> {
+    request: GenerationRequest,
+    key: AdapterKey,
+    weights: Result<Arc<Qwen3<B>>, EngineError>,
+    reply: Reply,
+}
+
 /// The scheduler state, owned by the engine thread.
 pub struct Scheduler<B: Backend> {
     model: Arc<Qwen3<B>>,
     tokenizer: Option<Arc<tokenizers::Tokenizer>>,
     options: EngineOptions,
-    waiting: VecDeque<(GenerationRequest, Reply)>,
+    /// Requests not yet admitted, each with the weights it runs on (resolved when it arrived,
+    /// so an adapter detached after that still serves it).
+    waiting: VecDeque<Waiting<B>>,
     active: Vec<Active<B>>,
+    /// Attached adapters: the engine's base with each one's tensors (or why they did not fit).
+    adapters: HashMap<AdapterKey, Result<Arc<Qwen3<B>>, String>>,
     /// Prompt blocks' keys and values, per layer; `None` when the budget is 0.
     prefix: Option<PrefixIndex<Vec<LayerKv<B>>>>,
 }
@@ -329,6 +413,7 @@ impl<B: Backend> Scheduler<B> {
             options,
             waiting: VecDeque::new(),
             active: Vec::new(),
+            adapters: HashMap::new(),
             prefix: (options.prefix_cache_bytes > 0)
                 .then(|| PrefixIndex::new(PREFIX_BLOCK_TOKENS, options.prefix_cache_bytes)),
         }
@@ -367,7 +452,44 @@ impl<B: Backend> Scheduler<B> {
 
     fn accept(&mut self, c: Command) {
         match c {
-            Command::Generate(req, reply) => self.waiting.push_back((req, reply)),
+            Command::Generate(request, key, reply) => {
+                let weights = self.weights(key);
+                self.waiting.push_back(Waiting {
+                    request,
+                    key,
+                    weights,
+                    reply,
+                })
+            }
+            Command::Attach(key, weights) => {
+                // The base's tensors are shared, not copied: only the adapter's are new.
+                let model = (*self.model)
+                    .clone()
+                    .without_lora()
+                    .with_lora(&weights)
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string());
+                self.adapters.insert(key, model);
+            }
+            Command::Detach(key) => {
+                // Sequences admitted with it hold their own `Arc` and finish on it.
+                self.adapters.remove(&key);
+                if let Some(index) = &mut self.prefix {
+                    index.forget(key);
+                }
+            }
+        }
+    }
+
+    /// The weights requests with `key` run on.
+    fn weights(&self, key: AdapterKey) -> Result<Arc<Qwen3<B>>, EngineError> {
+        if key == BASE {
+            return Ok(self.model.clone());
+        }
+        match self.adapters.get(&key) {
+            Some(Ok(model)) => Ok(model.clone()),
+            Some(Err(e)) => Err(EngineError::Adapter(e.clone())),
+            None => Err(EngineError::Adapter("it was detached".into())),
         }
     }
 
@@ -407,24 +529,33 @@ impl<B: Backend> Scheduler<B> {
     /// Prefills waiting requests while the batch has room; each gets its first token.
     fn admit(&mut self) {
         while self.active.len() < self.options.max_batch.max(1) {
-            let Some((req, reply)) = self.waiting.pop_front() else {
+            let Some(Waiting {
+                request: req,
+                key,
+                weights,
+                reply,
+            }) = self.waiting.pop_front()
+            else {
                 return;
             };
             if reply.is_closed() {
                 continue;
             }
-            if let Err(e) = self.validate(&req) {
-                reply.send(Err(e));
-                continue;
-            }
-            let (mut cache, cached_tokens) = self.cached_prefix(&req.prompt_ids);
-            let logits = self
-                .model
+            let model = match self.validate(&req).and(weights) {
+                Ok(model) => model,
+                Err(e) => {
+                    reply.send(Err(e));
+                    continue;
+                }
+            };
+            let (mut cache, cached_tokens) = self.cached_prefix(key, &req.prompt_ids);
+            let logits = model
                 .prefill(&req.prompt_ids[cached_tokens..], &mut cache)
                 .expect("validated prompt fits the cache");
-            self.remember_prefix(&req.prompt_ids, cached_tokens, &cache);
+            self.remember_prefix(key, &req.prompt_ids, cached_tokens, &cache);
             let row: Vec<f32> = logits.into_data().convert::<f32>().to_vec().expect("f32");
             let mut seq = Active {
+                model,
                 rng: StdRng::seed_from_u64(req.params.seed),
                 params: req.params,
                 raw_k: req.raw_logprobs,
@@ -443,13 +574,14 @@ impl<B: Backend> Scheduler<B> {
         }
     }
 
-    /// A new sequence cache holding the longest cached prefix of `prompt`, and its length.
-    fn cached_prefix(&mut self, prompt: &[u32]) -> (KvCache<B>, usize) {
+    /// A new sequence cache holding the longest prefix of `prompt` cached for the weights of
+    /// `key`, and its length.
+    fn cached_prefix(&mut self, key: AdapterKey, prompt: &[u32]) -> (KvCache<B>, usize) {
         let cache = self.model.new_cache(self.max_context());
         let Some(index) = &mut self.prefix else {
             return (cache, 0);
         };
-        let hit = index.lookup(prompt);
+        let hit = index.lookup(key, prompt);
         if hit.tokens == 0 {
             index.unpin(&hit);
             return (cache, 0);
@@ -469,14 +601,24 @@ impl<B: Backend> Scheduler<B> {
         (cache.with_prefix(layers, hit.tokens), hit.tokens)
     }
 
-    /// Caches the whole blocks of `prompt` after the first `cached` tokens, copied out of the
-    /// sequence's `cache` (which holds the whole prompt).
-    fn remember_prefix(&mut self, prompt: &[u32], cached: usize, cache: &KvCache<B>) {
+    /// Caches the whole blocks of `prompt` after the first `cached` tokens for the weights of
+    /// `key`, copied out of the sequence's `cache` (which holds the whole prompt).
+    fn remember_prefix(
+        &mut self,
+        key: AdapterKey,
+        prompt: &[u32],
+        cached: usize,
+        cache: &KvCache<B>,
+    ) {
+        // A detached adapter's blocks could never be looked up again.
+        if key != BASE && !self.adapters.contains_key(&key) {
+            return;
+        }
         let Some(index) = &mut self.prefix else {
             return;
         };
         let block = index.block_tokens();
-        index.insert(prompt, cached / block, |i| {
+        index.insert(key, prompt, cached / block, |i| {
             let layers = cache.copy_range(i * block..(i + 1) * block);
             let bytes = layers
                 .iter()
@@ -548,12 +690,19 @@ impl<B: Backend> Scheduler<B> {
             .iter()
             .map(|s| *s.response.last().expect("active sequences have a token"))
             .collect();
+        // One set of weights for the whole batch decodes as it always did; a batch of several
+        // runs the base products once and each adapter's over its rows.
+        let models: Vec<Arc<Qwen3<B>>> = self.active.iter().map(|s| s.model.clone()).collect();
         let logits = {
             let mut caches: Vec<&mut KvCache<B>> =
                 self.active.iter_mut().map(|s| &mut s.cache).collect();
-            self.model
-                .decode_step(&tokens, &mut caches)
-                .expect("room was checked when the token was sampled")
+            let decoded = if models.iter().all(|m| Arc::ptr_eq(m, &models[0])) {
+                models[0].decode_step(&tokens, &mut caches)
+            } else {
+                let rows: Vec<&Qwen3<B>> = models.iter().map(|m| m.as_ref()).collect();
+                self.model.decode_step_mixed(&tokens, &mut caches, &rows)
+            };
+            decoded.expect("room was checked when the token was sampled")
         };
         let vocab = self.model.vocab_size();
         let all: Vec<f32> = logits.into_data().convert::<f32>().to_vec().expect("f32");

@@ -16,8 +16,10 @@
 //! - The budget bounds the bytes of cached values; a block that cannot fit (everything else is
 //!   pinned, or it alone exceeds the budget) is not cached, nor anything after it.
 //!
-//! Weight versions: an index belongs to one engine, and an engine to one set of weights, so a
-//! new version starts with an empty cache and never sees the old version's blocks.
+//! Namespaces: keys and values depend on the weights that computed them, so every block belongs
+//! to a namespace (an engine gives each set of weights it serves, base or adapter, its own), a
+//! lookup finds only blocks of its own namespace, and [`PrefixIndex::forget`] drops a whole
+//! namespace when its weights are no longer served.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
@@ -27,6 +29,7 @@ use std::hash::{Hash, Hasher};
 pub type BlockKey = u64;
 
 struct Entry<T> {
+    ns: u64,
     parent: Option<BlockKey>,
     tokens: Vec<u32>,
     value: T,
@@ -70,8 +73,9 @@ pub struct PrefixIndex<T> {
     stats: PrefixStats,
 }
 
-fn key_of(parent: Option<BlockKey>, tokens: &[u32]) -> BlockKey {
+fn key_of(ns: u64, parent: Option<BlockKey>, tokens: &[u32]) -> BlockKey {
     let mut h = DefaultHasher::new();
+    ns.hash(&mut h);
     parent.hash(&mut h);
     tokens.hash(&mut h);
     h.finish()
@@ -116,24 +120,25 @@ impl<T> PrefixIndex<T> {
         self.stats
     }
 
-    /// The entry for block `tokens` after `parent`, if cached (tokens and parent compared, not
-    /// only the hash).
-    fn find(&self, parent: Option<BlockKey>, tokens: &[u32]) -> Option<BlockKey> {
-        let key = key_of(parent, tokens);
+    /// The entry for block `tokens` after `parent` in namespace `ns`, if cached (namespace,
+    /// tokens and parent compared, not only the hash).
+    fn find(&self, ns: u64, parent: Option<BlockKey>, tokens: &[u32]) -> Option<BlockKey> {
+        let key = key_of(ns, parent, tokens);
         let e = self.entries.get(&key)?;
-        (e.parent == parent && e.tokens == tokens).then_some(key)
+        (e.ns == ns && e.parent == parent && e.tokens == tokens).then_some(key)
     }
 
-    /// The longest cached chain of whole blocks that starts `prompt` and leaves at least its
-    /// last token uncovered. Its blocks are pinned (never evicted) until [`Self::unpin`].
-    pub fn lookup(&mut self, prompt: &[u32]) -> Hit {
+    /// The longest cached chain of whole blocks of namespace `ns` that starts `prompt` and
+    /// leaves at least its last token uncovered. Its blocks are pinned (never evicted) until
+    /// [`Self::unpin`].
+    pub fn lookup(&mut self, ns: u64, prompt: &[u32]) -> Hit {
         self.stats.lookups += 1;
         self.clock += 1;
         let usable = prompt.len().saturating_sub(1) / self.block_tokens;
         let mut keys = Vec::new();
         let mut parent = None;
         for block in prompt.chunks_exact(self.block_tokens).take(usable) {
-            let Some(key) = self.find(parent, block) else {
+            let Some(key) = self.find(ns, parent, block) else {
                 break;
             };
             let e = self.entries.get_mut(&key).expect("found");
@@ -161,12 +166,14 @@ impl<T> PrefixIndex<T> {
         }
     }
 
-    /// Caches the whole blocks of `prompt` from block `first` on (those before it must be
-    /// cached: they are the hit the prompt was prefilled after). `make(i)` gives block `i`'s
-    /// value and its size in bytes. Blocks already cached are kept (and refreshed). Returns the
-    /// number of blocks added; stops at the first block that cannot be made room for.
+    /// Caches the whole blocks of `prompt` in namespace `ns` from block `first` on (those before
+    /// it must be cached: they are the hit the prompt was prefilled after). `make(i)` gives
+    /// block `i`'s value and its size in bytes. Blocks already cached are kept (and refreshed).
+    /// Returns the number of blocks added; stops at the first block that cannot be made room
+    /// for.
     pub fn insert(
         &mut self,
+        ns: u64,
         prompt: &[u32],
         first: usize,
         mut make: impl FnMut(usize) -> (T, usize),
@@ -175,7 +182,7 @@ impl<T> PrefixIndex<T> {
         let mut parent = None;
         let mut added = 0;
         for (i, block) in prompt.chunks_exact(self.block_tokens).enumerate() {
-            if let Some(key) = self.find(parent, block) {
+            if let Some(key) = self.find(ns, parent, block) {
                 self.entries.get_mut(&key).expect("found").last_use = self.clock;
                 parent = Some(key);
                 continue;
@@ -184,7 +191,7 @@ impl<T> PrefixIndex<T> {
                 // The chain before `first` was evicted meanwhile: nothing after it can hang.
                 break;
             }
-            let key = key_of(parent, block);
+            let key = key_of(ns, parent, block);
             if self.entries.contains_key(&key) {
                 // A hash collision with another prefix's block: keep that one.
                 break;
@@ -208,6 +215,7 @@ impl<T> PrefixIndex<T> {
             self.entries.insert(
                 key,
                 Entry {
+                    ns,
                     parent,
                     tokens: block.to_vec(),
                     value,
@@ -223,6 +231,16 @@ impl<T> PrefixIndex<T> {
             parent = Some(key);
         }
         added
+    }
+
+    /// Drops every block of namespace `ns` (pinned ones too: a namespace is forgotten only when
+    /// nothing reads it). Returns the number of blocks dropped.
+    pub fn forget(&mut self, ns: u64) -> usize {
+        let before = self.entries.len();
+        self.entries.retain(|_, e| e.ns != ns);
+        // A block's parent is always of its own namespace, so no surviving block lost a child.
+        self.used_bytes = self.entries.values().map(|e| e.bytes).sum();
+        before - self.entries.len()
     }
 
     /// Evicts least recently used unpinned leaves until `bytes` more fit; false if they cannot.
@@ -259,7 +277,7 @@ mod tests {
 
     /// Values are the block index; each block costs 10 bytes.
     fn fill(ix: &mut PrefixIndex<usize>, prompt: &[u32], first: usize) -> usize {
-        ix.insert(prompt, first, |i| (i, 10))
+        ix.insert(0, prompt, first, |i| (i, 10))
     }
 
     fn prompt(start: u32, len: usize) -> Vec<u32> {
@@ -272,7 +290,7 @@ mod tests {
         let p = prompt(0, 10); // blocks [0..4), [4..8); 2 tokens left over
         assert_eq!(fill(&mut ix, &p, 0), 2);
         // The same prompt reuses both blocks; the last token is never covered.
-        let hit = ix.lookup(&p);
+        let hit = ix.lookup(0, &p);
         assert_eq!(hit.tokens, 8);
         assert_eq!(
             hit.keys
@@ -283,19 +301,19 @@ mod tests {
         );
         ix.unpin(&hit);
         // An 8-token prompt may reuse one block only (its last token must run).
-        assert_eq!(ix.lookup(&p[..8]).tokens, 4);
+        assert_eq!(ix.lookup(0, &p[..8]).tokens, 4);
         // A prompt that differs in the second block reuses the first.
         let mut q = p.clone();
         q[5] = 99;
-        assert_eq!(ix.lookup(&q).tokens, 4);
+        assert_eq!(ix.lookup(0, &q).tokens, 4);
         // A different first token reuses nothing: a block stands for everything before it.
         let mut r = p.clone();
         r[0] = 99;
-        assert_eq!(ix.lookup(&r).tokens, 0);
+        assert_eq!(ix.lookup(0, &r).tokens, 0);
         // Extending the prompt adds only the new blocks.
         let longer = prompt(0, 13);
         assert_eq!(fill(&mut ix, &longer, 2), 1);
-        assert_eq!(ix.lookup(&longer).tokens, 12);
+        assert_eq!(ix.lookup(0, &longer).tokens, 12);
         assert_eq!(ix.stats().inserted, 3);
     }
 
@@ -308,15 +326,15 @@ mod tests {
         fill(&mut ix, &b, 0);
         assert_eq!(ix.used_bytes(), 40);
         // `a` is used again: `b` is now the least recently used leaf.
-        let hit = ix.lookup(&a);
+        let hit = ix.lookup(0, &a);
         ix.unpin(&hit);
         let c = prompt(200, 3);
         assert_eq!(fill(&mut ix, &c, 0), 1);
-        assert_eq!(ix.lookup(&b).tokens, 0, "b was evicted");
+        assert_eq!(ix.lookup(0, &b).tokens, 0, "b was evicted");
         // Next the leaf of `a`'s chain goes, never a block with a cached child.
         let d = prompt(300, 3);
         fill(&mut ix, &d, 0);
-        assert_eq!(ix.lookup(&a).tokens, 4, "a lost only its last block");
+        assert_eq!(ix.lookup(0, &a).tokens, 4, "a lost only its last block");
         assert_eq!(ix.stats().evicted, 2);
         assert!(ix.used_bytes() <= 40);
     }
@@ -326,13 +344,13 @@ mod tests {
         let mut ix = PrefixIndex::new(2, 20);
         let a = prompt(0, 5); // 2 blocks: fills the budget
         fill(&mut ix, &a, 0);
-        let hit = ix.lookup(&a);
+        let hit = ix.lookup(0, &a);
         assert_eq!(hit.tokens, 4);
         // Everything is pinned: a new block is refused, and `a` stays whole.
         assert_eq!(fill(&mut ix, &prompt(50, 3), 0), 0);
         assert_eq!(ix.stats().refused, 1);
         ix.unpin(&hit);
-        assert_eq!(ix.lookup(&a).tokens, 4);
+        assert_eq!(ix.lookup(0, &a).tokens, 4);
         // A block larger than the whole budget is never cached.
         let mut big = PrefixIndex::new(2, 5);
         assert_eq!(fill(&mut big, &a, 0), 0);
@@ -347,8 +365,26 @@ mod tests {
         fill(&mut ix, &prompt(0, 2), 0);
         fill(&mut ix, &prompt(100, 2), 0);
         assert_eq!(fill(&mut ix, &prompt(0, 5), 1), 1);
-        assert_eq!(ix.lookup(&prompt(0, 5)).tokens, 4);
-        assert_eq!(ix.lookup(&prompt(100, 3)).tokens, 0);
+        assert_eq!(ix.lookup(0, &prompt(0, 5)).tokens, 4);
+        assert_eq!(ix.lookup(0, &prompt(100, 3)).tokens, 0);
+    }
+
+    #[test]
+    fn namespaces_never_share_blocks_and_are_forgotten_whole() {
+        let mut ix = PrefixIndex::new(2, 1000);
+        let a = prompt(0, 5);
+        assert_eq!(ix.insert(1, &a, 0, |i| (i, 10)), 2);
+        // The same tokens under other weights are another prefix.
+        assert_eq!(ix.lookup(2, &a).tokens, 0);
+        assert_eq!(ix.insert(2, &a, 0, |i| (i + 10, 10)), 2);
+        let hit = ix.lookup(1, &a);
+        assert_eq!(hit.tokens, 4);
+        assert_eq!(ix.value(hit.keys[0]), Some(&0));
+        ix.unpin(&hit);
+        assert_eq!(ix.forget(1), 2);
+        assert_eq!(ix.lookup(1, &a).tokens, 0);
+        assert_eq!(ix.lookup(2, &a).tokens, 4, "the other namespace stays");
+        assert_eq!(ix.used_bytes(), 20);
     }
 
     #[test]

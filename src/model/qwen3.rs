@@ -11,7 +11,9 @@
 //! [`KvCache`] kept outside the model (for generation), so many sequences share one set of weights.
 //!
 //! Each of a block's seven linear layers may carry a low-rank adapter ([`super::lora`]) beside
-//! its base weight; without one, the layer is the plain product.
+//! its base weight; without one, the layer is the plain product. A decode step may also run a
+//! batch whose rows use different adapters over the one base ([`Qwen3::decode_step_mixed`]):
+//! every row shares the base product, and each row adds its own adapter's.
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::silu;
@@ -59,6 +61,73 @@ fn linear<B: Backend>(
         Some(lora) => matmul(x.clone(), w) + lora.forward(x),
     };
     y.reshape([b, s, o])
+}
+
+/// Whose low-rank adapters a block applies.
+enum Mix<'a, B: Backend> {
+    /// The block's own adapters, on every row.
+    Own,
+    /// Each group of batch rows (indices into dimension 0) takes the adapters of its block, the
+    /// same block of another model over the same base weights; the base product is this block's
+    /// own, computed once for every row.
+    Rows(&'a [(&'a [usize], &'a DecoderLayer<B>)]),
+}
+
+// Written out: the derive would require `B: Copy`.
+impl<B: Backend> Clone for Mix<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend> Copy for Mix<'_, B> {}
+
+/// [`linear`] under `mix`: `own` is the layer's own adapter, and `pick` finds the same layer's
+/// adapter in another model's block.
+///
+/// Row groups run as two products whatever their number: the groups' `A`s side by side
+/// (`[in, R]`, `R` the sum of their ranks) take every row, a mask keeps each row's own group's
+/// columns, scaled by its `alpha / r`, and the groups' `B`s stacked (`[R, out]`) finish the
+/// product: row `i` of group `g` gets `scaling_g · (x_i A_g) B_g`.
+fn adapted<'a, B: Backend>(
+    x: Tensor<B, 3>,
+    w: &Param<Tensor<B, 2>>,
+    own: Option<&Lora<B>>,
+    mix: Mix<'a, B>,
+    pick: impl Fn(&'a DecoderLayer<B>) -> Option<&'a Lora<B>>,
+) -> Tensor<B, 3> {
+    let groups = match mix {
+        Mix::Own => return linear(x, w, own),
+        Mix::Rows(groups) => groups,
+    };
+    let y = linear(x.clone(), w, None);
+    let present: Vec<(&[usize], &Lora<B>)> = groups
+        .iter()
+        .filter_map(|(rows, layer)| pick(layer).map(|lora| (*rows, lora)))
+        .collect();
+    if present.is_empty() {
+        return y;
+    }
+    let [b, s, i] = x.dims();
+    let o = y.dims()[2];
+    let ranks: usize = present.iter().map(|(_, l)| l.a.dims()[1]).sum();
+    // Row `row`'s positions are rows `row * s ..` of the flattened `[b * s, in]`.
+    let mut mask = vec![0f32; b * s * ranks];
+    let mut first = 0;
+    for (rows, lora) in &present {
+        let r = lora.a.dims()[1];
+        for &row in *rows {
+            for p in row * s..(row + 1) * s {
+                mask[p * ranks + first..p * ranks + first + r].fill(lora.scaling as f32);
+            }
+        }
+        first += r;
+    }
+    let device = x.device();
+    let mask = Tensor::<B, 2>::from_data(TensorData::new(mask, [b * s, ranks]), &device);
+    let a = Tensor::cat(present.iter().map(|(_, l)| l.a.val()).collect(), 1);
+    let bs = Tensor::cat(present.iter().map(|(_, l)| l.b.val()).collect(), 0);
+    let delta = matmul(matmul(x.reshape([b * s, i]), a) * mask, bs);
+    y + delta.reshape([b, s, o])
 }
 
 /// RoPE inverse frequencies `1 / theta^(2i / head_dim)` for `i < head_dim / 2`, computed in f32
@@ -147,12 +216,24 @@ impl<B: Backend> Attention<B> {
         x: Tensor<B, 3>,
         cos: Tensor<B, 4>,
         sin: Tensor<B, 4>,
+        mix: Mix<'_, B>,
     ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
         let [b, s, _] = x.dims();
         let (nq, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let q = linear(x.clone(), &self.q_proj, self.q_lora.as_ref()).reshape([b, s, nq, d]);
-        let k = linear(x.clone(), &self.k_proj, self.k_lora.as_ref()).reshape([b, s, nkv, d]);
-        let v = linear(x, &self.v_proj, self.v_lora.as_ref()).reshape([b, s, nkv, d]);
+        let q = adapted(x.clone(), &self.q_proj, self.q_lora.as_ref(), mix, |l| {
+            l.self_attn.q_lora.as_ref()
+        });
+        let k = adapted(x.clone(), &self.k_proj, self.k_lora.as_ref(), mix, |l| {
+            l.self_attn.k_lora.as_ref()
+        });
+        let v = adapted(x, &self.v_proj, self.v_lora.as_ref(), mix, |l| {
+            l.self_attn.v_lora.as_ref()
+        });
+        let (q, k, v) = (
+            q.reshape([b, s, nq, d]),
+            k.reshape([b, s, nkv, d]),
+            v.reshape([b, s, nkv, d]),
+        );
         let q = self.q_norm.forward(q).swap_dims(1, 2);
         let k = self.k_norm.forward(k).swap_dims(1, 2);
         let q = apply_rope(q, cos.clone(), sin.clone());
@@ -173,20 +254,22 @@ impl<B: Backend> Attention<B> {
     }
 
     /// `[b, heads, s, d]` → `[b, s, hidden]` through `o_proj`.
-    fn output(&self, o: Tensor<B, 4>) -> Tensor<B, 3> {
+    fn output(&self, o: Tensor<B, 4>, mix: Mix<'_, B>) -> Tensor<B, 3> {
         let [b, h, s, d] = o.dims();
-        linear(
+        adapted(
             o.swap_dims(1, 2).reshape([b, s, h * d]),
             &self.o_proj,
             self.o_lora.as_ref(),
+            mix,
+            |l| l.self_attn.o_lora.as_ref(),
         )
     }
 
     /// Full causal self-attention from position 0: `x [b, s, hidden]` → `[b, s, hidden]`.
     pub fn forward(&self, x: Tensor<B, 3>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 3> {
-        let (q, k, v) = self.qkv(x, cos, sin);
+        let (q, k, v) = self.qkv(x, cos, sin, Mix::Own);
         let o = causal_attention(q, self.repeat_kv(k), self.repeat_kv(v));
-        self.output(o)
+        self.output(o, Mix::Own)
     }
 
     /// Attention of a shared prefix and the rows that continue it (a packed batch):
@@ -201,12 +284,12 @@ impl<B: Backend> Attention<B> {
         rope_prefix: (Tensor<B, 4>, Tensor<B, 4>),
         rope_rows: (Tensor<B, 4>, Tensor<B, 4>),
     ) -> (Tensor<B, 3>, Tensor<B, 3>) {
-        let (qp, kp, vp) = self.qkv(prefix, rope_prefix.0, rope_prefix.1);
+        let (qp, kp, vp) = self.qkv(prefix, rope_prefix.0, rope_prefix.1, Mix::Own);
         let (kp, vp) = (self.repeat_kv(kp), self.repeat_kv(vp));
         let op = causal_attention(qp, kp.clone(), vp.clone());
-        let (qr, kr, vr) = self.qkv(rows, rope_rows.0, rope_rows.1);
+        let (qr, kr, vr) = self.qkv(rows, rope_rows.0, rope_rows.1, Mix::Own);
         let or = prefixed_attention(qr, kp, vp, self.repeat_kv(kr), self.repeat_kv(vr));
-        (self.output(op), self.output(or))
+        (self.output(op, Mix::Own), self.output(or, Mix::Own))
     }
 }
 
@@ -230,9 +313,27 @@ pub struct Mlp<B: Backend> {
 impl<B: Backend> Mlp<B> {
     /// `[b, s, hidden]` → `[b, s, hidden]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let gate = silu(linear(x.clone(), &self.gate_proj, self.gate_lora.as_ref()));
-        let up = linear(x, &self.up_proj, self.up_lora.as_ref());
-        linear(gate * up, &self.down_proj, self.down_lora.as_ref())
+        self.forward_mix(x, Mix::Own)
+    }
+
+    fn forward_mix(&self, x: Tensor<B, 3>, mix: Mix<'_, B>) -> Tensor<B, 3> {
+        let gate = adapted(
+            x.clone(),
+            &self.gate_proj,
+            self.gate_lora.as_ref(),
+            mix,
+            |l| l.mlp.gate_lora.as_ref(),
+        );
+        let up = adapted(x, &self.up_proj, self.up_lora.as_ref(), mix, |l| {
+            l.mlp.up_lora.as_ref()
+        });
+        adapted(
+            silu(gate) * up,
+            &self.down_proj,
+            self.down_lora.as_ref(),
+            mix,
+            |l| l.mlp.down_lora.as_ref(),
+        )
     }
 }
 
@@ -256,7 +357,7 @@ impl<B: Backend> DecoderLayer<B> {
             + self
                 .self_attn
                 .forward(self.input_layernorm.forward(x), cos, sin);
-        self.feed_forward(h)
+        self.feed_forward(h, Mix::Own)
     }
 
     /// A shared prefix `[1, p, hidden]` and the rows `[r, l, hidden]` that continue it, through
@@ -274,12 +375,18 @@ impl<B: Backend> DecoderLayer<B> {
             rope_prefix,
             rope_rows,
         );
-        (self.feed_forward(prefix + ap), self.feed_forward(rows + ar))
+        (
+            self.feed_forward(prefix + ap, Mix::Own),
+            self.feed_forward(rows + ar, Mix::Own),
+        )
     }
 
     /// The block's second half on the attention's residual `h`: `h + mlp(norm(h))`.
-    fn feed_forward(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
-        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
+    fn feed_forward(&self, h: Tensor<B, 3>, mix: Mix<'_, B>) -> Tensor<B, 3> {
+        h.clone()
+            + self
+                .mlp
+                .forward_mix(self.post_attention_layernorm.forward(h), mix)
     }
 }
 
@@ -564,12 +671,13 @@ impl<B: Backend> Qwen3<B> {
                 layer.input_layernorm.forward(x.clone()),
                 cos.clone(),
                 sin.clone(),
+                Mix::Own,
             );
             let (k_all, v_all) = cache.append(l, k, v);
             let (k_all, v_all) = (attn.repeat_kv(k_all), attn.repeat_kv(v_all));
             let o = cached_attention(q, k_all, v_all, Some(start));
-            let h = x + attn.output(o);
-            x = layer.feed_forward(h);
+            let h = x + attn.output(o, Mix::Own);
+            x = layer.feed_forward(h, Mix::Own);
         }
         cache.advance(s);
         let last = x.narrow(1, s - 1, 1);
@@ -583,6 +691,35 @@ impl<B: Backend> Qwen3<B> {
         &self,
         tokens: &[u32],
         caches: &mut [&mut KvCache<B>],
+    ) -> Result<Tensor<B, 2>, KvCacheError> {
+        self.decode(tokens, caches, None)
+    }
+
+    /// [`decode_step`](Self::decode_step) where row `i` runs on `models[i]`: a model over this
+    /// one's base weights (the same tensors, as [`Qwen3::without_lora`] and
+    /// [`Qwen3::with_lora`] share them) with its own adapters, or `self`. The base products
+    /// run once over the whole batch, and each model's adapters over its own rows, so a batch
+    /// of many adapters costs one base pass. Only the adapters of `models` are read: that every
+    /// model shares `self`'s base weights is the caller's rule.
+    pub fn decode_step_mixed(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache<B>],
+        models: &[&Qwen3<B>],
+    ) -> Result<Tensor<B, 2>, KvCacheError> {
+        assert_eq!(
+            tokens.len(),
+            models.len(),
+            "decode_step_mixed: one model per token"
+        );
+        self.decode(tokens, caches, Some(models))
+    }
+
+    fn decode(
+        &self,
+        tokens: &[u32],
+        caches: &mut [&mut KvCache<B>],
+        models: Option<&[&Qwen3<B>]>,
     ) -> Result<Tensor<B, 2>, KvCacheError> {
         let n = tokens.len();
         assert_eq!(n, caches.len(), "decode_step: one cache per token");
@@ -598,13 +735,26 @@ impl<B: Backend> Qwen3<B> {
         let (cos, sin) = self.rope_at(&positions, [n, 1, 1]);
         let ids_i: Vec<i64> = tokens.iter().map(|&t| t as i64).collect();
         let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids_i, [n, 1]), &device);
+        let groups = models.map(row_groups);
         let mut x = embedding(self.embed_tokens.val(), input);
         for (l, layer) in self.layers.iter().enumerate() {
+            let blocks: Vec<(&[usize], &DecoderLayer<B>)>;
+            let mix = match &groups {
+                None => Mix::Own,
+                Some(groups) => {
+                    blocks = groups
+                        .iter()
+                        .map(|(rows, m)| (rows.as_slice(), &m.layers[l]))
+                        .collect();
+                    Mix::Rows(&blocks)
+                }
+            };
             let attn = &layer.self_attn;
             let (q, k, v) = attn.qkv(
                 layer.input_layernorm.forward(x.clone()),
                 cos.clone(),
                 sin.clone(),
+                mix,
             );
             let (nq, nkv, d) = (attn.num_heads, attn.num_kv_heads, attn.head_dim);
             let groups = nq / nkv;
@@ -621,8 +771,8 @@ impl<B: Backend> Qwen3<B> {
                 outs.push(o.reshape([1, nq, 1, d]));
             }
             let o = Tensor::cat(outs, 0);
-            let h = x + attn.output(o);
-            x = layer.feed_forward(h);
+            let h = x + attn.output(o, mix);
+            x = layer.feed_forward(h, mix);
         }
         for c in caches.iter_mut() {
             c.advance(1);
@@ -635,6 +785,20 @@ impl<B: Backend> Qwen3<B> {
     pub fn new_cache(&self, max_len: usize) -> KvCache<B> {
         KvCache::new(self.num_layers(), max_len.min(self.max_position_embeddings))
     }
+}
+
+/// The rows of a batch grouped by the model they run on (models compared by address, so two
+/// rows of one model share its adapters' products): `(row indices, model)` in order of first
+/// appearance.
+fn row_groups<'a, B: Backend>(models: &[&'a Qwen3<B>]) -> Vec<(Vec<usize>, &'a Qwen3<B>)> {
+    let mut groups: Vec<(Vec<usize>, &Qwen3<B>)> = Vec::new();
+    for (i, &m) in models.iter().enumerate() {
+        match groups.iter_mut().find(|(_, g)| std::ptr::eq(*g, m)) {
+            Some((rows, _)) => rows.push(i),
+            None => groups.push((vec![i], m)),
+        }
+    }
+    groups
 }
 
 /// Transposes a row-major `[r, c]` matrix into a row-major `[c, r]` one.

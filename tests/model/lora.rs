@@ -20,8 +20,8 @@ use clawrl::model::peft::{adapter_from_safetensors, adapter_to_safetensors};
 use clawrl::model::qwen3::rope_inv_freq;
 use clawrl::model::{
     load_adapter, load_checkpoint, load_model, model_from_safetensors, model_to_safetensors,
-    save_adapter, AdapterLoadError, EngineOptions, GenerationRequest, LoraConfig, LoraTarget,
-    LoraWeights, Qwen3, SamplingParams,
+    save_adapter, spawn_engine, AdapterLoadError, EngineOptions, GenerationRequest, LoraConfig,
+    LoraTarget, LoraWeights, Qwen3, SamplingParams,
 };
 use clawrl::serve::{EnginePolicy, VersionLoadError, VersionWeights};
 use clawrl::train::checkpoint::{self, CheckpointError};
@@ -623,68 +623,218 @@ fn cli_train_offline_trains_only_an_adapter_and_writes_peft() {
     assert!(ok, "{err}");
 }
 
-#[test]
-fn serve_with_an_adapter_answers_as_generate_does() {
-    let tmp = tempfile::tempdir().unwrap();
-    let base = float32_base(tmp.path());
-    let m1 = messages_of(1, tmp.path());
-    let want = greedy_16_with_adapter(&base, &m1);
-
-    let mut child = Command::new(env!("CARGO_BIN_EXE_clawrl"))
-        .args([
-            "serve",
-            "--model",
-            s(&base),
-            "--adapter",
-            s(&adapter_dir()),
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            s(&tmp.path().join("data")),
-        ])
-        .env("RUST_LOG", "warn")
-        .env_remove("CLAWRL_API_KEYS")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    {
-        use std::io::BufRead;
-        let stdout = child.stdout.as_mut().unwrap();
-        std::io::BufReader::new(stdout)
-            .read_line(&mut line)
-            .unwrap();
+/// `clawrl generate` on `base` (with `adapter` applied when given): 16 greedy tokens' text.
+fn greedy_16_text(base: &Path, adapter: Option<&Path>, messages: &Path) -> Value {
+    let mut args = vec!["generate", s(base), "--messages", s(messages)];
+    if let Some(a) = adapter {
+        args.extend(["--adapter", s(a)]);
     }
-    let addr = line
-        .split("http://")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_string();
-    let messages: Value = json_file(&m1);
-    let body = json!({"model": "qwen3-tiny-f32", "messages": messages, "max_tokens": 16,
-                      "temperature": 0})
-    .to_string();
-    let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+    args.extend(["--max-new-tokens", "16", "--temperature", "0", "--json"]);
+    let (ok, out, err) = clawrl(&args);
+    assert!(ok, "{err}");
+    serde_json::from_str::<Value>(&out).unwrap()["text"].clone()
+}
+
+/// One HTTP/1.1 request with `key` as bearer; returns the status and the body.
+fn http(addr: &str, key: &str, method: &str, path: &str, body: &str) -> (u16, Value) {
+    let mut conn = std::net::TcpStream::connect(addr).unwrap();
     write!(
         conn,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {key}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n\
+         {body}",
         body.len()
     )
     .unwrap();
     let mut response = String::new();
     conn.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
+/// `clawrl serve` with `--adapter` applies it to every request, and with `--lora-module` serves
+/// each adapter as its own model id beside the checkpoint: each id answers as `generate` with
+/// that adapter does, also while requests for all of them run at once, and a key scoped to one
+/// id cannot see or use another.
+#[test]
+fn serve_applies_an_adapter_and_serves_lora_modules_as_model_ids() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = float32_base(tmp.path());
+    let m1 = messages_of(1, tmp.path());
+    let (cfg, with_fixture) = adapted::<B>();
+    let bob = tmp.path().join("bob");
+    save_adapter(
+        &bob,
+        &other_adapter(&cfg, &with_fixture.lora_config().unwrap(), 3),
+        "qwen3-tiny",
+    )
+    .unwrap();
+    let want_base = greedy_16_text(&base, None, &m1);
+    let want_alice = greedy_16_text(&base, Some(&adapter_dir()), &m1);
+    let want_bob = greedy_16_text(&base, Some(&bob), &m1);
+    assert_ne!(want_base, want_alice);
+    assert_ne!(want_base, want_bob);
+    let config = tmp.path().join("gateway.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "api_keys = [\"sk-all\"]\n[adapters]\nalice = {:?}\n\n[[scoped_keys]]\n\
+             key = \"sk-alice\"\nmodels = [\"alice\"]\n",
+            s(&adapter_dir())
+        ),
+    )
+    .unwrap();
+
+    let serve = |extra: &[&str], data: &str| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_clawrl"))
+            .args(["serve", "--model", s(&base), "--listen", "127.0.0.1:0"])
+            .args(["--data-dir", s(&tmp.path().join(data))])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .env_remove("CLAWRL_API_KEYS")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        {
+            use std::io::BufRead;
+            let stdout = child.stdout.as_mut().unwrap();
+            std::io::BufReader::new(stdout)
+                .read_line(&mut line)
+                .unwrap();
+        }
+        let addr = line
+            .split("http://")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+            .to_string();
+        (child, addr)
+    };
+    let messages: Value = json_file(&m1);
+    let chat = |model: &str| {
+        json!({"model": model, "messages": messages, "max_tokens": 16, "temperature": 0})
+            .to_string()
+    };
+    let content = |v: &Value| v["choices"][0]["message"]["content"].clone();
+
+    // `--adapter` applies the adapter to the checkpoint itself.
+    let (mut child, addr) = serve(&["--adapter", s(&adapter_dir())], "data-1");
+    let (status, v) = http(
+        &addr,
+        "",
+        "POST",
+        "/v1/chat/completions",
+        &chat("qwen3-tiny-f32"),
+    );
     let _ = child.kill();
     let _ = child.wait();
-    let (head, body) = response.split_once("\r\n\r\n").unwrap();
-    assert!(head.starts_with("HTTP/1.1 200"), "{response}");
-    let v: Value = serde_json::from_str(body).unwrap();
-    assert_eq!(
-        v["choices"][0]["message"]["content"], want["text"],
-        "{body}"
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(content(&v), want_alice, "{v}");
+
+    // `--lora-module` (and the config's `[adapters]`) serve adapters as model ids.
+    let (mut child, addr) = serve(
+        &[
+            "--config",
+            s(&config),
+            "--lora-module",
+            &format!("bob={}", s(&bob)),
+        ],
+        "data-2",
     );
+    let ids = |key: &str| -> Vec<String> {
+        let (status, v) = http(&addr, key, "GET", "/v1/models", "");
+        assert_eq!(status, 200, "{v}");
+        v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(ids("sk-all"), ["qwen3-tiny-f32", "alice", "bob"]);
+    assert_eq!(ids("sk-alice"), ["alice"]);
+    // Requests for every id at once, so they share decode steps; each answers as alone.
+    let answers: Vec<(u16, Value)> = std::thread::scope(|scope| {
+        let asks: Vec<_> = [
+            ("sk-all", "qwen3-tiny-f32"),
+            ("sk-alice", "alice"),
+            ("sk-all", "bob"),
+            ("sk-all", "alice"),
+        ]
+        .into_iter()
+        .map(|(key, model)| {
+            let (addr, body) = (&addr, chat(model));
+            scope.spawn(move || http(addr, key, "POST", "/v1/chat/completions", &body))
+        })
+        .collect();
+        asks.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for ((status, v), (model, want)) in answers.iter().zip([
+        ("qwen3-tiny-f32", &want_base),
+        ("alice", &want_alice),
+        ("bob", &want_bob),
+        ("alice", &want_alice),
+    ]) {
+        assert_eq!(*status, 200, "{model}: {v}");
+        assert_eq!(v["model"], model, "{v}");
+        assert_eq!(&content(v), want, "{model}: {v}");
+    }
+    // To a key scoped to `alice`, `bob` and the checkpoint do not exist.
+    for other in ["bob", "qwen3-tiny-f32"] {
+        let (status, v) = http(
+            &addr,
+            "sk-alice",
+            "POST",
+            "/v1/chat/completions",
+            &chat(other),
+        );
+        assert_eq!(status, 404, "{v}");
+        assert_eq!(v["error"]["code"], "model_not_found", "{v}");
+        assert!(
+            !v.to_string().contains("\"bob\"]"),
+            "the id list leaks: {v}"
+        );
+        let (status, _) = http(&addr, "sk-alice", "GET", &format!("/v1/models/{other}"), "");
+        assert_eq!(status, 404);
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+
+    // An adapter that does not fit the checkpoint, or a scoped key naming no served id, stops
+    // the gateway before it listens, naming what is wrong.
+    for (extra, says) in [
+        (
+            format!("nobody={}", s(&tmp.path().join("missing"))),
+            "adapters.nobody",
+        ),
+        (format!("bob={}", s(&bob)), "scoped_keys"),
+    ] {
+        let bad = tmp.path().join("bad.toml");
+        std::fs::write(
+            &bad,
+            "[[scoped_keys]]\nkey = \"k\"\nmodels = [\"carol\"]\n".replace(
+                "carol",
+                if says == "scoped_keys" {
+                    "carol"
+                } else {
+                    "qwen3-tiny-f32"
+                },
+            ),
+        )
+        .unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_clawrl"))
+            .args(["serve", "--model", s(&base), "--listen", "127.0.0.1:0"])
+            .args(["--config", s(&bad), "--lora-module", &extra])
+            .args(["--data-dir", s(&tmp.path().join("data-3"))])
+            .env_remove("CLAWRL_API_KEYS")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{says}: {err}");
+    }
 }
 
 /// A learner that trains an adapter publishes the adapter alone; a replica holding the base
@@ -921,4 +1071,148 @@ fn an_adapter_checkpoint_resumes_exactly_and_refuses_another_base() {
     let whole_ck = checkpoint::save(&whole, whole_dir.path(), 0).unwrap();
     let e = checkpoint::restore_onto(&whole_ck, &fresh).expect_err("whole into adapter");
     assert!(matches!(e, CheckpointError::OtherLayout { .. }), "{e}");
+}
+
+/// A second adapter of the fixture's shape whose `B` is not zero (so it changes the outputs):
+/// every tensor drawn from a seeded stream, `B` scaled to move the logits visibly.
+fn other_adapter(cfg: &clawrl::model::Qwen3Config, like: &LoraConfig, seed: u64) -> LoraWeights {
+    let mut w = LoraWeights::fresh(like, cfg, seed);
+    let mut x = seed as f32;
+    for (_, b) in w.tensors.values_mut() {
+        for v in b.iter_mut() {
+            x = (x * 1.618 + 0.37).fract();
+            *v = (x - 0.5) * 0.2;
+        }
+    }
+    w
+}
+
+/// Rows of one decode batch over different adapters (and the base itself) give each row what
+/// its own model gives it decoding alone.
+#[test]
+fn a_batch_of_rows_over_different_adapters_decodes_as_each_alone() {
+    let (cfg, with_fixture) = adapted::<B>();
+    let lora = with_fixture.lora_config().unwrap();
+    let base = with_fixture.clone().without_lora();
+    let second = base
+        .clone()
+        .with_lora(&other_adapter(&cfg, &lora, 5))
+        .unwrap();
+    let models = [&with_fixture, &base, &second, &with_fixture];
+    let prompts: [&[u32]; 4] = [
+        &[1, 2, 3, 4, 5],
+        &[9, 8, 7],
+        &[4, 4, 4, 4, 4, 4, 2],
+        &[30, 31],
+    ];
+    let mut together = Vec::new();
+    let mut alone = Vec::new();
+    for (m, p) in models.iter().zip(prompts) {
+        let mut c = m.new_cache(64);
+        m.prefill(p, &mut c).unwrap();
+        together.push(c);
+        let mut c = m.new_cache(64);
+        m.prefill(p, &mut c).unwrap();
+        alone.push(c);
+    }
+    let vocab = cfg.vocab_size;
+    let mut tokens = vec![11u32, 12, 13, 14];
+    for step in 0..3 {
+        let mut caches: Vec<_> = together.iter_mut().collect();
+        let mixed: Vec<f32> = base
+            .decode_step_mixed(&tokens, &mut caches, &models)
+            .unwrap()
+            .into_data()
+            .to_vec()
+            .unwrap();
+        for (i, m) in models.iter().enumerate() {
+            let own: Vec<f32> = m
+                .decode_step(&tokens[i..=i], &mut [&mut alone[i]])
+                .unwrap()
+                .into_data()
+                .to_vec()
+                .unwrap();
+            let d = max_abs(&mixed[i * vocab..(i + 1) * vocab], &own);
+            assert!(d < 1e-4, "step {step} row {i}: max abs diff {d}");
+        }
+        tokens = tokens.iter().map(|t| t + 7).collect();
+    }
+    // The adapters matter: the rows of the base and of each adapter differ.
+    let row = |t: &[u32], m: &Qwen3<B>| -> Vec<f32> {
+        let mut c = m.new_cache(64);
+        m.prefill(t, &mut c).unwrap().into_data().to_vec().unwrap()
+    };
+    assert!(max_abs(&row(prompts[0], &base), &row(prompts[0], &with_fixture)) > 1e-3);
+    assert!(max_abs(&row(prompts[0], &base), &row(prompts[0], &second)) > 1e-3);
+}
+
+/// One engine serves the base and two attached adapters at once: each request gets what an
+/// engine over its own adapted model gives, an adapter that does not fit the base fails its
+/// requests by name, and a version's adapter outlives the handle while a request runs on it.
+#[test]
+fn one_engine_serves_several_adapters_as_separate_engines_would() {
+    let (cfg, with_fixture) = adapted::<B>();
+    let lora = with_fixture.lora_config().unwrap();
+    let base = with_fixture.clone().without_lora();
+    let second_weights = other_adapter(&cfg, &lora, 9);
+    let second = base.clone().with_lora(&second_weights).unwrap();
+    let options = EngineOptions::default();
+    let shared = spawn_engine(std::sync::Arc::new(base.clone()), None, options);
+    let handles = [
+        shared.attach(with_fixture.lora_weights(&lora).unwrap()),
+        shared.clone(),
+        shared.attach(second_weights),
+    ];
+    let separate = [
+        spawn_engine(std::sync::Arc::new(with_fixture.clone()), None, options),
+        spawn_engine(std::sync::Arc::new(base.clone()), None, options),
+        spawn_engine(std::sync::Arc::new(second.clone()), None, options),
+    ];
+    let request = |i: usize| {
+        GenerationRequest::new(
+            vec![3 + i as u32, 17, 29, 5, 8],
+            SamplingParams {
+                temperature: 0.0,
+                max_new_tokens: 12,
+                seed: i as u64,
+                ..Default::default()
+            },
+        )
+    };
+    // Every request is queued before the first is answered, so they share decode steps.
+    let pending: Vec<_> = (0..9).map(|i| handles[i % 3].submit(request(i))).collect();
+    let got: Vec<_> = pending
+        .into_iter()
+        .map(|rx| rx.blocking_recv().unwrap().unwrap())
+        .collect();
+    for (i, g) in got.iter().enumerate() {
+        let want = separate[i % 3].generate_blocking(request(i)).unwrap();
+        assert_eq!(g.response_ids, want.response_ids, "request {i}");
+        let d = max_abs(&g.logprobs, &want.logprobs);
+        assert!(d < 1e-4, "request {i}: log-probs differ by {d}");
+    }
+    assert_ne!(got[0].response_ids, got[1].response_ids, "adapter 1 = base");
+    assert_ne!(got[2].response_ids, got[1].response_ids, "adapter 2 = base");
+
+    // An adapter missing a layer's tensors is refused when a request runs on it.
+    let mut broken = with_fixture.lora_weights(&lora).unwrap();
+    let first = *broken.tensors.keys().next().unwrap();
+    broken.tensors.remove(&first);
+    let e = shared
+        .attach(broken)
+        .generate_blocking(request(0))
+        .unwrap_err();
+    assert!(
+        matches!(&e, clawrl::model::EngineError::Adapter(m) if m.contains("layer 0")),
+        "{e}"
+    );
+
+    // A request submitted on an adapter handle finishes on that adapter after the handle goes.
+    let attached = shared.attach(with_fixture.lora_weights(&lora).unwrap());
+    let rx = attached.submit(request(0));
+    drop(attached);
+    assert_eq!(
+        rx.blocking_recv().unwrap().unwrap().response_ids,
+        got[0].response_ids
+    );
 }
