@@ -410,4 +410,32 @@ mod tests {
             .to_string()
             .contains("max_sessions_per_key"));
     }
+
+    #[test]
+    fn adapters_and_scoped_keys_are_checked() {
+        let parse = |t: &str| toml::from_str::<GatewayConfig>(t).unwrap();
+        let ok = parse(
+            "api_keys = [\"all\"]\n[adapters]\nalice = \"a\"\n\
+             [[scoped_keys]]\nkey = \"k\"\nmodels = [\"alice\"]\n",
+        );
+        ok.validate().unwrap();
+        let keys = ok.accepted_keys();
+        let (all, scoped) = (Scope::key(0), Scope::key(1));
+        assert!(keys.allows(all, "alice") && keys.allows(all, "base"));
+        assert!(keys.allows(scoped, "alice") && !keys.allows(scoped, "base"));
+        let refused = |t: &str| parse(t).validate().unwrap_err().to_string();
+        for bad in ["\"\"", "\"a b\"", "\"/x\"", "\"a?b\""] {
+            assert!(refused(&format!("[adapters]\n{bad} = \"d\"\n")).contains("adapters"));
+        }
+        assert!(refused("model_name = \"m\"\n[adapters]\nm = \"d\"\n").contains("model_name"));
+        assert!(refused("[[scoped_keys]]\nkey = \"k\"\nmodels = []\n").contains("models"));
+        assert!(refused("[[scoped_keys]]\nkey = \" \"\nmodels = [\"m\"]\n").contains("empty"));
+        assert!(
+            refused("api_keys = [\"k\"]\n[[scoped_keys]]\nkey = \"k\"\nmodels = [\"m\"]\n")
+                .contains("unscoped")
+        );
+        let e = toml::from_str::<GatewayConfig>("[[scoped_keys]]\nkey = \"k\"\nmodel = [\"m\"]\n")
+            .unwrap_err();
+        assert!(e.to_string().contains("model"), "{e}");
+    }
 }

@@ -1305,6 +1305,10 @@ max_steps = 3
         assert!(
             err(&PERSONAL.replace("api_keys = [\"k\"]", "max_batch = 0")).contains("max_batch")
         );
+        assert!(
+            err(&format!("{PERSONAL}[gateway.adapters]\nalice = \"a\"\n"))
+                .contains("gateway.adapters")
+        );
         // `rl` keeps its rules: an environment, and no gateway.
         assert!(
             err(&PERSONAL.replace("kind = \"personal\"", "kind = \"rl\"")).contains("`gateway`")
