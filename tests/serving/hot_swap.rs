@@ -4,7 +4,8 @@
 //! version (body, SSE chunks, `X-Clawrl-Version`), each client's versions never go backwards,
 //! every version serves, and each recorded turn's log-probs are those of the version it names —
 //! also for requests that were in flight across a switch. A sixth version arrives the way the
-//! trainer delivers it (a subscriber hearing `Published`; a corrupt copy is refused). Also: the
+//! trainer delivers it (a subscriber hearing `Published`; a corrupt copy is refused). The same
+//! holds when the versions are LoRA adapters attached to the one engine over the base. Also: the
 //! engine's per-token stream.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -15,9 +16,10 @@ use std::time::{Duration, Instant};
 
 use clawrl::gateway::{Gateway, GatewayConfig, GatewayPolicy, InstallError, TurnRecord};
 use clawrl::model::engine::StreamEvent;
+use clawrl::model::peft::adapter_from_safetensors;
 use clawrl::model::{
     load_checkpoint, load_model, model_from_safetensors, score_batch, spawn_engine, EngineError,
-    EngineOptions, GenerationRequest, SamplingParams,
+    EngineOptions, GenerationRequest, LoraConfig, LoraWeights, SamplingParams,
 };
 use clawrl::serve::local_announce;
 use clawrl::train::learner::BurnLearner;
@@ -110,12 +112,27 @@ async fn chat(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn gateway_switches_five_weight_versions_without_pausing() {
+    switch_versions(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn gateway_switches_five_adapter_versions_without_pausing() {
+    switch_versions(Some(LoraConfig::parse_cli("4,8,all").unwrap())).await;
+}
+
+/// The gateway switching versions under load: whole weights, or with `lora` adapters of that
+/// shape over the fixture (the learner trains a fresh one; the gateway starts from the same).
+async fn switch_versions(lora: Option<LoraConfig>) {
     let started = Instant::now();
     let dir = tempfile::tempdir().unwrap();
     let device = Default::default();
 
     // Five new versions: real learner steps on the fixture model (favour even token ids).
-    let (cfg, model) = load_model::<CpuAutodiff>(Path::new(FIXTURE), &device).unwrap();
+    let (cfg, mut model) = load_model::<CpuAutodiff>(Path::new(FIXTURE), &device).unwrap();
+    let fresh = lora.as_ref().map(|l| LoraWeights::fresh(l, &cfg, 1));
+    if let Some(f) = &fresh {
+        model = model.with_lora(f).unwrap();
+    }
     let train = TrainConfig {
         lr: 2e-2,
         kl_coef: 0.0,
@@ -146,11 +163,15 @@ async fn gateway_switches_five_weight_versions_without_pausing() {
         blobs.push(learner.export_weights().unwrap());
     }
 
-    let ck = load_checkpoint::<CpuBackend>(Path::new(FIXTURE), &Default::default()).unwrap();
+    let mut ck = load_checkpoint::<CpuBackend>(Path::new(FIXTURE), &Default::default()).unwrap();
+    if let Some(f) = &fresh {
+        ck.model = ck.model.with_lora(f).unwrap();
+    }
     let gcfg = GatewayConfig {
         data_dir: dir.path().join("data"),
         max_batch: 8,
         max_context: Some(512),
+        adapter_versions: lora.clone(),
         ..GatewayConfig::default()
     };
     let gw = Gateway::new(ck, gcfg, "qwen3-tiny").unwrap();
@@ -294,18 +315,21 @@ async fn gateway_switches_five_weight_versions_without_pausing() {
     }
 
     // Provenance: every turn is recorded in its version's file, and its log-probs are those of
-    // that version's weights (version 0: the checkpoint as loaded; later: the learner's export).
+    // that version's weights (version 0: the checkpoint as loaded, a fresh adapter computing as
+    // the base; later: the learner's export, whole or an adapter over the checkpoint).
     let ck0 = load_checkpoint::<CpuBackend>(Path::new(FIXTURE), &Default::default()).unwrap();
-    let mut models = vec![ck0.model];
+    let mut models = vec![ck0.model.clone()];
     for w in &blobs {
-        models.push(
-            model_from_safetensors::<CpuBackend>(
-                learner.model_config(),
-                &w.bytes,
-                &Default::default(),
-            )
-            .unwrap(),
-        );
+        let mcfg = learner.model_config();
+        models.push(match &lora {
+            None => {
+                model_from_safetensors::<CpuBackend>(mcfg, &w.bytes, &Default::default()).unwrap()
+            }
+            Some(l) => {
+                let adapter = adapter_from_safetensors(&w.bytes, l.clone(), mcfg, "a version");
+                ck0.model.clone().with_lora(&adapter.unwrap()).unwrap()
+            }
+        });
     }
     let mut records: BTreeMap<String, TurnRecord> = BTreeMap::new();
     for (v, path) in turns.iter().enumerate() {
