@@ -344,7 +344,7 @@ pub fn save<B: AutodiffBackend>(
                     &adapter_to_safetensors(&reference.lora_weights(&lora)?)?,
                 )?;
             }
-            Some(policy.base_fingerprint())
+            learner.base_fingerprint()
         }
     };
     drop(policy);
@@ -557,7 +557,9 @@ fn restore_adapters<B: AutodiffBackend>(
         .base
         .clone()
         .ok_or_else(|| invalid(state_path, "an adapter checkpoint without `base`"))?;
-    let held_base = held.policy().valid().base_fingerprint();
+    let held_base = held
+        .base_fingerprint()
+        .expect("a learner with this adapter shape carries adapters");
     if saved != held_base {
         return Err(CheckpointError::OtherBase {
             path: state_path.to_path_buf(),

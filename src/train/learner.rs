@@ -133,6 +133,9 @@ pub struct BurnLearner<B: AutodiffBackend = crate::CpuAutodiff> {
     version: u64,
     steps: u64,
     rng: ChaCha8Rng,
+    /// [`Qwen3::base_fingerprint`] of a policy with adapters, once computed: its base is frozen,
+    /// so no step changes it.
+    base_fingerprint: std::sync::OnceLock<String>,
 }
 
 impl<B: AutodiffBackend> std::fmt::Debug for BurnLearner<B> {
@@ -208,6 +211,7 @@ impl<B: AutodiffBackend> BurnLearner<B> {
             version: 0,
             steps: 0,
             rng: ChaCha8Rng::seed_from_u64(seed),
+            base_fingerprint: std::sync::OnceLock::new(),
         }
     }
 
@@ -234,7 +238,22 @@ impl<B: AutodiffBackend> BurnLearner<B> {
             version,
             steps,
             rng,
+            base_fingerprint: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The blake3 fingerprint of the policy's frozen base ([`Qwen3::base_fingerprint`]) when it
+    /// carries adapters, hashed once per learner; `None` for a policy trained whole, whose
+    /// weights every step changes.
+    pub fn base_fingerprint(&self) -> Option<String> {
+        if !self.policy.has_lora() {
+            return None;
+        }
+        Some(
+            self.base_fingerprint
+                .get_or_init(|| self.policy.valid().base_fingerprint())
+                .clone(),
+        )
     }
 
     /// The model's config.
