@@ -135,7 +135,8 @@ pub struct GatewayConfig {
     #[serde(skip)]
     pub adapter_versions: Option<crate::model::LoraConfig>,
     /// More model ids: name → PEFT adapter directory, each adapter attached to the served
-    /// checkpoint and served under its name (as vLLM's `--lora-modules name=path`).
+    /// checkpoint's own weights (without any adapter the checkpoint model carries) and served
+    /// under its name (as vLLM's `--lora-modules name=path`).
     pub adapters: std::collections::BTreeMap<String, PathBuf>,
     /// Keys that may use only the model ids they list; to them every other id does not exist.
     pub scoped_keys: Vec<ScopedKey>,

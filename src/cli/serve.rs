@@ -48,8 +48,9 @@ pub struct ServeArgs {
     adapter: Option<PathBuf>,
     /// A PEFT LoRA adapter directory served as model id NAME beside the checkpoint
     /// (repeatable; as vLLM's `--lora-modules NAME=PATH`): requests name the adapter in
-    /// `model`, and requests for any of them share decode batches over the one base. Added to
-    /// the config's `[adapters]`.
+    /// `model`, and requests for any of them share decode batches over the one base. Each
+    /// applies to the checkpoint's own weights, not to `--adapter`'s. Added to the config's
+    /// `[adapters]`.
     #[arg(long = "lora-module", value_name = "NAME=DIR")]
     lora_module: Vec<String>,
     /// Address to listen on (overrides the config's `listen`); port 0 picks a free port.
