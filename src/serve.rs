@@ -253,6 +253,16 @@ pub fn publish_version<C: PeerConnector>(
     Ok(announce(weights, blob, &plane.config().local_name))
 }
 
+/// As [`publish_version`], pinned: the blob is never evicted for others, only removed (a LoRA
+/// job's base, which rollout hosts that join later must still find).
+pub fn publish_pinned<C: PeerConnector>(
+    plane: &BulkPlane<C>,
+    weights: &VersionedWeights,
+) -> Result<WeightAnnounce, PublishError> {
+    let blob = plane.publish_pinned(Bytes::from(weights.bytes.clone()))?;
+    Ok(announce(weights, blob, &plane.config().local_name))
+}
+
 fn announce(
     weights: &VersionedWeights,
     blob: clawrl_actors::bulk::BlobId,

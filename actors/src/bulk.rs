@@ -419,15 +419,29 @@ impl<C: PeerConnector> BulkPlane<C> {
 
     /// Chunks and hashes `bytes`, stores it, and returns its id.
     pub fn publish(&self, bytes: Bytes) -> Result<BlobId, PublishError> {
+        self.store_blob(bytes, false)
+    }
+
+    /// As [`publish`](Self::publish), and the blob is never evicted to make room for others:
+    /// it stays until [`remove`](Self::remove)d (what peers must be able to fetch for as long
+    /// as a job runs, however many other blobs pass through the store meanwhile).
+    pub fn publish_pinned(&self, bytes: Bytes) -> Result<BlobId, PublishError> {
+        self.store_blob(bytes, true)
+    }
+
+    fn store_blob(&self, bytes: Bytes, pin: bool) -> Result<BlobId, PublishError> {
         let manifest = Arc::new(Manifest::build(&bytes, self.inner.config.chunk_size)?);
         let id = manifest.id();
         let mut store = lock(&self.inner.store);
         if store.contains(&id) {
             store.get(&id);
-            return Ok(id);
+        } else {
+            store.reserve(bytes.len() as u64)?;
+            store.commit(manifest, bytes);
         }
-        store.reserve(bytes.len() as u64)?;
-        store.commit(manifest, bytes);
+        if pin {
+            store.pin(&id);
+        }
         Ok(id)
     }
 

@@ -2,7 +2,8 @@
 //! counting also the bytes reserved by transfers in flight (whose size the manifest gives up
 //! front). Making room evicts the least recently used complete blobs; when eviction cannot make
 //! room the reservation is refused. Blobs can also be removed explicitly. Evicting a blob only
-//! drops the store's reference: a holder of its `Bytes` keeps it alive.
+//! drops the store's reference: a holder of its `Bytes` keeps it alive. A pinned blob is never
+//! evicted, only removed ([`Store::pin`]): what a job must keep serving until it ends.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -27,7 +28,7 @@ pub enum StoreError {
     Full {
         /// Blob size.
         size: u64,
-        /// Bytes free after evicting everything evictable.
+        /// Bytes free after evicting everything evictable (every blob not pinned).
         free: u64,
         /// Bytes reserved by transfers in flight.
         in_flight: u64,
@@ -38,6 +39,8 @@ struct Entry {
     manifest: Arc<Manifest>,
     bytes: Bytes,
     last_use: u64,
+    /// Never evicted (removed only explicitly).
+    pinned: bool,
 }
 
 /// A byte-bounded LRU store of complete blobs plus reservations for blobs in flight.
@@ -82,14 +85,29 @@ impl Store {
                 in_flight: self.reserved,
             });
         }
+        // Pinned blobs stay: refuse before evicting anything if the rest cannot make room.
+        let pinned: u64 = self
+            .blobs
+            .values()
+            .filter(|e| e.pinned)
+            .map(|e| e.bytes.len() as u64)
+            .sum();
+        if self.capacity - self.reserved - pinned < size {
+            return Err(StoreError::Full {
+                size,
+                free: self.capacity - self.reserved - pinned,
+                in_flight: self.reserved,
+            });
+        }
         let mut evicted = Vec::new();
         while self.stored + self.reserved + size > self.capacity {
             let oldest = self
                 .blobs
                 .iter()
+                .filter(|(_, e)| !e.pinned)
                 .min_by_key(|(_, e)| e.last_use)
                 .map(|(id, _)| *id)
-                .expect("stored bytes imply a stored blob");
+                .expect("unpinned stored bytes make the room, as checked");
             self.remove(&oldest);
             evicted.push(oldest);
         }
@@ -121,8 +139,14 @@ impl Store {
                 manifest,
                 bytes,
                 last_use: now,
+                pinned: false,
             },
         );
+    }
+
+    /// Keeps the stored blob `id` from eviction until it is removed; false if it is not stored.
+    pub(crate) fn pin(&mut self, id: &BlobId) -> bool {
+        self.blobs.get_mut(id).map(|e| e.pinned = true).is_some()
     }
 
     /// The blob's manifest and bytes, marking it recently used.
@@ -198,6 +222,30 @@ mod tests {
         assert!(s.contains(&a.0.id()) && s.contains(&d.0.id()));
         assert_eq!(s.stored_bytes(), 2500);
         assert_eq!(s.len(), 2);
+    }
+
+    #[test]
+    fn pinned_blobs_are_never_evicted_only_removed() {
+        let mut s = Store::new(3000);
+        let (a, b) = (blob(1000, 1), blob(1000, 2));
+        put(&mut s, &a);
+        put(&mut s, &b);
+        assert!(s.pin(&a.0.id()));
+        assert!(
+            !s.pin(&blob(10, 9).0.id()),
+            "only a stored blob can be pinned"
+        );
+        // `a` is the least recently used, but pinned: `b` goes instead.
+        assert_eq!(put(&mut s, &blob(2000, 3)), vec![b.0.id()]);
+        assert!(s.contains(&a.0.id()));
+        // No room without evicting `a`: refused, and nothing was evicted for it.
+        let before = s.len();
+        let e = s.reserve(2500).unwrap_err();
+        assert!(matches!(e, StoreError::Full { free: 2000, .. }), "{e}");
+        assert_eq!(s.len(), before);
+        // Removing is still possible.
+        assert!(s.remove(&a.0.id()));
+        assert_eq!(s.reserve(2500).unwrap().len(), 1);
     }
 
     #[test]

@@ -31,7 +31,7 @@ use crate::judge::JudgeAccess;
 use crate::model::model_to_safetensors;
 use crate::pipeline::parts::{JobParts, LoadedPolicy};
 use crate::pipeline::{sampling_params, RunError};
-use crate::serve::{publish_version, VersionWeights};
+use crate::serve::{publish_pinned, VersionWeights};
 use crate::train::learner::VersionedWeights;
 use crate::CpuAutodiff;
 
@@ -120,8 +120,9 @@ pub async fn run_placed_job(
             message: e.to_string(),
         })?,
     );
-    // A job that trains an adapter publishes its frozen base once; hosts fetch it when they
-    // start serving the job, then install each version's adapter over it.
+    // A job that trains an adapter publishes its frozen base once, pinned (versions and other
+    // jobs' blobs never evict it); hosts fetch it when they start serving the job, then install
+    // each version's adapter over it.
     let adapter = match policy.version_weights() {
         VersionWeights::Full => None,
         VersionWeights::Adapter { base, config } => {
@@ -131,7 +132,7 @@ pub async fn run_placed_job(
                     message: e.to_string(),
                 })?;
             let hash = blake3::hash(&weights).to_hex().to_string();
-            let base = publish_version(
+            let base = publish_pinned(
                 node.bulk(),
                 &VersionedWeights {
                     version: 0,
