@@ -15,6 +15,7 @@ pub mod loops;
 pub mod node;
 pub mod pki;
 pub mod rpc;
+pub mod stamp;
 pub mod transport;
 pub mod worker;
 

@@ -107,7 +107,7 @@ impl Node {
         match kind {
             StreamTag::Hello => self.serve_hello(conn, send, recv).await,
             StreamTag::ActorSession => {
-                self.start_node_session(send, recv, format!("{peer}@{from}"), true)
+                self.start_node_session(send, recv, &peer, format!("{peer}@{from}"), true)
             }
             StreamTag::Gossip => {
                 let r = tokio::time::timeout(
