@@ -419,6 +419,7 @@ pub async fn start_node_services(
             RolloutHost,
             RolloutHostArgs {
                 source: Arc::new(node.bulk().clone()),
+                node: node.name().to_string(),
             },
         )
         .await
@@ -446,6 +447,7 @@ pub async fn start_node_services(
             EnvHostArgs {
                 kind,
                 work_root: config.data_dir.join("env"),
+                node: node.name().to_string(),
             },
         )
         .await
