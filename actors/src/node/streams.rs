@@ -123,7 +123,7 @@ impl Node {
             }
             StreamTag::Cli => self.serve_cli(from, send, recv).await,
             StreamTag::Bulk => {
-                if let Err(e) = self.inner.bulk.serve_stream(send, recv).await {
+                if let Err(e) = self.inner.bulk.serve_stream(&peer, send, recv).await {
                     tracing::warn!("bulk stream from `{peer}` ({from}): {e}");
                 }
             }
