@@ -119,7 +119,10 @@ async fn measure(target: &ActorCell, payload: usize, width: usize, dur: Duration
 async fn call(actor: &ActorRef<Rpc>, body: &[u8]) {
     let request = body.to_vec();
     match actor
-        .call(|reply| Rpc { request, reply }, Some(Duration::from_secs(5)))
+        .call(
+            |reply| Rpc::local(request, reply),
+            Some(Duration::from_secs(5)),
+        )
         .await
         .unwrap()
     {
@@ -206,7 +209,13 @@ async fn setup_quic(dir: &std::path::Path) -> Setup {
         recv.read_exact(&mut tag).await.unwrap();
         assert_eq!(tag[0], StreamTag::ActorSession as u8);
         a2.cast(NodeServerMessage::ConnectionOpenedExternal {
-            stream: Box::new(QuicBidi::new(send, recv, "b".into(), "a".into())),
+            stream: Box::new(QuicBidi::new(
+                send,
+                recv,
+                "b".into(),
+                "b".into(),
+                "a".into(),
+            )),
             is_server: true,
         })
         .unwrap();
@@ -223,7 +232,13 @@ async fn setup_quic(dir: &std::path::Path) -> Setup {
         .await
         .unwrap();
     b.cast(NodeServerMessage::ConnectionOpenedExternal {
-        stream: Box::new(QuicBidi::new(send, recv, "a".into(), "b".into())),
+        stream: Box::new(QuicBidi::new(
+            send,
+            recv,
+            "a".into(),
+            "a".into(),
+            "b".into(),
+        )),
         is_server: false,
     })
     .unwrap();

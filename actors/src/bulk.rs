@@ -12,6 +12,7 @@
 //!   so a slow child costs no extra memory, and QUIC flow control paces each hop.
 //! - **Bounded.** Each node keeps blobs in a byte-bounded store (LRU eviction, explicit
 //!   [`BulkPlane::remove`]); a transfer reserves its size up front and is refused if it cannot.
+//!   The pushes of one peer hold at most [`BulkConfig::peer_quota`] bytes in flight.
 //! - **Defensive.** All wire input is validated (see [`wire`]); a misbehaving peer gets an
 //!   error on its stream, never a crash, and stalled streams time out.
 //!
@@ -83,6 +84,8 @@ pub struct BulkConfig {
     pub capacity: u64,
     /// Largest blob accepted from a peer.
     pub max_blob: u64,
+    /// Most bytes the pushes of one peer may hold reserved in the store at once.
+    pub peer_quota: u64,
     /// Children per relay node: 1 makes a chain, larger values a shallower tree.
     pub fanout: usize,
     /// A stream that makes no progress for this long is aborted.
@@ -90,13 +93,15 @@ pub struct BulkConfig {
 }
 
 impl BulkConfig {
-    /// Defaults for node `local_name`: 1 MiB chunks, an 8 GiB store, chain relaying.
+    /// Defaults for node `local_name`: 1 MiB chunks, an 8 GiB store, chain relaying, and one
+    /// largest blob in flight per pushing peer.
     pub fn new(local_name: impl Into<String>) -> BulkConfig {
         BulkConfig {
             local_name: local_name.into(),
             chunk_size: 1 << 20,
             capacity: 8 << 30,
             max_blob: 8 << 30,
+            peer_quota: 8 << 30,
             fanout: 1,
             stall_timeout: Duration::from_secs(30),
         }
@@ -353,6 +358,8 @@ struct Reservation {
     store: Arc<Mutex<Store>>,
     size: u64,
     committed: bool,
+    /// The peer whose push holds it, against its quota.
+    pusher: Option<String>,
 }
 
 impl Reservation {
@@ -365,8 +372,12 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
+        let mut store = lock(&self.store);
         if !self.committed {
-            lock(&self.store).release(self.size);
+            store.release(self.size);
+        }
+        if let Some(peer) = &self.pusher {
+            store.release_pushed(peer, self.size);
         }
     }
 }
@@ -528,7 +539,7 @@ impl<C: PeerConnector> BulkPlane<C> {
                 source,
             })?;
         let manifest = Arc::new(manifest);
-        let reservation = self.reserve(id, manifest.total_len)?;
+        let reservation = self.reserve(id, manifest.total_len, None)?;
         let (writer, _reader) = buffer::incoming(manifest.clone());
         let bytes = self.receive(id, peer, &mut recv, writer).await?;
         reservation.commit(manifest, bytes.clone());
@@ -576,11 +587,11 @@ impl<C: PeerConnector> BulkPlane<C> {
     /// Errors are the peer's fault or the network's; the node should log them and go on.
     pub async fn serve_stream(
         &self,
+        peer: &str,
         mut send: SendStream,
         mut recv: RecvStream,
     ) -> Result<(), TransferError> {
         let _ = send.set_priority(BULK_PRIORITY);
-        let peer = "incoming stream";
         let request: Request = self
             .stall(peer, "request", wire::read_frame(&mut recv, "bulk request"))
             .await?
@@ -592,7 +603,7 @@ impl<C: PeerConnector> BulkPlane<C> {
             Request::Fetch { id } => self.serve_fetch(id, send).await,
             Request::Push { manifest, forward } => {
                 let result = self
-                    .serve_push(manifest, forward, &mut send, &mut recv)
+                    .serve_push(peer, manifest, forward, &mut send, &mut recv)
                     .await;
                 if result.is_err() {
                     let _ = recv.stop(ABORT);
@@ -632,12 +643,12 @@ impl<C: PeerConnector> BulkPlane<C> {
 
     async fn serve_push(
         &self,
+        peer: &str,
         manifest: Manifest,
         forward: Vec<String>,
         send: &mut SendStream,
         recv: &mut RecvStream,
     ) -> Result<(), TransferError> {
-        let peer = "pushing peer";
         let id = manifest.id();
         let wire_err = |source| TransferError::Wire {
             peer: peer.to_owned(),
@@ -672,7 +683,7 @@ impl<C: PeerConnector> BulkPlane<C> {
                 (Source::Complete(bytes), None)
             }
             None => {
-                let reservation = match self.reserve(id, manifest.total_len) {
+                let reservation = match self.reserve(id, manifest.total_len, Some(peer)) {
                     Ok(r) => r,
                     Err(e) => {
                         let ack = PushAck::Refused(wire::clip_reason(e.to_string()));
@@ -890,10 +901,21 @@ impl<C: PeerConnector> BulkPlane<C> {
         Ok((send, recv))
     }
 
-    fn reserve(&self, id: BlobId, size: u64) -> Result<Reservation, TransferError> {
-        let evicted = lock(&self.inner.store)
-            .reserve(size)
-            .map_err(|source| TransferError::Store { blob: id, source })?;
+    /// Reserves `size` bytes of the store for blob `id`; a blob a peer pushes names it as
+    /// `pusher`, and is held to its quota ([`BulkConfig::peer_quota`]).
+    fn reserve(
+        &self,
+        id: BlobId,
+        size: u64,
+        pusher: Option<&str>,
+    ) -> Result<Reservation, TransferError> {
+        let mut store = lock(&self.inner.store);
+        let evicted = match pusher {
+            None => store.reserve(size),
+            Some(peer) => store.reserve_pushed(peer, self.inner.config.peer_quota, size),
+        }
+        .map_err(|source| TransferError::Store { blob: id, source })?;
+        drop(store);
         for old in evicted {
             tracing::info!(blob = %old.short(), "bulk store evicted blob to make room");
         }
@@ -901,6 +923,7 @@ impl<C: PeerConnector> BulkPlane<C> {
             store: self.inner.store.clone(),
             size,
             committed: false,
+            pusher: pusher.map(str::to_string),
         })
     }
 

@@ -17,8 +17,9 @@ use std::time::Duration;
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use serde::{Deserialize, Serialize};
 
+use crate::authority::{self, Need, Places};
 use crate::config::Role;
-use crate::rpc::{self, Rpc};
+use crate::rpc::{self, Caller, Rpc};
 use crate::worker::{MemberInfo, MemberReply, MemberRequest};
 
 /// What a validated job needs from the cluster.
@@ -111,7 +112,8 @@ pub enum ControlRequest {
     },
     /// All jobs.
     List,
-    /// A job's supervisor reports its counts (shown by `status`).
+    /// A job's supervisor reports its counts (shown by `status`); accepted only from the
+    /// job's trainer node.
     Progress {
         /// The job id.
         id: String,
@@ -201,6 +203,8 @@ pub struct ControlArgs {
     pub dir: PathBuf,
     /// The actor's label (for logs).
     pub label: String,
+    /// This node's name (the node of requests from this process).
+    pub node: String,
 }
 
 /// Control's state.
@@ -371,7 +375,7 @@ impl ControlState {
         self.jobs.iter().find(|(_, j)| j.id == id).map(|(k, _)| *k)
     }
 
-    async fn handle_request(&mut self, req: ControlRequest) -> ControlReply {
+    async fn handle_request(&mut self, req: ControlRequest, caller: &Caller) -> ControlReply {
         match req {
             ControlRequest::Submit { file, spec } => {
                 let needs = match self.args.validator.validate(&file, &spec) {
@@ -409,6 +413,12 @@ impl ControlState {
             }
             ControlRequest::Progress { id, counts } => match self.find(&id) {
                 Some(k) => {
+                    let from = caller.node(&self.args.node);
+                    let places = Places::of(&self.jobs[&k].placement);
+                    if let Err(e) = authority::check(&id, from, Need::Home, &places) {
+                        tracing::warn!(job = %id, "control: progress refused: {e}");
+                        return ControlReply::Error(e.to_string());
+                    }
                     let j = self.jobs.get_mut(&k).expect("found above");
                     let finished = counts.phase == crate::loops::job::JobPhase::Finished;
                     j.progress = Some(*counts);
@@ -438,7 +448,9 @@ impl ControlState {
                     let j = self.jobs.get_mut(&k).expect("found above");
                     if j.state != JobState::Cancelled {
                         j.state = JobState::Cancelled;
-                        j.placement = Placement::default();
+                        // The workers are freed; the trainer node stays on record, as the
+                        // home that drains the job and reports its final counts.
+                        j.placement.env_workers.clear();
                         tracing::info!("control: cancelled {id}");
                         self.persist();
                         // Freed workers may complete other jobs.
@@ -532,7 +544,7 @@ impl Actor for Control {
         state: &mut ControlState,
     ) -> Result<(), ActorProcessingErr> {
         let reply = match rpc::decode::<ControlRequest>(&msg.request) {
-            Ok(req) => state.handle_request(req).await,
+            Ok(req) => state.handle_request(req, &msg.caller).await,
             Err(e) => ControlReply::Error(format!("malformed control request: {e}")),
         };
         rpc::reply(msg.reply, &reply);
@@ -601,6 +613,7 @@ mod tests {
                 validator: Arc::new(AnySpec),
                 dir: dir.to_path_buf(),
                 label: "test".into(),
+                node: "here".into(),
             },
         )
         .await

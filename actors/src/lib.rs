@@ -6,6 +6,7 @@
 //! the group [`worker::Member`]s). Its configuration is [`config::NodeConfig`]; the CLI talks to
 //! a node through [`cli`].
 
+pub mod authority;
 pub mod bulk;
 pub mod cli;
 pub mod config;
@@ -15,6 +16,7 @@ pub mod loops;
 pub mod node;
 pub mod pki;
 pub mod rpc;
+pub mod stamp;
 pub mod transport;
 pub mod worker;
 

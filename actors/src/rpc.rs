@@ -1,8 +1,11 @@
-//! The one message type of clawrl's cluster-visible actors: a request as bytes with a reply port.
+//! The one message type of clawrl's cluster-visible actors: a request as bytes with a reply port,
+//! and who sent it.
 //!
 //! Requests and replies are `serde` types encoded with `bincode` 2, so the same actor answers
 //! local and remote callers; across nodes the message rides a `ractor_cluster` session as a
-//! serialized call.
+//! serialized call. The caller of a remote request is the node its session's certificate
+//! proves, stamped by the receiving node ([`crate::stamp`]), never a name the sender wrote: a
+//! remote request without that stamp is dropped.
 
 use std::time::Duration;
 
@@ -11,12 +14,53 @@ use ractor::{ActorCell, ActorRef, Message, RpcReplyPort};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-/// A request (`bincode` bytes) and where its reply (`bincode` bytes) goes.
+/// Who sent a request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Caller {
+    /// Code of this process (this node).
+    Local,
+    /// The node of that name, as its certificate proves.
+    Node(String),
+}
+
+impl Caller {
+    /// The caller's node name, `here` being this node's.
+    pub fn node<'a>(&'a self, here: &'a str) -> &'a str {
+        match self {
+            Caller::Local => here,
+            Caller::Node(n) => n,
+        }
+    }
+}
+
+impl std::fmt::Display for Caller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Caller::Local => f.write_str("this node"),
+            Caller::Node(n) => write!(f, "node `{n}`"),
+        }
+    }
+}
+
+/// A request (`bincode` bytes), where its reply (`bincode` bytes) goes, and who sent it.
 pub struct Rpc {
     /// The encoded request.
     pub request: Vec<u8>,
     /// The reply port.
     pub reply: RpcReplyPort<Vec<u8>>,
+    /// Who sent it.
+    pub caller: Caller,
+}
+
+impl Rpc {
+    /// A request sent from this process (the caller a remote receiver sees is stamped there).
+    pub fn local(request: Vec<u8>, reply: RpcReplyPort<Vec<u8>>) -> Self {
+        Rpc {
+            request,
+            reply,
+            caller: Caller::Local,
+        }
+    }
 }
 
 const VARIANT: &str = "clawrl.rpc";
@@ -27,6 +71,7 @@ impl Message for Rpc {
     }
 
     fn serialize(self) -> Result<SerializedMessage, BoxedDowncastErr> {
+        // The receiving node stamps the caller; whatever is sent here would be overwritten.
         Ok(SerializedMessage::Call {
             variant: VARIANT.to_string(),
             args: self.request,
@@ -41,11 +86,18 @@ impl Message for Rpc {
                 variant,
                 args,
                 reply,
-                ..
-            } if variant == VARIANT => Ok(Rpc {
-                request: args,
-                reply,
-            }),
+                metadata,
+            } if variant == VARIANT => {
+                let Some(node) = metadata.as_deref().and_then(crate::stamp::read_stamp) else {
+                    tracing::warn!("a remote request without its caller's stamp was dropped");
+                    return Err(BoxedDowncastErr);
+                };
+                Ok(Rpc {
+                    request: args,
+                    reply,
+                    caller: Caller::Node(node),
+                })
+            }
             _ => Err(BoxedDowncastErr),
         }
     }
@@ -98,7 +150,7 @@ pub async fn call<Req: Serialize, Resp: DeserializeOwned>(
     let actor: ActorRef<Rpc> = target.clone().into();
     let request = encode(req);
     let out = actor
-        .call(|reply| Rpc { request, reply }, Some(timeout))
+        .call(|reply| Rpc::local(request, reply), Some(timeout))
         .await
         .map_err(|e| CallError::Unreachable {
             target: name.clone(),

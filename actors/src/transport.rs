@@ -107,20 +107,30 @@ pub async fn open_tagged(
     Ok((send, recv))
 }
 
-/// A QUIC bidirectional stream carrying one `ractor_cluster` node session.
+/// A QUIC bidirectional stream carrying one `ractor_cluster` node session with an
+/// authenticated peer: what the peer sends is stamped with its node name ([`crate::stamp`]).
 pub struct QuicBidi {
     send: SendStream,
     recv: RecvStream,
+    caller: String,
     peer: String,
     local: String,
 }
 
 impl QuicBidi {
-    /// Wraps a stream pair (its tag byte already consumed or written).
-    pub fn new(send: SendStream, recv: RecvStream, peer: String, local: String) -> Self {
+    /// Wraps a stream pair (its tag byte already consumed or written) with node `caller`, the
+    /// name its certificate proves; `peer` and `local` are labels for logs.
+    pub fn new(
+        send: SendStream,
+        recv: RecvStream,
+        caller: String,
+        peer: String,
+        local: String,
+    ) -> Self {
         QuicBidi {
             send,
             recv,
+            caller,
             peer,
             local,
         }
@@ -129,7 +139,10 @@ impl QuicBidi {
 
 impl ClusterBidiStream for QuicBidi {
     fn split(self: Box<Self>) -> (BoxRead, BoxWrite) {
-        (Box::new(self.recv), Box::new(self.send))
+        (
+            crate::stamp::stamped_reader(self.recv, self.caller),
+            Box::new(self.send),
+        )
     }
     fn peer_label(&self) -> Option<String> {
         Some(self.peer.clone())

@@ -21,27 +21,27 @@ use std::time::Duration;
 use crate::util::*;
 use serde_json::Value;
 
-const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3-tiny");
+pub(crate) const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3-tiny");
 /// Generous: waits end as soon as their condition holds.
-const LONG: Duration = Duration::from_secs(240);
+pub(crate) const LONG: Duration = Duration::from_secs(240);
 /// The step limit jobs are submitted with: far more steps than a test ever waits for, so a
 /// job ends only after the test has set its real limit.
 const HELD_OPEN: u64 = 1_000_000;
 
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+pub(crate) static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-struct Cluster {
-    dir: tempfile::TempDir,
-    certs: PathBuf,
-    ports: BTreeMap<String, u16>,
+pub(crate) struct Cluster {
+    pub(crate) dir: tempfile::TempDir,
+    pub(crate) certs: PathBuf,
+    pub(crate) ports: BTreeMap<String, u16>,
     configs: BTreeMap<String, PathBuf>,
-    procs: BTreeMap<String, NodeProc>,
+    pub(crate) procs: BTreeMap<String, NodeProc>,
     extra: BTreeMap<String, Vec<String>>,
 }
 
 impl Cluster {
     /// Certificates for `names`; the first is the seed of the others.
-    fn new(names: &[&str]) -> Cluster {
+    pub(crate) fn new(names: &[&str]) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let certs = init_certs(dir.path(), names);
         let ports = names.iter().map(|n| (n.to_string(), free_port())).collect();
@@ -55,12 +55,29 @@ impl Cluster {
         }
     }
 
-    fn seed_port(&self) -> u16 {
+    pub(crate) fn seed_port(&self) -> u16 {
         *self.ports.values().next().unwrap()
     }
 
+    /// The usual four nodes, started and up: `ctl` (control), `tr` (trainer, judge), `r1`
+    /// (rollout) and `e1` (env, 4 scripted workers); certificates are made for `more` too.
+    pub(crate) fn one_of_each(more: &[&str]) -> Cluster {
+        let names: Vec<&str> = ["ctl", "tr", "r1", "e1"]
+            .iter()
+            .chain(more)
+            .copied()
+            .collect();
+        let mut c = Cluster::new(&names);
+        c.start("ctl", &["control"], None);
+        c.start("tr", &["trainer", "judge"], None);
+        c.start("r1", &["rollout"], None);
+        c.start("e1", &["env"], Some("scripted:4"));
+        c.wait_up(&[("clawrl.rollout", 1), ("clawrl.envhost.scripted", 1)]);
+        c
+    }
+
     /// Starts node `name` with `roles`, hosting environment workers `env` (`KIND:N`) if any.
-    fn start(&mut self, name: &str, roles: &[&str], env: Option<&str>) {
+    pub(crate) fn start(&mut self, name: &str, roles: &[&str], env: Option<&str>) {
         let port = self.ports[name];
         let seeds: Vec<u16> = if port == self.seed_port() {
             vec![]
@@ -84,21 +101,21 @@ impl Cluster {
     }
 
     /// (Re)starts node `name` with the config and options it was started with.
-    fn restart(&mut self, name: &str) {
+    pub(crate) fn restart(&mut self, name: &str) {
         let extra: Vec<&str> = self.extra[name].iter().map(|s| s.as_str()).collect();
         let p = NodeProc::start("node", &self.configs[name], &extra);
         self.procs.insert(name.into(), p);
     }
 
-    fn kill(&mut self, name: &str) {
+    pub(crate) fn kill(&mut self, name: &str) {
         self.procs.get_mut(name).unwrap().kill();
     }
 
-    fn control(&self) -> &Path {
+    pub(crate) fn control(&self) -> &Path {
         &self.configs[self.ports.keys().next().unwrap()]
     }
 
-    fn logs(&self) -> String {
+    pub(crate) fn logs(&self) -> String {
         let mut s = String::new();
         for (n, p) in &self.procs {
             s += &format!("---- {n}\n{}\n", p.log_text());
@@ -107,7 +124,7 @@ impl Cluster {
     }
 
     /// Waits until the control node sees every started node and the groups have `want` members.
-    fn wait_up(&self, want: &[(&str, usize)]) {
+    pub(crate) fn wait_up(&self, want: &[(&str, usize)]) {
         let n = self.configs.len();
         wait_for(LONG, || {
             view(self.control()).filter(|v| {
@@ -118,7 +135,7 @@ impl Cluster {
     }
 
     /// Waits until the control node sees the groups with `want` members after a node died.
-    fn wait_up_after_loss(&self, want: &[(&str, usize)]) {
+    pub(crate) fn wait_up_after_loss(&self, want: &[(&str, usize)]) {
         wait_for(LONG, || {
             view(self.control()).filter(|v| want.iter().all(|(g, k)| members(v, g).len() == *k))
         })
@@ -126,12 +143,17 @@ impl Cluster {
     }
 
     /// Writes the job spec and submits it, held open ([`HELD_OPEN`]); returns the job id.
-    fn submit(&self, parallelism: u32, checkpoint_every: u64) -> String {
+    pub(crate) fn submit(&self, parallelism: u32, checkpoint_every: u64) -> String {
         self.submit_with(parallelism, checkpoint_every, "")
     }
 
     /// [`submit`](Self::submit) with more `[policy]` keys.
-    fn submit_with(&self, parallelism: u32, checkpoint_every: u64, policy_keys: &str) -> String {
+    pub(crate) fn submit_with(
+        &self,
+        parallelism: u32,
+        checkpoint_every: u64,
+        policy_keys: &str,
+    ) -> String {
         let tasks = self.dir.path().join("tasks.jsonl");
         std::fs::write(
             &tasks,
@@ -184,7 +206,7 @@ max_steps = {HELD_OPEN}
     }
 
     /// The job's reported counts, once `ok` holds for them.
-    fn wait_counts(&self, job: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
+    pub(crate) fn wait_counts(&self, job: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
         wait_for(LONG, || {
             let out = clawrl(&[
                 "status",
@@ -204,7 +226,7 @@ max_steps = {HELD_OPEN}
     }
 
     /// Sets the job's step limit through Control.
-    fn limit(&self, job: &str, max_steps: u64) {
+    pub(crate) fn limit(&self, job: &str, max_steps: u64) {
         clawrl_ok(&[
             "limit",
             job,
@@ -217,7 +239,7 @@ max_steps = {HELD_OPEN}
 
     /// Once the job has made progress past `after` (more turns and more trainer steps), sets
     /// its step limit a few steps above where it stands; returns the limit.
-    fn finish_after_progress(&self, job: &str, after: &Value) -> u64 {
+    pub(crate) fn finish_after_progress(&self, job: &str, after: &Value) -> u64 {
         let (turns, steps) = (n(after, "turns"), n(&after["trainer"], "steps"));
         let now = self.wait_counts(job, "progress after the fault", |p| {
             p["turns"].as_u64().unwrap_or(0) > turns
@@ -228,12 +250,12 @@ max_steps = {HELD_OPEN}
         max_steps
     }
 
-    fn wait_finished(&self, job: &str) -> Value {
+    pub(crate) fn wait_finished(&self, job: &str) -> Value {
         self.wait_counts(job, "the job's end", |p| p["phase"] == "finished")
     }
 }
 
-fn n(v: &Value, key: &str) -> u64 {
+pub(crate) fn n(v: &Value, key: &str) -> u64 {
     v[key]
         .as_u64()
         .unwrap_or_else(|| panic!("no `{key}` in {v}"))
@@ -241,7 +263,7 @@ fn n(v: &Value, key: &str) -> u64 {
 
 /// Checks a finished job: it reached its stop condition without giving up, and its counts
 /// balance.
-fn assert_completed(c: &Value, max_steps: u64) {
+pub(crate) fn assert_completed(c: &Value, max_steps: u64) {
     assert!(c["gave_up"].is_null(), "{c}");
     let t = &c["trainer"];
     assert!(n(t, "steps") >= max_steps, "{c}");
@@ -399,12 +421,7 @@ fn a_restarted_trainer_node_resumes_the_job_from_its_checkpoint() {
 #[test]
 fn a_lora_job_across_nodes_serves_adapter_versions_over_a_base_fetched_once() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-    let mut c = Cluster::new(&["ctl", "tr", "r1", "e1"]);
-    c.start("ctl", &["control"], None);
-    c.start("tr", &["trainer", "judge"], None);
-    c.start("r1", &["rollout"], None);
-    c.start("e1", &["env"], Some("scripted:4"));
-    c.wait_up(&[("clawrl.rollout", 1), ("clawrl.envhost.scripted", 1)]);
+    let c = Cluster::one_of_each(&[]);
 
     let job = c.submit_with(
         4,
@@ -421,8 +438,18 @@ fn a_lora_job_across_nodes_serves_adapter_versions_over_a_base_fetched_once() {
     let log = c.procs["r1"].log_text();
     assert!(log.contains("serving the job's policy"), "{}", c.logs());
     // Versions above 0 exist only as adapters: r1 serving one means it attached it to the base.
-    let served: Vec<u64> = log
-        .lines()
+    let served = served_versions(&log);
+    assert!(
+        served.iter().any(|&v| v >= 2),
+        "r1 never served a trained adapter version ({served:?}):\n{}",
+        c.logs()
+    );
+    assert!(!log.contains("loading the weights failed"), "{}", c.logs());
+}
+
+/// The weight versions a rollout node's `log` says it served.
+pub(crate) fn served_versions(log: &str) -> Vec<u64> {
+    log.lines()
         .map(without_ansi)
         .filter(|l| l.contains("serving a new weight version"))
         .filter_map(|l| {
@@ -432,17 +459,11 @@ fn a_lora_job_across_nodes_serves_adapter_versions_over_a_base_fetched_once() {
                 .parse()
                 .ok()
         })
-        .collect();
-    assert!(
-        served.iter().any(|&v| v >= 2),
-        "r1 never served a trained adapter version ({served:?}):\n{}",
-        c.logs()
-    );
-    assert!(!log.contains("loading the weights failed"), "{}", c.logs());
+        .collect()
 }
 
 /// `line` without its terminal colour codes (`ESC [ ... m`).
-fn without_ansi(line: &str) -> String {
+pub(crate) fn without_ansi(line: &str) -> String {
     let mut out = String::with_capacity(line.len());
     let mut chars = line.chars();
     while let Some(ch) = chars.next() {

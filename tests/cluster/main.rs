@@ -4,6 +4,7 @@
 //! crates it tests.
 
 mod faults;
+mod intruder;
 mod jobs;
 mod mesh;
 mod tls;

@@ -3,7 +3,9 @@
 //! front). Making room evicts the least recently used complete blobs; when eviction cannot make
 //! room the reservation is refused. Blobs can also be removed explicitly. Evicting a blob only
 //! drops the store's reference: a holder of its `Bytes` keeps it alive. A pinned blob is never
-//! evicted, only removed ([`Store::pin`]): what a job must keep serving until it ends.
+//! evicted, only removed ([`Store::pin`]): what a job must keep serving until it ends. A blob a
+//! peer pushes reserves its size against that peer's quota too: the bytes one peer's pushes hold
+//! in flight are bounded, so one peer cannot take the whole store ([`Store::reserve_pushed`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -33,6 +35,18 @@ pub enum StoreError {
         /// Bytes reserved by transfers in flight.
         in_flight: u64,
     },
+    /// The pushing peer's transfers in flight already hold its quota.
+    #[error("peer `{peer}` holds {held} bytes of pushes in flight; {size} more would pass its quota of {quota} bytes")]
+    PeerQuota {
+        /// The pushing peer.
+        peer: String,
+        /// Bytes its pushes in flight hold.
+        held: u64,
+        /// Blob size.
+        size: u64,
+        /// Its quota.
+        quota: u64,
+    },
 }
 
 struct Entry {
@@ -50,6 +64,8 @@ pub(crate) struct Store {
     reserved: u64,
     clock: u64,
     blobs: HashMap<BlobId, Entry>,
+    /// Bytes reserved by each peer's pushes in flight (peers holding none are left out).
+    pushed: HashMap<String, u64>,
 }
 
 impl Store {
@@ -61,6 +77,7 @@ impl Store {
             reserved: 0,
             clock: 0,
             blobs: HashMap::new(),
+            pushed: HashMap::new(),
         }
     }
 
@@ -113,6 +130,39 @@ impl Store {
         }
         self.reserved += size;
         Ok(evicted)
+    }
+
+    /// [`reserve`](Self::reserve) for a blob `peer` pushes, refused when the peer's pushes in
+    /// flight would then hold more than `quota` bytes. The caller gives the peer's share back
+    /// with [`release_pushed`](Self::release_pushed) when the transfer ends, however it ends.
+    pub(crate) fn reserve_pushed(
+        &mut self,
+        peer: &str,
+        quota: u64,
+        size: u64,
+    ) -> Result<Vec<BlobId>, StoreError> {
+        let held = self.pushed.get(peer).copied().unwrap_or(0);
+        if held.saturating_add(size) > quota {
+            return Err(StoreError::PeerQuota {
+                peer: peer.to_string(),
+                held,
+                size,
+                quota,
+            });
+        }
+        let evicted = self.reserve(size)?;
+        *self.pushed.entry(peer.to_string()).or_insert(0) += size;
+        Ok(evicted)
+    }
+
+    /// Gives back `size` bytes of `peer`'s quota (its push ended).
+    pub(crate) fn release_pushed(&mut self, peer: &str, size: u64) {
+        if let Some(held) = self.pushed.get_mut(peer) {
+            *held = held.saturating_sub(size);
+            if *held == 0 {
+                self.pushed.remove(peer);
+            }
+        }
     }
 
     /// Gives back a reservation of `size` bytes (transfer failed or blob already stored).
@@ -263,6 +313,31 @@ mod tests {
         s.release(2000);
         assert_eq!(s.reserved_bytes(), 0);
         s.reserve(1500).unwrap();
+    }
+
+    #[test]
+    fn a_peer_holds_at_most_its_quota_in_flight() {
+        let mut s = Store::new(10_000);
+        s.reserve_pushed("p", 3000, 2000).unwrap();
+        assert_eq!(
+            s.reserve_pushed("p", 3000, 1500),
+            Err(StoreError::PeerQuota {
+                peer: "p".into(),
+                held: 2000,
+                size: 1500,
+                quota: 3000
+            })
+        );
+        // Another peer has its own quota.
+        s.reserve_pushed("q", 3000, 3000).unwrap();
+        // A push that ends gives its share back.
+        s.release_pushed("p", 2000);
+        s.release(2000);
+        s.reserve_pushed("p", 3000, 3000).unwrap();
+        assert_eq!(s.reserved_bytes(), 6000);
+        // A refused reservation takes nothing.
+        assert!(s.reserve_pushed("p", 3000, 1).is_err());
+        assert_eq!(s.reserved_bytes(), 6000);
     }
 
     #[test]

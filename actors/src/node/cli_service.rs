@@ -11,6 +11,7 @@ use quinn::{RecvStream, SendStream};
 
 use super::{Node, STREAM_HEAD_TIMEOUT};
 use crate::cli::{BlobRequest, CliReply, CliRequest, ClusterView, NodeView, PingResult};
+use crate::control::ControlRequest;
 use crate::rpc;
 use crate::transport;
 use crate::worker::{MemberReply, MemberRequest};
@@ -80,6 +81,12 @@ impl Node {
                     Ok(r) => CliReply::Blob(r),
                     Err(e) => CliReply::Error(e),
                 }
+            }
+            CliRequest::Control(ControlRequest::Progress { id, .. }) => {
+                tracing::warn!("{from}: the CLI reported progress of {id}; refused");
+                CliReply::Error(format!(
+                    "a job's progress is reported by its trainer node, not the CLI ({id})"
+                ))
             }
             CliRequest::Control(c) => {
                 let mut members = ractor::pg::get_members(&crate::groups::CONTROL.to_string());

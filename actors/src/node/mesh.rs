@@ -145,21 +145,23 @@ impl Node {
                     p.session_opened = Some(Instant::now());
                 }
                 let label = format!("{peer}@{}", conn.remote_address());
-                self.start_node_session(send, recv, label, false);
+                self.start_node_session(send, recv, peer, label, false);
             }
             Err(e) => tracing::warn!("peer `{peer}`: cannot open a node session stream: {e}"),
         }
     }
 
-    /// Hands a node session stream to the `NodeServer` (`is_server`: the peer opened it).
+    /// Hands a node session stream with admitted peer `peer` to the `NodeServer`
+    /// (`is_server`: the peer opened it); its requests are stamped as `peer`'s.
     pub(super) fn start_node_session(
         &self,
         send: SendStream,
         recv: RecvStream,
+        peer: &str,
         label: String,
         is_server: bool,
     ) {
-        let stream = QuicBidi::new(send, recv, label, self.inner.name.clone());
+        let stream = QuicBidi::new(send, recv, peer.to_string(), label, self.inner.name.clone());
         if let Err(e) = self
             .inner
             .node_server

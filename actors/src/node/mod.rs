@@ -254,6 +254,7 @@ impl Node {
                 validator: v.clone(),
                 dir: config.data_dir.join("control"),
                 label: format!("{}/control", config.name),
+                node: config.name.clone(),
             });
         }
         for e in &options.envs {

@@ -107,7 +107,7 @@ impl Node {
         match kind {
             StreamTag::Hello => self.serve_hello(conn, send, recv).await,
             StreamTag::ActorSession => {
-                self.start_node_session(send, recv, format!("{peer}@{from}"), true)
+                self.start_node_session(send, recv, &peer, format!("{peer}@{from}"), true)
             }
             StreamTag::Gossip => {
                 let r = tokio::time::timeout(
@@ -123,7 +123,7 @@ impl Node {
             }
             StreamTag::Cli => self.serve_cli(from, send, recv).await,
             StreamTag::Bulk => {
-                if let Err(e) = self.inner.bulk.serve_stream(send, recv).await {
+                if let Err(e) = self.inner.bulk.serve_stream(&peer, send, recv).await {
                     tracing::warn!("bulk stream from `{peer}` ({from}): {e}");
                 }
             }

@@ -27,6 +27,7 @@ pub(super) enum Child {
         validator: Arc<dyn JobValidator>,
         dir: std::path::PathBuf,
         label: String,
+        node: String,
     },
 }
 
@@ -140,6 +141,7 @@ async fn start_child(sup: ActorCell, c: &Child) -> Result<ActorCell, NodeError> 
             validator,
             dir,
             label,
+            node,
         } => {
             let (a, _) = Actor::spawn_linked(
                 Some(label.clone()),
@@ -148,6 +150,7 @@ async fn start_child(sup: ActorCell, c: &Child) -> Result<ActorCell, NodeError> 
                     validator: validator.clone(),
                     dir: dir.clone(),
                     label: label.clone(),
+                    node: node.clone(),
                 },
                 sup,
             )

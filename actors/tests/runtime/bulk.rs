@@ -1,6 +1,7 @@
 //! Bulk plane over real QUIC endpoints on loopback with mutual TLS: relayed broadcast arrives
 //! bit-exact and the source sends about one copy; corrupt chunks, unknown blobs, garbage and
-//! truncated streams are errors that name what is wrong, and the node keeps serving.
+//! truncated streams are errors that name what is wrong, and the node keeps serving; one peer's
+//! pushes in flight hold at most its quota of the store.
 
 use crate::loopback::{node, random_bytes, Book, Node, TestCa};
 use bytes::Bytes;
@@ -344,4 +345,55 @@ async fn receivers_store_is_bounded_evicting_old_blobs_and_refusing_oversized_on
     // The refusal left b's store as it was.
     assert!(b.plane.get(&id2).is_some());
     assert_eq!(b.plane.stats().reserved_bytes, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_pushes_in_flight_are_held_to_its_quota() {
+    let ca = TestCa::new();
+    let book = Book::default();
+    let a = node(&ca, &book, "a", config());
+    let mut capped = config();
+    capped.peer_quota = 4 * MIB as u64;
+    let b = node(&ca, &book, "b", capped);
+    let push = |data: &[u8]| Request::Push {
+        manifest: Manifest::build(data, MIB as u32).unwrap(),
+        forward: vec![],
+    };
+
+    // Peer `raw` announces 3 MiB and holds the reservation, sending nothing yet.
+    let first = random_bytes(3 * MIB, 12);
+    let (mut send1, mut recv1) = raw_stream(&ca, &b).await;
+    wire::write_frame(&mut send1, &push(&first)).await.unwrap();
+    let ack: PushAck = wire::read_frame(&mut recv1, "ack").await.unwrap();
+    assert_eq!(ack, PushAck::Send);
+    // Its second push would pass its quota: refused up front, naming the quota.
+    let (mut send2, mut recv2) = raw_stream(&ca, &b).await;
+    wire::write_frame(&mut send2, &push(&random_bytes(3 * MIB, 13)))
+        .await
+        .unwrap();
+    let ack: PushAck = wire::read_frame(&mut recv2, "ack").await.unwrap();
+    let PushAck::Refused(reason) = ack else {
+        panic!("the push past the quota was taken: {ack:?}")
+    };
+    assert!(
+        reason.contains("`raw`") && reason.contains("quota"),
+        "{reason}"
+    );
+    // Another peer has a quota of its own.
+    let other = Bytes::from(random_bytes(3 * MIB, 14));
+    let id = a.plane.publish(other.clone()).unwrap();
+    a.plane.broadcast(id, &["b".to_string()]).await.unwrap();
+    assert!(b.plane.get(&id).unwrap() == other);
+    // The held push completes, and gives its share back.
+    send1.write_all(&first).await.unwrap();
+    send1.finish().unwrap();
+    let done: PushDone = wire::read_frame(&mut recv1, "done").await.unwrap();
+    assert_eq!(done.delivered, vec!["b".to_string()], "{done:?}");
+    assert_eq!(b.plane.stats().reserved_bytes, 0);
+    let (mut send3, mut recv3) = raw_stream(&ca, &b).await;
+    wire::write_frame(&mut send3, &push(&random_bytes(4 * MIB, 15)))
+        .await
+        .unwrap();
+    let ack: PushAck = wire::read_frame(&mut recv3, "ack").await.unwrap();
+    assert_eq!(ack, PushAck::Send);
 }

@@ -37,10 +37,14 @@ impl TestCa {
         self.cert.der().clone()
     }
 
-    /// A certificate (valid for DNS name `name`) and key signed by this CA.
+    /// A certificate (valid for DNS name `name`, and naming `name` as its subject, which is the
+    /// peer name the bulk plane's quota counts against) and key signed by this CA.
     pub fn issue(&self, name: &str) -> (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>) {
         let key = rcgen::KeyPair::generate().unwrap();
-        let params = rcgen::CertificateParams::new(vec![name.to_string()]).unwrap();
+        let mut params = rcgen::CertificateParams::new(vec![name.to_string()]).unwrap();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, name);
         let cert = params.signed_by(&key, &self.cert, &self.key).unwrap();
         (
             vec![cert.der().clone()],
@@ -211,13 +215,15 @@ async fn accept_loop(
         tokio::spawn(async move {
             let Ok(conn) = incoming.await else { return };
             while let Ok((send, mut recv)) = conn.accept_bi().await {
-                let (plane, errors) = (plane.clone(), errors.clone());
+                let (plane, errors, conn) = (plane.clone(), errors.clone(), conn.clone());
                 tokio::spawn(async move {
                     let mut tag = [0u8; 1];
                     if recv.read_exact(&mut tag).await.is_err() || tag[0] != BULK_TAG {
                         return;
                     }
-                    if let Err(e) = plane.serve_stream(send, recv).await {
+                    let peer = clawrl_actors::transport::peer_name(&conn)
+                        .unwrap_or_else(|_| "unnamed".into());
+                    if let Err(e) = plane.serve_stream(&peer, send, recv).await {
                         errors.lock().unwrap().push(e.to_string());
                     }
                 });

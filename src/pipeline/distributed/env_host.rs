@@ -1,11 +1,17 @@
 //! The environment host: on a node started with `--env KIND:N`, it builds a job's environment
 //! from its spec and holds the episodes the job home drives over the wire.
+//!
+//! Only the job's home (its trainer node, as Control places it) may have the job's environment
+//! built and start its episodes ([`clawrl_actors::authority`]); an episode is stepped and
+//! closed only by the node that started it. Other callers are refused, and the refusal is
+//! logged.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use clawrl_actors::authority::{JobPlaces, Need, Refusal};
 use clawrl_actors::loops::{Environment, Episode};
 use clawrl_actors::rpc;
 use clawrl_actors::rpc::Rpc;
@@ -18,6 +24,8 @@ use crate::job::JobSpec;
 use crate::pipeline::build_env_in;
 
 struct OpenEpisode {
+    /// The node that started it: the only one that may step or close it.
+    owner: String,
     episode: tokio::sync::Mutex<Option<Box<dyn Episode>>>,
     last_used: Mutex<Instant>,
 }
@@ -33,6 +41,8 @@ pub struct EnvHostArgs {
     pub kind: EnvKind,
     /// Where its environments create their work dirs (`<data_dir>/env`).
     pub work_root: PathBuf,
+    /// This node's name.
+    pub node: String,
 }
 
 /// An [`EnvHost`]'s state.
@@ -43,6 +53,8 @@ pub struct EnvHostState {
     envs: HashMap<String, (String, Arc<dyn Environment>)>,
     episodes: Episodes,
     next: u64,
+    /// Where jobs run, to check callers.
+    places: JobPlaces,
 }
 
 impl EnvHostState {
@@ -119,6 +131,7 @@ impl Actor for EnvHost {
             envs: HashMap::new(),
             episodes,
             next: 1,
+            places: JobPlaces::new(args.node),
         })
     }
 
@@ -138,6 +151,29 @@ impl Actor for EnvHost {
                 return Ok(());
             }
         };
+        let caller = msg.caller.node(state.places.here()).to_string();
+        let checked = match &req {
+            EnvRequest::Describe { job, .. } | EnvRequest::Start { job, .. } => {
+                state.places.check(job, &msg.caller, Need::Home).await
+            }
+            EnvRequest::Step { episode, .. } | EnvRequest::Close { episode } => {
+                let owner = lock(&state.episodes)
+                    .get(episode)
+                    .map(|open| open.owner.clone());
+                match owner {
+                    Some(owner) if owner != caller => Err(Refusal::NotYourEpisode {
+                        episode: *episode,
+                        caller: caller.clone(),
+                    }),
+                    _ => Ok(()),
+                }
+            }
+        };
+        if let Err(e) = checked {
+            tracing::warn!(caller = %msg.caller, "environment host: request refused: {e}");
+            rpc::reply(msg.reply, &EnvReply::Failed(e.to_string()));
+            return Ok(());
+        }
         match req {
             EnvRequest::Describe { job, file, spec } => {
                 let reply = match state.environment(&job, &file, &spec) {
@@ -179,6 +215,7 @@ impl Actor for EnvHost {
                             lock(&episodes).insert(
                                 id,
                                 Arc::new(OpenEpisode {
+                                    owner: caller,
                                     episode: tokio::sync::Mutex::new(Some(ep)),
                                     last_used: Mutex::new(Instant::now()),
                                 }),

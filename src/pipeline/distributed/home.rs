@@ -420,6 +420,7 @@ pub async fn start_node_services(
             RolloutHost,
             RolloutHostArgs {
                 source: Arc::new(node.bulk().clone()),
+                node: node.name().to_string(),
             },
         )
         .await
@@ -447,6 +448,7 @@ pub async fn start_node_services(
             EnvHostArgs {
                 kind,
                 work_root: config.data_dir.join("env"),
+                node: node.name().to_string(),
             },
         )
         .await

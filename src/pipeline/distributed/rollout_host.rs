@@ -2,11 +2,16 @@
 //! engine, brought to each announced weight version over the bulk plane. For a job that trains a
 //! LoRA adapter, the host fetches the job's base once when it starts serving it, and each
 //! version is an adapter attached to that base.
+//!
+//! Only the job's home (its trainer node, as Control places it) may have a job served,
+//! announce its versions or release it; only nodes placed on the job may generate for it
+//! ([`clawrl_actors::authority`]). Other callers are refused, and the refusal is logged.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use clawrl_actors::authority::{JobPlaces, Need};
 use clawrl_actors::loops::{RolloutArgs, RolloutMsg, RolloutWorker, WeightSource};
 use clawrl_actors::rpc;
 use clawrl_actors::rpc::Rpc;
@@ -26,12 +31,16 @@ pub struct RolloutHost;
 pub struct RolloutHostArgs {
     /// Where announced versions are fetched (the node's bulk plane).
     pub source: Arc<dyn WeightSource>,
+    /// This node's name.
+    pub node: String,
 }
 
 /// A [`RolloutHost`]'s state: one worker per job.
 pub struct RolloutHostState {
     source: Arc<dyn WeightSource>,
     jobs: HashMap<String, Replica>,
+    /// Where jobs run, to check callers.
+    places: JobPlaces,
 }
 
 pub(super) const GENERATE_TIMEOUT: Duration = Duration::from_secs(600);
@@ -81,6 +90,7 @@ impl Actor for RolloutHost {
         Ok(RolloutHostState {
             source: args.source,
             jobs: HashMap::new(),
+            places: JobPlaces::new(args.node),
         })
     }
 
@@ -100,6 +110,16 @@ impl Actor for RolloutHost {
                 return Ok(());
             }
         };
+        let (job, need, what) = match &req {
+            RolloutRequest::Serve { job, .. } => (job, Need::Home, "Serve"),
+            RolloutRequest::Generate { job, .. } => (job, Need::Placed, "Generate"),
+            RolloutRequest::Release { job } => (job, Need::Home, "Release"),
+        };
+        if let Err(e) = state.places.check(job, &msg.caller, need).await {
+            tracing::warn!(job = %job, caller = %msg.caller, "rollout host: {what} refused: {e}");
+            rpc::reply(msg.reply, &RolloutReply::Refused(e.to_string()));
+            return Ok(());
+        }
         match req {
             RolloutRequest::Serve {
                 job,
