@@ -130,7 +130,8 @@ struct StepTimes {
     publish_ms: HashMap<u64, f64>,
 }
 
-fn samples(vocab: u32, version: u64, round: u32) -> Vec<TrainSample> {
+/// Two samples of job `job` for a learner at `version`, different every round.
+fn samples(job: &str, vocab: u32, version: u64, round: u32) -> Vec<TrainSample> {
     (0..2u32)
         .map(|i| {
             let ids = |n: u32, off: u32| -> Vec<u32> {
@@ -139,7 +140,7 @@ fn samples(vocab: u32, version: u64, round: u32) -> Vec<TrainSample> {
                     .collect()
             };
             TrainSample {
-                job: "bench".into(),
+                job: job.into(),
                 session_id: format!("s{i}"),
                 turn: round,
                 version,
@@ -318,7 +319,12 @@ async fn measure(shape: &str, replicas: usize, relay: bool, rounds: u32) -> Row 
     };
     for round in 1..=rounds {
         trainer
-            .cast(TrainerMsg::Samples(samples(vocab, round as u64 - 1, round)))
+            .cast(TrainerMsg::Samples(samples(
+                "bench",
+                vocab,
+                round as u64 - 1,
+                round,
+            )))
             .unwrap();
         let all = wait_all(&switches, round as u64, replicas).await;
         let t = times.lock().unwrap();

@@ -1,7 +1,9 @@
 //! The weight-update bench with every replica in its own OS process (`WU_MODE=procs` or `both`).
 //!
 //! The bench process is a real cluster node (`bench`, mutual TLS from `clawrl cluster init`) that
-//! runs the job's `Trainer` publishing on its bulk plane. Each replica is a child process
+//! runs the job's `Trainer` publishing on its bulk plane. It is also the cluster's Control, and
+//! each measured configuration is a job submitted to it, placed on `bench` as its home: rollout
+//! hosts take versions only from a job's home as Control records it. Each replica is a child process
 //! `clawrl node --config FILE` with the `rollout` role, joined to the bench node, running the
 //! `RolloutHost` a job's rollout nodes run. Per update: the learner steps, the trainer publishes
 //! and the bench offers the announce to every host with `RolloutRequest::Serve` (what
@@ -29,6 +31,7 @@ use clawrl::serve::{publish_version, VersionWeights};
 use clawrl::train::learner::VersionedWeights;
 use clawrl_actors::bulk::BulkConfig;
 use clawrl_actors::config::NodeConfig;
+use clawrl_actors::control::{ControlReply, ControlRequest, JobNeeds, JobValidator};
 use clawrl_actors::loops::{
     PolicyReplica, Subscriber, Trainer, TrainerArgs, TrainerConfig, TrainerEvent, TrainerMsg,
     WeightAnnounce,
@@ -78,10 +81,20 @@ impl Cluster {
         let refs: Vec<&str> = names.iter().map(String::as_str).collect();
         let certs = cluster_util::init_certs(dir.path(), &refs);
         let port = cluster_util::free_port();
-        let file =
-            cluster_util::write_config(dir.path(), "bench", port, &[], &["trainer"], Some(&certs));
+        let file = cluster_util::write_config(
+            dir.path(),
+            "bench",
+            port,
+            &[],
+            &["control", "trainer"],
+            Some(&certs),
+        );
         let config = NodeConfig::load(&file).expect("the bench node's config");
-        let node = Node::start(&config, NodeOptions::default())
+        let options = NodeOptions {
+            validator: Some(Arc::new(BenchJobs)),
+            ..NodeOptions::default()
+        };
+        let node = Node::start(&config, options)
             .await
             .expect("the bench node starts");
         Cluster {
@@ -100,6 +113,42 @@ impl Cluster {
     fn path(&self) -> &Path {
         self.dir.path()
     }
+}
+
+/// Control's view of a bench job: a trainer node and no environment workers (the bench feeds
+/// the trainer itself).
+struct BenchJobs;
+
+impl JobValidator for BenchJobs {
+    fn validate(&self, _file: &str, _text: &str) -> Result<JobNeeds, String> {
+        Ok(JobNeeds {
+            name: "weight-update bench".into(),
+            env_kind: "bench".into(),
+            env_parallelism: 0,
+        })
+    }
+}
+
+/// Submits a bench job to the bench node's Control; returns its id once Control has placed it
+/// on `bench`.
+async fn submit_job(shape: &str) -> String {
+    let control = ractor::pg::get_members(&clawrl_actors::groups::CONTROL.to_string())
+        .into_iter()
+        .next()
+        .expect("the bench node runs Control");
+    let submit = ControlRequest::Submit {
+        file: format!("{shape}.toml"),
+        spec: String::new(),
+    };
+    let reply: ControlReply = rpc::call(&control, &submit, Duration::from_secs(10))
+        .await
+        .expect("Control answers");
+    let ControlReply::Jobs(jobs) = reply else {
+        panic!("Control refused the bench job: {reply:?}");
+    };
+    let job = jobs.into_iter().next().expect("the submitted job");
+    assert_eq!(job.placement.trainer.as_deref(), Some("bench"), "{job:?}");
+    job.id
 }
 
 /// Children killed on drop (also when the bench panics).
@@ -262,8 +311,8 @@ pub async fn measure(cluster: &Cluster, shape: &str, replicas: usize, rounds: u3
             true
         })
     };
-    // The job `samples` names; each configuration has its own host processes.
-    let job = "bench".to_string();
+    // The job `samples` names, placed on `bench`; each configuration has its own host processes.
+    let job = submit_job(shape).await;
     let (trainer, _) = Actor::spawn(
         None,
         Trainer::<PolicyLearner>::new(),
@@ -328,7 +377,12 @@ pub async fn measure(cluster: &Cluster, shape: &str, replicas: usize, rounds: u3
     for round in 1..=rounds {
         let version = round as u64;
         trainer
-            .cast(TrainerMsg::Samples(samples(vocab, version - 1, round)))
+            .cast(TrainerMsg::Samples(samples(
+                &job,
+                vocab,
+                version - 1,
+                round,
+            )))
             .unwrap();
         let (announce, finished, bytes) = next(&mut rx, version).await;
         let finished = finished.expect("a stepped version has its step's end");
