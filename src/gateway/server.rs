@@ -8,9 +8,9 @@
 //! are configured: a missing or wrong key gets 401 from the headers alone, before the body is
 //! read, and the key found is the request's session [`Scope`]. Bodies over the limit get 413,
 //! malformed JSON 400, messages with keys the gateway does not understand 400, an unknown model
-//! 404 (the checkpoint's model id and the adapters' of `[adapters]`, less those the key may not
-//! use: to a scoped key they do not exist), a main request that would open more sessions than its key may have 429 with
-//! `Retry-After`; every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+//! 404 (the model ids are the checkpoint's and those of `[adapters]`, less those the key may not
+//! use: to a scoped key they do not exist), a main request that would open more sessions than
+//! its key may have 429 with `Retry-After`; every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 //! Each answer carries `session_id` (body field and `X-Session-Id` header): the one the request
 //! named, else the one inferred from the conversation it resends ([`super::infer`]), else a
 //! fresh one; see [`super::session`] for what is recorded. Each answer also carries the weight
