@@ -10,6 +10,10 @@
 //! - **Placed nodes may use it.** Requests that only use what a host serves for J (generate)
 //!   are accepted from the nodes Control placed on J: its trainer node and the nodes of its
 //!   environment workers ([`Need::Placed`]).
+//! - **Hosts serve jobs placed on them.** An environment host builds a job's environment and
+//!   starts its episodes only when Control placed the job's environment workers on its node
+//!   (or it is the home's own node), so a home cannot take capacity Control did not give it
+//!   ([`check_host`]).
 //! - **The caller is the certified node.** A caller is named by [`Caller`], which the transport
 //!   stamps from the peer's certificate; code in this process is this node.
 
@@ -83,6 +87,14 @@ pub enum Refusal {
         /// Why.
         reason: String,
     },
+    /// This host's node is not placed on the job.
+    #[error("job {job} is not placed on node `{node}`")]
+    HostNotPlaced {
+        /// The job.
+        job: String,
+        /// This host's node.
+        node: String,
+    },
     /// The caller did not open the episode it names.
     #[error("node `{caller}` did not start episode {episode}")]
     NotYourEpisode {
@@ -114,6 +126,18 @@ pub fn check(job: &str, caller: &str, need: Need, places: &Places) -> Result<(),
     }
 }
 
+/// Whether a host on node `here` may serve job `job`, the job running at `places`: its node
+/// holds environment workers placed on the job, or is the job's home.
+pub fn check_host(job: &str, here: &str, places: &Places) -> Result<(), Refusal> {
+    if places.env_nodes.contains(here) || places.home.as_deref() == Some(here) {
+        return Ok(());
+    }
+    Err(Refusal::HostNotPlaced {
+        job: job.to_string(),
+        node: here.to_string(),
+    })
+}
+
 /// How long what Control said of a job is trusted before it is asked again.
 pub const PLACES_TTL: Duration = Duration::from_secs(5);
 /// How long a host waits for Control's answer.
@@ -139,12 +163,17 @@ impl JobPlaces {
         &self.here
     }
 
-    /// Whether what is known of `job` at `now` admits `caller`: false when nothing fresh is
-    /// known or the caller does not fit it (then Control is asked again).
-    fn known_ok(&self, job: &str, caller: &str, need: Need, now: Instant) -> bool {
-        self.known.get(job).is_some_and(|(p, at)| {
-            now.duration_since(*at) < PLACES_TTL && check(job, caller, need, p).is_ok()
-        })
+    /// Whether what is known of `job` at `now` passes `rule`: false when nothing fresh is
+    /// known or the request does not fit it (then Control is asked again).
+    fn known_ok(
+        &self,
+        job: &str,
+        now: Instant,
+        rule: impl Fn(&Places) -> Result<(), Refusal>,
+    ) -> bool {
+        self.known
+            .get(job)
+            .is_some_and(|(p, at)| now.duration_since(*at) < PLACES_TTL && rule(p).is_ok())
     }
 
     /// Records what Control said of `job` at `now`.
@@ -157,17 +186,44 @@ impl JobPlaces {
     /// asked, its last answer still holds, however old.
     pub async fn check(&mut self, job: &str, caller: &Caller, need: Need) -> Result<(), Refusal> {
         let node = caller.node(&self.here).to_string();
-        if self.known_ok(job, &node, need, Instant::now()) {
+        self.ask_unless_known(job, |p| check(job, &node, need, p))
+            .await
+    }
+
+    /// As [`check`](Self::check), and this host's node must be placed on the job
+    /// ([`check_host`]).
+    pub async fn check_on_host(
+        &mut self,
+        job: &str,
+        caller: &Caller,
+        need: Need,
+    ) -> Result<(), Refusal> {
+        let node = caller.node(&self.here).to_string();
+        let here = self.here.clone();
+        self.ask_unless_known(job, |p| {
+            check(job, &node, need, p).and_then(|()| check_host(job, &here, p))
+        })
+        .await
+    }
+
+    /// `rule` over what is known of `job`, asking Control first unless a fresh answer already
+    /// passes it.
+    async fn ask_unless_known(
+        &mut self,
+        job: &str,
+        rule: impl Fn(&Places) -> Result<(), Refusal>,
+    ) -> Result<(), Refusal> {
+        if self.known_ok(job, Instant::now(), &rule) {
             return Ok(());
         }
         match ask_control(job).await {
             Ok(places) => {
-                let verdict = check(job, &node, need, &places);
+                let verdict = rule(&places);
                 self.learn(job, places, Instant::now());
                 verdict
             }
             Err(e @ Refusal::NoControl { .. }) => match self.known.get(job) {
-                Some((places, _)) => check(job, &node, need, places),
+                Some((places, _)) => rule(places),
                 None => Err(e),
             },
             Err(e) => {
@@ -244,6 +300,15 @@ mod tests {
     }
 
     #[test]
+    fn a_host_serves_only_jobs_placed_on_its_node() {
+        let p = places(Some("t"), &["e"]);
+        assert_eq!(check_host("job-1", "e", &p), Ok(()));
+        assert_eq!(check_host("job-1", "t", &p), Ok(()), "the home's own node");
+        let e = check_host("job-1", "f", &p).unwrap_err();
+        assert_eq!(e.to_string(), "job job-1 is not placed on node `f`");
+    }
+
+    #[test]
     fn placement_nodes_come_from_worker_labels() {
         let p = Places::of(&Placement {
             trainer: Some("t".into()),
@@ -257,13 +322,16 @@ mod tests {
         let mut v = JobPlaces::new("here");
         let t0 = Instant::now();
         v.learn("job-1", places(Some("t"), &[]), t0);
-        assert!(v.known_ok("job-1", "t", Need::Home, t0));
-        assert!(!v.known_ok("job-1", "x", Need::Home, t0), "asks again");
-        assert!(!v.known_ok("job-2", "t", Need::Home, t0), "unknown job");
+        let home = |caller: &'static str| move |p: &Places| check("job-1", caller, Need::Home, p);
+        assert!(v.known_ok("job-1", t0, home("t")));
+        assert!(!v.known_ok("job-1", t0, home("x")), "asks again");
+        assert!(!v.known_ok("job-2", t0, home("t")), "unknown job");
         assert!(
-            !v.known_ok("job-1", "t", Need::Home, t0 + PLACES_TTL),
+            !v.known_ok("job-1", t0 + PLACES_TTL, home("t")),
             "stale: asks again"
         );
+        // A host not placed on the job asks again too (it may just have been placed).
+        assert!(!v.known_ok("job-1", t0, |p| check_host("job-1", "here", p)));
         assert_eq!(Caller::Local.node(v.here()), "here");
     }
 }

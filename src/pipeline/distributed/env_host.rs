@@ -2,8 +2,9 @@
 //! from its spec and holds the episodes the job home drives over the wire.
 //!
 //! Only the job's home (its trainer node, as Control places it) may have the job's environment
-//! built and start its episodes ([`clawrl_actors::authority`]); an episode is stepped and
-//! closed only by the node that started it. Other callers are refused, and the refusal is
+//! built and start its episodes, and only on a host whose node Control placed the job on
+//! ([`clawrl_actors::authority`]); an episode is stepped and closed only by the node that
+//! started it. Other callers are refused, and the refusal is
 //! logged.
 
 use std::collections::HashMap;
@@ -154,7 +155,10 @@ impl Actor for EnvHost {
         let caller = msg.caller.node(state.places.here()).to_string();
         let checked = match &req {
             EnvRequest::Describe { job, .. } | EnvRequest::Start { job, .. } => {
-                state.places.check(job, &msg.caller, Need::Home).await
+                state
+                    .places
+                    .check_on_host(job, &msg.caller, Need::Home)
+                    .await
             }
             EnvRequest::Step { episode, .. } | EnvRequest::Close { episode } => {
                 let owner = lock(&state.episodes)
