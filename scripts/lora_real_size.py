@@ -234,8 +234,8 @@ def main():
     }
     try:
         summary = json.loads(stdout)
-        result["version_bytes"] = summary["trainer"].get("published_bytes")
-        result["gateway"] = summary["gateway"]
+        result["version_bytes"] = summary["agents"][0]["trainer"].get("published_bytes")
+        result["gateway"] = summary["agents"][0]["gateway"]
     except json.JSONDecodeError:
         result["error"] = f"the job died while stopping (status {child.returncode})"
         result["log_tail"] = "".join(log[-5:])

@@ -137,6 +137,27 @@ pub struct PolicySpec {
     /// (rollout hosts on other nodes fetch the base once over the bulk plane).
     #[serde(default)]
     pub lora: Option<crate::model::LoraConfig>,
+    /// One adapter per agent (`personal` jobs with `lora`): `agents = ["alice", "bob"]` trains
+    /// one adapter of `lora`'s shape for each name over the one frozen checkpoint. The gateway
+    /// serves each as its own model id (the checkpoint's own id is not served), and each has
+    /// its own sessions, judge results, trainer, versions, checkpoints and records under
+    /// `<run>/agents/<name>`; a turn trains only the adapter its request named. Empty (the
+    /// default): the job trains one policy, served under the checkpoint's id.
+    #[serde(default)]
+    pub agents: Vec<String>,
+}
+
+/// Most agents one job trains adapters for.
+pub const MAX_AGENTS: usize = 64;
+
+/// Whether `name` can name an agent: it is a model id, a directory name and a record-file
+/// prefix, so 1 to 64 ASCII letters, digits, `-`, `_` or `.`, not starting with `.`.
+pub fn valid_agent_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
 }
 
 /// Where judge votes come from.
@@ -628,6 +649,35 @@ impl JobSpec {
                 ),
             );
         }
+        if !p.agents.is_empty() {
+            if self.kind != JobKind::Personal || p.lora.is_none() {
+                return bad(
+                    "policy.agents",
+                    "one adapter per agent needs a `personal` job with `policy.lora`".into(),
+                );
+            }
+            if p.agents.len() > MAX_AGENTS {
+                return bad(
+                    "policy.agents",
+                    format!("{} agents; at most {MAX_AGENTS}", p.agents.len()),
+                );
+            }
+            let mut seen = std::collections::HashSet::new();
+            for a in &p.agents {
+                if !valid_agent_name(a) {
+                    return bad(
+                        "policy.agents",
+                        format!(
+                            "{a:?} is not an agent name (1 to 64 ASCII letters, digits, `-`, \
+                             `_` or `.`, not starting with `.`)"
+                        ),
+                    );
+                }
+                if !seen.insert(a.as_str()) {
+                    return bad("policy.agents", format!("{a:?} is named twice"));
+                }
+            }
+        }
         let j = &self.judge;
         if !(1..=64).contains(&j.votes) {
             return bad("judge.votes", format!("{} is not in 1..=64", j.votes));
@@ -810,10 +860,34 @@ impl JobSpec {
                     if !g.adapters.is_empty() {
                         return bad(
                             "gateway.adapters",
-                            "a personal job trains one policy and serves it alone; serve fixed \
-                             adapters beside a checkpoint with `clawrl serve`"
+                            "a personal job serves only what it trains (one adapter per agent \
+                             with `policy.agents`); serve fixed adapters beside a checkpoint \
+                             with `clawrl serve`"
                                 .into(),
                         );
+                    }
+                    if g.model_name.is_some() && !p.agents.is_empty() {
+                        return bad(
+                            "gateway.model_name",
+                            "with `policy.agents` the gateway serves the agents' names as its \
+                             model ids, and not the checkpoint"
+                                .into(),
+                        );
+                    }
+                    for (i, k) in g.scoped_keys.iter().enumerate() {
+                        let served = |m: &String| {
+                            if p.agents.is_empty() {
+                                g.model_name.as_ref().is_none_or(|n| n == m)
+                            } else {
+                                p.agents.contains(m)
+                            }
+                        };
+                        if let Some(m) = k.models.iter().find(|m| !served(m)) {
+                            return bad(
+                                "gateway.scoped_keys",
+                                format!("entry {i}: {m:?} is not a model id this job serves"),
+                            );
+                        }
                     }
                 }
             }
@@ -1253,6 +1327,56 @@ staleness = 2
 [stop]
 max_steps = 3
 "#;
+
+    #[test]
+    fn agents_need_a_personal_lora_job_and_names_that_are_ids_and_directories() {
+        let lora = "checkpoint = \"tests/fixtures/qwen3-tiny\"\n\
+                    lora = { r = 4, alpha = 8, targets = [\"q_proj\"] }";
+        let with = |agents: &str| {
+            PERSONAL.replace(
+                "checkpoint = \"tests/fixtures/qwen3-tiny\"",
+                &format!("{lora}\nagents = {agents}"),
+            )
+        };
+        let s = JobSpec::parse(&with("[\"alice\", \"bob-2\"]"), "p.toml").unwrap();
+        assert_eq!(s.policy.agents, ["alice", "bob-2"]);
+        // Without an adapter there is nothing per agent to train.
+        let no_lora = PERSONAL.replace(
+            "checkpoint = \"tests/fixtures/qwen3-tiny\"",
+            "checkpoint = \"tests/fixtures/qwen3-tiny\"\nagents = [\"a\"]",
+        );
+        assert!(err(&no_lora).contains("policy.agents"));
+        for bad in [
+            "[\"a\", \"a\"]",
+            "[\"../x\"]",
+            "[\".hidden\"]",
+            "[\"a b\"]",
+            "[\"\"]",
+        ] {
+            assert!(err(&with(bad)).contains("policy.agents"), "{bad}");
+        }
+        let many = (0..=MAX_AGENTS)
+            .map(|i| format!("\"a{i}\""))
+            .collect::<Vec<_>>();
+        assert!(err(&with(&format!("[{}]", many.join(",")))).contains("policy.agents"));
+        // The gateway serves the agents' ids: no checkpoint id, scoped keys name agents.
+        let named = with("[\"alice\"]").replace("api_keys", "model_name = \"m\"\napi_keys");
+        assert!(err(&named).contains("gateway.model_name"));
+        let scoped = |models: &str| {
+            format!(
+                "{}[[gateway.scoped_keys]]\nkey = \"s\"\nmodels = {models}\n",
+                with("[\"alice\", \"bob\"]")
+            )
+        };
+        assert!(JobSpec::parse(&scoped("[\"bob\"]"), "p.toml").is_ok());
+        assert!(err(&scoped("[\"carol\"]")).contains("gateway.scoped_keys"));
+        // An `rl` job has no agents.
+        let rl = GOOD.replace(
+            "[policy]\n",
+            "[policy]\nagents = [\"a\"]\nlora = { r = 4, alpha = 8, targets = [\"q_proj\"] }\n",
+        );
+        assert!(err(&rl).contains("policy.agents"), "{}", err(&rl));
+    }
 
     #[test]
     fn the_policy_device_is_parsed_and_only_personal_jobs_leave_the_cpu() {

@@ -331,49 +331,26 @@ async fn interrupted() {
 
 fn print_personal_table(r: &GatewayJobReport, out: &Path, balanced: bool) {
     let c = &r.counts;
-    let t = &r.trainer;
     let g = &r.serving;
-    let rows: Vec<(&str, String)> = vec![
-        ("job", format!("{} (method {})", r.job, r.method)),
+    let several = r.agents.len() > 1;
+    let models = r
+        .agents
+        .iter()
+        .map(|a| format!("{} (v{})", a.model, a.gateway.version))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut rows: Vec<(String, String)> = vec![
+        ("job".into(), format!("{} (method {})", r.job, r.method)),
         (
-            "gateway",
-            format!(
-                "http://{} model {}, serving v{} ({} switches, {} failed installs)",
-                r.addr, r.model, r.gateway.version, r.gateway.switches, r.gateway.failed_installs
-            ),
+            "gateway".into(),
+            format!("http://{} serving {models}", r.addr),
         ),
         (
-            "wall time",
+            "wall time".into(),
             format!("{:.1} s, stopped by {}", r.wall_s, r.stopped_by),
         ),
         (
-            "main turns",
-            format!(
-                "{} in {} sessions ({} with a next state; {} judged, {} unjudged; \
-                 {} votes failed, {} of them cut off at max_tokens)",
-                c.turns,
-                c.sessions_started,
-                r.turns_with_next_state,
-                c.judged,
-                c.unjudged,
-                c.votes_failed,
-                c.votes_truncated
-            ),
-        ),
-        (
-            "samples",
-            format!(
-                "{} produced = {} trained + {} dropped stale + {} failed + {} pending ({})",
-                t.produced,
-                t.trained,
-                t.dropped_stale,
-                t.failed,
-                t.pending,
-                if balanced { "balanced" } else { "NOT BALANCED" }
-            ),
-        ),
-        (
-            "sessions",
+            "sessions".into(),
             format!(
                 "{} opened = {} ended by their client + {} ended idle or at shutdown + {} open; \
                  {} turns abandoned mid-stream (never trained on); {} answers with a 5xx status",
@@ -386,24 +363,7 @@ fn print_personal_table(r: &GatewayJobReport, out: &Path, balanced: bool) {
             ),
         ),
         (
-            "trainer",
-            format!("{} steps, version {}", t.steps, t.version),
-        ),
-        ("train/serve gap", gap_line(t)),
-        (
-            "records",
-            format!(
-                "{} written, {} failed, in {}; at start {} torn lines cut, {} turns a crash \
-                 took before judging recorded as lost",
-                r.records.written,
-                c.records_failed,
-                r.records_dir.display(),
-                r.records.torn_lines_cut,
-                r.records.lost_by_crash
-            ),
-        ),
-        (
-            "turn files",
+            "turn files".into(),
             format!(
                 "{} answers journaled, {} complete turns written, {} write errors, in {}; at \
                  start {} torn lines cut, {} answered turns a crash took before their next \
@@ -416,14 +376,84 @@ fn print_personal_table(r: &GatewayJobReport, out: &Path, balanced: bool) {
                 g.lost_by_crash
             ),
         ),
-        (
-            "checkpoint",
-            r.final_checkpoint
-                .as_ref()
-                .map_or("none".into(), |p| p.display().to_string()),
-        ),
-        ("run dir", out.display().to_string()),
     ];
+    for a in &r.agents {
+        let c = &a.counts;
+        let t = &a.trainer;
+        let key = |k: &str| {
+            if several {
+                format!("{} {k}", a.model)
+            } else {
+                k.to_string()
+            }
+        };
+        let agent_balanced = t.produced == t.trained + t.dropped_stale + t.failed + t.pending;
+        rows.extend([
+            (
+                key("main turns"),
+                format!(
+                    "{} in {} sessions ({} with a next state; {} judged, {} unjudged; \
+                     {} votes failed, {} of them cut off at max_tokens)",
+                    c.turns,
+                    c.sessions_started,
+                    a.turns_with_next_state,
+                    c.judged,
+                    c.unjudged,
+                    c.votes_failed,
+                    c.votes_truncated
+                ),
+            ),
+            (
+                key("samples"),
+                format!(
+                    "{} produced = {} trained + {} dropped stale + {} failed + {} pending ({})",
+                    t.produced,
+                    t.trained,
+                    t.dropped_stale,
+                    t.failed,
+                    t.pending,
+                    if agent_balanced && balanced {
+                        "balanced"
+                    } else {
+                        "NOT BALANCED"
+                    }
+                ),
+            ),
+            (
+                key("trainer"),
+                format!(
+                    "{} steps, version {}; served v{} ({} switches, {} failed installs); \
+                     stopped by {}",
+                    t.steps,
+                    t.version,
+                    a.gateway.version,
+                    a.gateway.switches,
+                    a.gateway.failed_installs,
+                    a.stopped_by
+                ),
+            ),
+            (key("train/serve gap"), gap_line(t)),
+            (
+                key("records"),
+                format!(
+                    "{} written, {} failed, in {}; at start {} torn lines cut, {} turns a \
+                     crash took before judging recorded as lost",
+                    a.records.written,
+                    c.records_failed,
+                    a.records_dir.display(),
+                    a.records.torn_lines_cut,
+                    a.records.lost_by_crash
+                ),
+            ),
+            (
+                key("checkpoint"),
+                a.final_checkpoint
+                    .as_ref()
+                    .map_or("none".into(), |p| p.display().to_string()),
+            ),
+        ]);
+    }
+    rows.push(("run dir".into(), out.display().to_string()));
     let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
     println!("{:-<1$}", "", w + 60);
     for (k, v) in rows {

@@ -59,7 +59,7 @@ use crate::model::engine::{
 use crate::model::qwen3::Qwen3;
 use crate::model::sampling::{RawLogprobs, SamplingParams};
 use crate::model::tool_call::ToolCall;
-use crate::model::Checkpoint;
+use crate::model::{Checkpoint, LoraWeights};
 use crate::serve::ServedVersion;
 use crate::watch::dashboard::{self, DashboardSource};
 
@@ -99,6 +99,9 @@ struct AppState {
     /// The model ids served beside the checkpoint's, in `adapters` order (model index 1, 2, ...
     /// of a [`Scope`]; 0 is the checkpoint).
     adapters: Vec<AdapterModel>,
+    /// Whether the checkpoint itself is a model id (not when the gateway serves agents'
+    /// adapters over it: [`Gateway::for_agents`]).
+    base_served: bool,
     /// The dashboard's data: the run's records (when a job set them) and this gateway's state.
     dashboard: std::sync::OnceLock<Arc<DashboardSource>>,
     policy: GatewayPolicy,
@@ -202,6 +205,43 @@ impl Gateway {
         Qwen3<B>: Send + Sync,
         B::Device: Send + Sync,
     {
+        Self::build(ck, cfg, default_name, None)
+    }
+
+    /// Builds the gateway over a checkpoint's base that serves only `agents`: each name a
+    /// model id, its adapter attached to the base's engine as version `cfg.version` (requests
+    /// of every agent decode in the same batches), its later versions installed through
+    /// [`model_policy`](Self::model_policy). The checkpoint's own id is not served, so every
+    /// turn the gateway records is an agent's. `cfg.adapters` must be empty.
+    pub fn for_agents<B: Backend>(
+        ck: Checkpoint<B>,
+        cfg: GatewayConfig,
+        agents: Vec<(String, LoraWeights)>,
+    ) -> Result<Self, GatewayError>
+    where
+        Qwen3<B>: Send + Sync,
+        B::Device: Send + Sync,
+    {
+        if !cfg.adapters.is_empty() {
+            return Err(super::ConfigError::Invalid {
+                key: "adapters",
+                reason: "a gateway serving agents serves their adapters alone".into(),
+            }
+            .into());
+        }
+        Self::build(ck, cfg, "", Some(agents))
+    }
+
+    fn build<B: Backend>(
+        ck: Checkpoint<B>,
+        cfg: GatewayConfig,
+        default_name: &str,
+        agents: Option<Vec<(String, LoraWeights)>>,
+    ) -> Result<Self, GatewayError>
+    where
+        Qwen3<B>: Send + Sync,
+        B::Device: Send + Sync,
+    {
         cfg.validate()?;
         let stop_ids = ck.stop_token_ids();
         let Checkpoint {
@@ -271,12 +311,30 @@ impl Gateway {
                 ),
             });
         }
+        let base_served = agents.is_none();
+        for (name, weights) in agents.into_iter().flatten() {
+            if !super::valid_model_id(&name) || adapters.iter().any(|a| a.name == name) {
+                return Err(super::ConfigError::Invalid {
+                    key: "agents",
+                    reason: format!("{name:?} is not a model id, or is named twice"),
+                }
+                .into());
+            }
+            adapters.push(AdapterModel {
+                name,
+                policy: GatewayPolicy::attached(
+                    &policy,
+                    weights,
+                    cfg.version,
+                    update_config.clone(),
+                ),
+            });
+        }
         for (i, k) in cfg.scoped_keys.iter().enumerate() {
-            if let Some(m) = k
-                .models
-                .iter()
-                .find(|m| **m != model_name && !cfg.adapters.contains_key(*m))
-            {
+            let served = |m: &String| {
+                (base_served && *m == model_name) || adapters.iter().any(|a| a.name == *m)
+            };
+            if let Some(m) = k.models.iter().find(|m| !served(m)) {
                 return Err(super::ConfigError::Invalid {
                     key: "scoped_keys",
                     reason: format!("entry {i}: {m:?} is not a model id this gateway serves"),
@@ -289,6 +347,7 @@ impl Gateway {
             model_name,
             keys: cfg.accepted_keys(),
             adapters,
+            base_served,
             dashboard: std::sync::OnceLock::new(),
             policy,
             tokenizer,
@@ -315,9 +374,17 @@ impl Gateway {
         self.state.policy.clone()
     }
 
-    /// The model id clients must name.
+    /// The model id clients name for the checkpoint (not served by a gateway
+    /// [`for_agents`](Self::for_agents)).
     pub fn model_name(&self) -> &str {
         &self.state.model_name
+    }
+
+    /// The policy that serves model id `name` (an agent's or an adapter's), through which its
+    /// new versions are installed; `None` when no adapter has that id.
+    pub fn model_policy(&self, name: &str) -> Option<GatewayPolicy> {
+        let a = self.state.adapters.iter().find(|a| a.name == name)?;
+        Some(a.policy.clone())
     }
 
     /// The file turns of `version` are written to.
@@ -572,12 +639,30 @@ async fn require_key(State(s): State<Arc<AppState>>, mut req: Request, next: Nex
 }
 
 impl AppState {
+    /// Every model id served, with its policy, in model-index order.
+    fn served(&self) -> impl Iterator<Item = (&str, &GatewayPolicy)> {
+        let base = self
+            .base_served
+            .then_some((self.model_name.as_str(), &self.policy));
+        base.into_iter()
+            .chain(self.adapters.iter().map(|a| (a.name.as_str(), &a.policy)))
+    }
+
+    /// The first model id served, and its policy: what `/healthz`, `/metrics` and the dashboard
+    /// report the weight version of.
+    fn primary(&self) -> (&str, &GatewayPolicy) {
+        self.served()
+            .next()
+            .unwrap_or((self.model_name.as_str(), &self.policy))
+    }
+
     /// The model ids the key of `scope` may use, with their model index and policy: the
     /// checkpoint's first, then the adapters'.
     fn models_for(&self, scope: Scope) -> Vec<(u32, &str, &GatewayPolicy)> {
         std::iter::once((self.model_name.as_str(), &self.policy))
             .chain(self.adapters.iter().map(|a| (a.name.as_str(), &a.policy)))
             .enumerate()
+            .filter(|(i, _)| *i > 0 || self.base_served)
             .filter(|(_, (name, _))| self.keys.allows(scope, name))
             .map(|(i, (name, policy))| (i as u32, name, policy))
             .collect()
@@ -641,7 +726,7 @@ async fn dashboard_data(State(s): State<Arc<AppState>>) -> Response {
         (t.stats(), t.open_sessions())
     };
     let live = dashboard::Live {
-        version: s.policy.version(),
+        version: s.primary().1.version(),
         sessions_open: open as u64,
         sessions_started: st.started,
         main_turns: st.main_turns,
@@ -653,8 +738,15 @@ async fn dashboard_data(State(s): State<Arc<AppState>>) -> Response {
     dashboard::data_response(source, Some(live)).await
 }
 
+/// `model` and `version` are those of the first model id served; `models` lists each with the
+/// version it serves.
 async fn healthz(State(s): State<Arc<AppState>>) -> Response {
-    Json(json!({"status": "ok", "model": s.model_name, "version": s.policy.version()}))
+    let (model, policy) = s.primary();
+    let models: Vec<Json_> = s
+        .served()
+        .map(|(id, p)| json!({"id": id, "version": p.version()}))
+        .collect();
+    Json(json!({"status": "ok", "model": model, "version": policy.version(), "models": models}))
         .into_response()
 }
 
@@ -675,7 +767,7 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
         (t.stats(), t.open_sessions())
     };
     let sk = s.sink.stats();
-    let ps = s.policy.stats();
+    let ps = s.primary().1.stats();
     let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
     let extra = [
         (

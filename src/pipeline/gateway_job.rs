@@ -10,24 +10,37 @@
 //! `on_session_end`) comes from [`crate::gateway::Gateway::tap_turns`] as a one-turn episode,
 //! and is judged, built and trained on there, with the counts and stop rules of every job. Side
 //! turns are never recorded by the gateway, so never trained on; the gateway's turn files hold
-//! the full turns (the job's records pair a short `turn` record with each `judge` record). The job stops at `[stop]` (`max_steps`, `max_samples`, `max_hours`)
-//! or when `shutdown` resolves (Ctrl-C); then the gateway stops (its open sessions end and their
-//! last turns are offered), every turn in hand is finished, the trainer's step in flight
-//! completes and a final checkpoint is written.
+//! the full turns (the job's records pair a short `turn` record with each `judge` record).
+//!
+//! With `policy.agents`, the job is one such set of parts per agent over one load of the
+//! checkpoint: each agent's learner has its own adapter over the shared frozen base, and the
+//! gateway ([`Gateway::for_agents`]) serves each agent's adapter as its own model id, attached to
+//! the one base engine, so every agent's requests decode in the same batches. A recorded turn
+//! names the model id its request asked for, and goes to that agent's supervisor alone; since
+//! sessions are scoped by key and model id, no turn of one agent continues, or becomes the next
+//! state of, another's. Each agent stops by `[stop]` on its own counts; one that stopped first
+//! keeps taking its turns, as a job does while it drains, until every agent has stopped.
+//!
+//! The job stops at `[stop]` (`max_steps`, `max_samples`, `max_hours`) or when `shutdown`
+//! resolves (Ctrl-C); then the gateway stops (its open sessions end and their last turns are
+//! offered), every turn in hand is finished, the trainers' steps in flight complete and final
+//! checkpoints are written.
 
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use clawrl_actors::loops::{
     Action, JobCounts, JobMsg, JobPhase, LocalPublisher, Observation, PolicyTurn, ProgressReport,
-    RecorderStats, StepOutcome, StopCause, ToolCallAction, TrainerStats, Turn, TurnSource,
+    RecorderStats, StepOutcome, StopCause, ToolCallAction, TrainSample, TrainerStats, Turn,
+    TurnSource,
 };
+use ractor::ActorRef;
 use serde::Serialize;
 use serde_json::Value;
 
@@ -37,7 +50,8 @@ use super::RunError;
 use crate::device::CudaAutodiff;
 use crate::device::{Device, DeviceError};
 use crate::gateway::{
-    Gateway, GatewayConfig, GatewayCounts, GatewayError, PolicyStats, TurnEnd, TurnRecord,
+    Gateway, GatewayConfig, GatewayCounts, GatewayError, GatewayPolicy, PolicyStats, TurnEnd,
+    TurnRecord,
 };
 use crate::job::{JobKind, JobSpec};
 use crate::model::checkpoint::{load_config, load_tokenizer_files, Checkpoint};
@@ -102,39 +116,62 @@ pub struct GatewayJobReport {
     pub method: String,
     /// Where the gateway listened.
     pub addr: String,
-    /// The model id it served.
-    pub model: String,
-    /// Why the job stopped (`max_steps`, `max_samples`, `max_hours`, `interrupted`).
+    /// Why the job stopped (`max_steps`, `max_samples`, `max_hours`, `interrupted`): with
+    /// several agents, the first agent's that stopped by a rule.
     pub stopped_by: String,
-    /// The job's counters (`turns`: main turns recorded; `sessions_started`: distinct sessions).
+    /// The job's counters, every agent's summed ([`JobCounts::sum`]; `turns`: main turns
+    /// recorded; `sessions_started`: distinct sessions).
     pub counts: JobCounts,
     /// Of `turns`, those with a next state.
     pub turns_with_next_state: u64,
-    /// The trainer's counters at the end.
-    pub trainer: TrainerStats,
-    /// The gateway's weight versions at the end.
-    pub gateway: PolicyStats,
     /// What the gateway counted, read once it stopped: sessions, abandoned turns, 5xx answers,
     /// and what its start repaired after a crash (torn journal lines cut, answered turns
     /// recorded as lost).
     pub serving: GatewayCounts,
-    /// The recorder's counters.
-    pub records: RecorderStats,
-    /// Where records are.
-    pub records_dir: PathBuf,
-    /// Where the gateway's turn files are.
+    /// Where the gateway's turn files are (every agent's turns, each naming its model id).
     pub turns_dir: PathBuf,
-    /// The final checkpoint, if one was written.
-    pub final_checkpoint: Option<PathBuf>,
+    /// Each policy the job trained, in `policy.agents` order (one, under the checkpoint's
+    /// model id, without agents).
+    pub agents: Vec<AgentReport>,
     /// Wall time in seconds.
     pub wall_s: f64,
 }
 
+/// What one policy of a personal job did: the job's one policy, or one agent's adapter.
+#[derive(Clone, Debug, Serialize)]
+pub struct AgentReport {
+    /// The model id it was served as.
+    pub model: String,
+    /// Why its supervisor stopped.
+    pub stopped_by: String,
+    /// Its supervisor's counters.
+    pub counts: JobCounts,
+    /// Of `counts.turns`, those with a next state.
+    pub turns_with_next_state: u64,
+    /// Its trainer's counters at the end.
+    pub trainer: TrainerStats,
+    /// The gateway's versions of it at the end.
+    pub gateway: PolicyStats,
+    /// Its recorder's counters.
+    pub records: RecorderStats,
+    /// Where its records are.
+    pub records_dir: PathBuf,
+    /// Its final checkpoint, if one was written.
+    pub final_checkpoint: Option<PathBuf>,
+}
+
 impl GatewayJobReport {
-    /// Whether produced = trained + dropped_stale + failed + pending.
+    /// Whether produced = trained + dropped_stale + failed + pending, for every agent.
     pub fn balanced(&self) -> bool {
-        let t = &self.trainer;
-        t.produced == t.trained + t.dropped_stale + t.failed + t.pending
+        self.agents.iter().all(|a| {
+            let t = &a.trainer;
+            t.produced == t.trained + t.dropped_stale + t.failed + t.pending
+        })
+    }
+
+    /// The first (with one policy, the only) agent's report.
+    pub fn first(&self) -> &AgentReport {
+        &self.agents[0]
     }
 }
 
@@ -284,7 +321,22 @@ pub async fn run_gateway_job(
     }
 }
 
-/// [`run_gateway_job`] with the learner on autodiff backend `AB` and the gateway's copy of the
+/// One policy a personal job trains, running: its parts (recorder, teacher, trainer), its
+/// supervisor, and the gateway policy its versions install into.
+struct Agent {
+    /// The model id its turns name.
+    model: String,
+    /// Its run directory (the job's, or `<out>/agents/<name>`).
+    out: PathBuf,
+    parts: JobParts,
+    policy: GatewayPolicy,
+    job: ActorRef<JobMsg<TrainSample>>,
+    done: tokio::sync::oneshot::Receiver<JobCounts>,
+    phase: tokio::sync::watch::Receiver<JobPhase>,
+    with_next_state: Arc<AtomicU64>,
+}
+
+/// [`run_gateway_job`] with the learners on autodiff backend `AB` and the gateway's copy of the
 /// policy on its inner backend, both on `device`.
 async fn run_on<AB>(
     spec: &JobSpec,
@@ -302,116 +354,228 @@ where
     let started = Instant::now();
     let job_id = options.job_id.clone();
     let out = options.out.clone();
-    let policy = LoadedPolicy::<AB>::load(spec, device.clone())?;
-    let tokenizer = policy.tokenizer.clone();
+    let names = &spec.policy.agents;
+    // One learner per agent over one load of the checkpoint (one without agents).
+    let policies = LoadedPolicy::<AB>::load_many(spec, device.clone(), names.len().max(1))?;
+    let tokenizer = policies[0].tokenizer.clone();
+    let ckpt_dir = policies[0].ckpt_dir.clone();
 
-    // The gateway's copy, serving version 0 until the trainer publishes.
-    let cfg = gateway_config(spec, &out);
+    // The gateway's copy, serving version 0 until the trainers publish. It serves the learners'
+    // starting weights, sharing their tensors (a frozen LoRA base is then held once in this
+    // process); only the tokenizer files are read again.
+    let mut cfg = gateway_config(spec, &out);
     let turns_dir = cfg.data_dir.clone();
     let listen = cfg.listen;
-    // The gateway serves the learner's starting weights, sharing their tensors (a frozen LoRA
-    // base is then held once in this process); only the tokenizer files are read again.
-    let serve_ck = {
-        let ckpt = |e: crate::model::LoadError| RunError::Checkpoint {
-            path: policy.ckpt_dir.clone(),
-            message: e.to_string(),
-        };
-        let (tokenizer, chat_template, files) =
-            load_tokenizer_files(&policy.ckpt_dir).map_err(ckpt)?;
-        Checkpoint {
-            config: load_config(&policy.ckpt_dir).map_err(ckpt)?,
-            model: policy.serving_model(),
-            tokenizer,
+    let record_queue = cfg.record_queue;
+    let ckpt = |e: crate::model::LoadError| RunError::Checkpoint {
+        path: ckpt_dir.clone(),
+        message: e.to_string(),
+    };
+    let (tok, chat_template, files) = load_tokenizer_files(&ckpt_dir).map_err(ckpt)?;
+    let config = load_config(&ckpt_dir).map_err(ckpt)?;
+    let gateway = if names.is_empty() {
+        let serve_ck = Checkpoint {
+            config,
+            model: policies[0].serving_model(),
+            tokenizer: tok,
             chat_template,
             files,
+        };
+        let default_name = ckpt_dir
+            .canonicalize()
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "clawrl".into());
+        Gateway::new(serve_ck, cfg, &default_name)?
+    } else {
+        // The base once, each agent's adapter attached to its engine.
+        let lora = spec
+            .policy
+            .lora
+            .clone()
+            .ok_or_else(|| RunError::Checkpoint {
+                path: ckpt_dir.clone(),
+                message: "policy.agents without policy.lora".into(),
+            })?;
+        let mut adapters = Vec::with_capacity(names.len());
+        for (name, p) in names.iter().zip(&policies) {
+            let weights =
+                p.serving_model()
+                    .lora_weights(&lora)
+                    .map_err(|e| RunError::Checkpoint {
+                        path: ckpt_dir.clone(),
+                        message: format!("agent {name}: its adapter: {e}"),
+                    })?;
+            adapters.push((name.clone(), weights));
         }
+        cfg.adapter_versions = None;
+        let serve_ck = Checkpoint {
+            config,
+            model: policies[0].serving_model().without_lora(),
+            tokenizer: tok,
+            chat_template,
+            files,
+        };
+        Gateway::for_agents(serve_ck, cfg, adapters)?
     };
-    let default_name = policy
-        .ckpt_dir
-        .canonicalize()
-        .ok()
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-        .unwrap_or_else(|| "clawrl".into());
-    let record_queue = cfg.record_queue;
-    let gateway = Gateway::new(serve_ck, cfg, &default_name)?;
-    let model = gateway.model_name().to_string();
-    let gateway_policy = gateway.policy();
     let counter = gateway.counter();
     let mut tap = gateway
         .tap_turns(record_queue)
         .expect("a new gateway is not tapped");
 
-    // The trainer installs every version it publishes into the gateway while it serves.
-    let publisher = Arc::new(LocalPublisher {
-        source: "local".into(),
-    });
-    let subscribers = vec![gateway_policy.trainer_subscriber()];
-    let parts = JobParts::start(spec, file, &job_id, &out, policy, publisher, subscribers).await?;
-    let listener = match tokio::net::TcpListener::bind(listen).await {
-        Ok(l) => l,
-        Err(source) => {
-            parts.abort();
-            return Err(GatewayJobError::Bind {
-                addr: listen,
-                source,
-            });
+    // Each agent's parts: its trainer installs every version it publishes into the gateway's
+    // policy of its model id, while serving.
+    let mut started_parts: Vec<(String, PathBuf, JobParts, GatewayPolicy)> = Vec::new();
+    let abort_all = |parts: &[(String, PathBuf, JobParts, GatewayPolicy)]| {
+        for (_, _, p, _) in parts {
+            p.abort();
         }
     };
-    let addr = match listener.local_addr() {
-        Ok(a) => a,
-        Err(source) => {
-            parts.abort();
-            return Err(GatewayJobError::Bind {
-                addr: listen,
-                source,
-            });
-        }
-    };
-
-    // The job supervisor takes the gateway's completed main turns; the caller's progress
-    // report also tells this task when the supervisor stops taking new work.
-    let (phase_tx, mut phase_rx) = tokio::sync::watch::channel(JobPhase::Running);
-    let caller = options.progress.clone();
-    let progress: ProgressReport = Arc::new(move |c: &JobCounts| {
-        phase_tx.send_replace(c.phase);
-        if let Some(p) = &caller {
-            p(c);
-        }
-    });
-    let (job, done) = match parts
-        .spawn_job(TurnSource::Offered, Some(progress), options.poll)
+    for (i, policy) in policies.into_iter().enumerate() {
+        let (model, agent_out, agent_id, gateway_policy) = match names.get(i) {
+            None => (
+                gateway.model_name().to_string(),
+                out.clone(),
+                job_id.clone(),
+                gateway.policy(),
+            ),
+            Some(name) => (
+                name.clone(),
+                out.join("agents").join(name),
+                format!("{job_id}.{name}"),
+                gateway
+                    .model_policy(name)
+                    .expect("the gateway serves every agent"),
+            ),
+        };
+        let publisher = Arc::new(LocalPublisher {
+            source: "local".into(),
+        });
+        let subscribers = vec![gateway_policy.trainer_subscriber()];
+        let parts = match JobParts::start(
+            spec,
+            file,
+            &agent_id,
+            &agent_out,
+            policy,
+            publisher,
+            subscribers,
+        )
         .await
-    {
-        Ok(j) => j,
-        Err(e) => {
-            parts.abort();
-            return Err(e.into());
+        {
+            Ok(p) => p,
+            Err(e) => {
+                abort_all(&started_parts);
+                return Err(e.into());
+            }
+        };
+        started_parts.push((model, agent_out, parts, gateway_policy));
+    }
+    let bound = match tokio::net::TcpListener::bind(listen).await {
+        Ok(l) => l.local_addr().map(|a| (l, a)),
+        Err(e) => Err(e),
+    };
+    let (listener, addr) = match bound {
+        Ok(b) => b,
+        Err(source) => {
+            abort_all(&started_parts);
+            return Err(GatewayJobError::Bind {
+                addr: listen,
+                source,
+            });
         }
     };
 
-    // Serve.
-    gateway.dashboard_run(&out);
+    // Each agent's supervisor takes the gateway's completed main turns of its model id; the
+    // caller's progress report sees every agent's counts summed.
+    let latest = Arc::new(Mutex::new(vec![JobCounts::default(); started_parts.len()]));
+    let mut agents: Vec<Agent> = Vec::with_capacity(started_parts.len());
+    let mut parts_iter = started_parts.into_iter();
+    for (i, (model, agent_out, parts, policy)) in parts_iter.by_ref().enumerate() {
+        let (phase_tx, phase) = tokio::sync::watch::channel(JobPhase::Running);
+        let caller = options.progress.clone();
+        let latest = latest.clone();
+        let progress: ProgressReport = Arc::new(move |c: &JobCounts| {
+            phase_tx.send_replace(c.phase);
+            let total = {
+                let mut l = latest.lock().unwrap_or_else(|p| p.into_inner());
+                l[i] = c.clone();
+                JobCounts::sum(l.iter())
+            };
+            if let Some(p) = &caller {
+                p(&total);
+            }
+        });
+        match parts
+            .spawn_job(TurnSource::Offered, Some(progress), options.poll)
+            .await
+        {
+            Ok((job, done)) => agents.push(Agent {
+                model,
+                out: agent_out,
+                parts,
+                policy,
+                job,
+                done,
+                phase,
+                with_next_state: Arc::default(),
+            }),
+            Err(e) => {
+                parts.abort();
+                for (_, _, p, _) in parts_iter {
+                    p.abort();
+                }
+                for a in &agents {
+                    a.job.stop(None);
+                    a.parts.abort();
+                }
+                return Err(e.into());
+            }
+        }
+    }
+
+    // Serve. The dashboard shows the run's records; with agents each has its own (and its own
+    // TensorBoard directory), so the dashboard shows what the gateway knows now.
+    if names.is_empty() {
+        gateway.dashboard_run(&out);
+    }
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(gateway.serve(listener, async move {
         let _ = stop_rx.await;
     }));
     if let Some(f) = options.on_listening {
-        f(addr, &model);
+        let served = agents.iter().map(|a| a.model.as_str()).collect::<Vec<_>>();
+        f(addr, &served.join(","));
     }
 
-    // Completed main turns → the supervisor (judged, built, trained on there), in the order
-    // the gateway completed them; each session's turns are numbered from 0.
-    let with_next_state = Arc::new(AtomicU64::new(0));
+    // Completed main turns → the supervisor of the model id they name (judged, built, trained
+    // on there), in the order the gateway completed them; each session's turns are numbered
+    // from 0. A turn naming no agent cannot come from a gateway that serves only the agents.
     let consumer = {
-        let job = job.clone();
-        let with_next_state = with_next_state.clone();
+        let routes: Vec<(String, ActorRef<JobMsg<TrainSample>>, Arc<AtomicU64>)> = agents
+            .iter()
+            .map(|a| (a.model.clone(), a.job.clone(), a.with_next_state.clone()))
+            .collect();
+        let single = routes.len() == 1 && names.is_empty();
         tokio::spawn(async move {
-            let mut index: HashMap<String, u32> = HashMap::new();
+            let mut index: HashMap<(usize, String), u32> = HashMap::new();
             while let Some(rec) = tap.recv().await {
+                let Some(a) = (if single {
+                    Some(0)
+                } else {
+                    routes.iter().position(|(m, _, _)| *m == rec.model)
+                }) else {
+                    tracing::error!(
+                        model = %rec.model,
+                        "personal job: a served turn names no agent; it stays in the turn files"
+                    );
+                    continue;
+                };
+                let (_, job, with_next_state) = &routes[a];
                 if rec.next_state.is_some() {
                     with_next_state.fetch_add(1, Ordering::Relaxed);
                 }
-                let i = index.entry(rec.session_id.clone()).or_insert(0);
+                let i = index.entry((a, rec.session_id.clone())).or_insert(0);
                 let turn = turn_of(&rec, *i, &tokenizer);
                 *i += 1;
                 if let Err(e) = job.cast(JobMsg::Offer(Box::new(turn))) {
@@ -421,19 +585,27 @@ where
         })
     };
 
-    // Serve until the supervisor's stop condition or the shutdown signal.
+    // Serve until every supervisor's stop condition, or the shutdown signal. An agent that
+    // reached its condition first keeps taking its turns, as a job does while it drains.
     tokio::pin!(shutdown);
+    let all_stopped = async {
+        for a in &mut agents {
+            let _ = a.phase.wait_for(|p| *p != JobPhase::Running).await;
+        }
+    };
     let interrupted = tokio::select! {
         _ = &mut shutdown => {
-            let _ = job.cast(JobMsg::Stop);
+            for a in &agents {
+                let _ = a.job.cast(JobMsg::Stop);
+            }
             true
         }
-        _ = phase_rx.wait_for(|p| *p != JobPhase::Running) => false,
+        _ = all_stopped => false,
     };
 
     // Drain: stop serving (open sessions end and their last turns come through the tap), hand
-    // every turn in hand to the supervisor, then tell it no more come; it finishes judging and
-    // building, and waits for the trainer's step in flight.
+    // every turn in hand to the supervisors, then tell them no more come; they finish judging
+    // and building, and wait for their trainer's step in flight.
     let _ = stop_tx.send(());
     let mut errors = Vec::new();
     match server.await {
@@ -446,41 +618,68 @@ where
     if let Err(e) = consumer.await {
         errors.push(format!("the turn consumer failed: {e}"));
     }
-    let _ = job.cast(JobMsg::SourceClosed);
-    let counts = done.await.map_err(|_| RunError::Lost);
-    let finished = parts.finish().await;
-    // Versions published at the very end reach the gateway's policy handle too.
-    let gateway_stats = gateway_policy.stats();
-    let mut counts = counts?;
-    let finished = finished?;
+    for a in &agents {
+        let _ = a.job.cast(JobMsg::SourceClosed);
+    }
+    let mut reports = Vec::with_capacity(agents.len());
+    let mut failure = None;
+    for a in agents {
+        let counts = a.done.await.map_err(|_| RunError::Lost);
+        let finished = a.parts.finish().await;
+        // Versions published at the very end reach the gateway's policy handle too.
+        let gateway_stats = a.policy.stats();
+        let (counts, finished) = match (counts, finished) {
+            (Ok(c), Ok(f)) => (c, f),
+            (Err(e), _) | (_, Err(e)) => {
+                failure.get_or_insert(e);
+                continue;
+            }
+        };
+        let mut counts = counts;
+        counts.records_written = finished.records.written;
+        let stopped_by = match counts.stopped_by {
+            Some(StopCause::Requested) if interrupted => "interrupted",
+            Some(cause) => cause.name(),
+            None => "unknown",
+        };
+        reports.push(AgentReport {
+            model: a.model,
+            stopped_by: stopped_by.into(),
+            turns_with_next_state: a.with_next_state.load(Ordering::Relaxed),
+            counts,
+            trainer: finished.trainer,
+            gateway: gateway_stats,
+            records: finished.records,
+            records_dir: a.out.join("records"),
+            final_checkpoint: finished.final_checkpoint,
+        });
+    }
+    if let Some(e) = failure {
+        return Err(e.into());
+    }
+    let mut counts = JobCounts::sum(reports.iter().map(|r| &r.counts));
     for e in errors {
         tracing::error!("personal job: {e}");
         counts.last_error = Some(e);
     }
-    counts.records_written = finished.records.written;
     if let Some(p) = &options.progress {
         p(&counts);
     }
-    let stopped_by = match counts.stopped_by {
-        Some(StopCause::Requested) if interrupted => "interrupted",
-        Some(cause) => cause.name(),
-        None => "unknown",
+    let stopped_by = match reports.iter().find(|r| r.stopped_by != "unknown") {
+        _ if interrupted => "interrupted".to_string(),
+        Some(r) => r.stopped_by.clone(),
+        None => "unknown".into(),
     };
     Ok(GatewayJobReport {
         job: job_id,
         method: spec.method.kind.name().into(),
         addr: addr.to_string(),
-        model,
-        stopped_by: stopped_by.into(),
-        turns_with_next_state: with_next_state.load(Ordering::Relaxed),
+        stopped_by,
+        turns_with_next_state: reports.iter().map(|r| r.turns_with_next_state).sum(),
         counts,
-        trainer: finished.trainer,
-        gateway: gateway_stats,
         serving,
-        records: finished.records,
-        records_dir: out.join("records"),
         turns_dir,
-        final_checkpoint: finished.final_checkpoint,
+        agents: reports,
         wall_s: started.elapsed().as_secs_f64(),
     })
 }

@@ -68,37 +68,64 @@ impl<AB: AutodiffBackend> LoadedPolicy<AB> {
     /// with `policy.lora`, a fresh adapter seeded by the spec's seed is attached and only it
     /// trains.
     pub fn load(spec: &JobSpec, device: AB::Device) -> Result<Self, RunError> {
+        let mut loaded = Self::load_many(spec, device, 1)?;
+        Ok(loaded.remove(0))
+    }
+
+    /// `count` learners over one load of `policy.checkpoint` (one per agent of
+    /// `policy.agents`): with `policy.lora`, each gets its own fresh adapter (all seeded by the
+    /// spec's seed, so every agent starts from the same policy) over the checkpoint's tensors,
+    /// which they share, frozen, rather than copy.
+    pub fn load_many(
+        spec: &JobSpec,
+        device: AB::Device,
+        count: usize,
+    ) -> Result<Vec<Self>, RunError> {
         let ckpt_dir = spec.resolve(&spec.policy.checkpoint);
         let ck = load_checkpoint::<AB>(&ckpt_dir, &device).map_err(|e| RunError::Checkpoint {
             path: ckpt_dir.clone(),
             message: e.to_string(),
         })?;
         let stop_ids = ck.stop_token_ids();
-        let model = match &spec.policy.lora {
-            None => ck.model,
-            Some(lora) => ck
-                .model
-                .with_lora(&LoraWeights::fresh(lora, &ck.config, spec.seed))
-                .map_err(|e| RunError::Checkpoint {
-                    path: ckpt_dir.clone(),
-                    message: format!("attaching the adapter of `policy.lora`: {e}"),
-                })?,
-        };
-        let learner = BurnLearner::new(ck.config, model, train_config(spec), device, spec.seed);
+        let tokenizer = Arc::new(ck.tokenizer);
+        let template = Arc::new(ck.chat_template);
         let p = &spec.policy;
-        Ok(LoadedPolicy {
-            ckpt_dir,
-            tokenizer: Arc::new(ck.tokenizer),
-            template: Arc::new(ck.chat_template),
-            stop_ids,
-            model_config: learner.model_config().clone(),
-            engine: EngineOptions {
-                max_batch: p.max_batch as usize,
-                max_context: p.max_context as usize,
-                prefix_cache_bytes: (p.prefix_cache_mib as usize) << 20,
-            },
-            learner,
-        })
+        let engine = EngineOptions {
+            max_batch: p.max_batch as usize,
+            max_context: p.max_context as usize,
+            prefix_cache_bytes: (p.prefix_cache_mib as usize) << 20,
+        };
+        let mut loaded = Vec::with_capacity(count);
+        for _ in 0..count {
+            let model = match &spec.policy.lora {
+                None => ck.model.clone(),
+                Some(lora) => ck
+                    .model
+                    .clone()
+                    .with_lora(&LoraWeights::fresh(lora, &ck.config, spec.seed))
+                    .map_err(|e| RunError::Checkpoint {
+                        path: ckpt_dir.clone(),
+                        message: format!("attaching the adapter of `policy.lora`: {e}"),
+                    })?,
+            };
+            let learner = BurnLearner::new(
+                ck.config.clone(),
+                model,
+                train_config(spec),
+                device.clone(),
+                spec.seed,
+            );
+            loaded.push(LoadedPolicy {
+                ckpt_dir: ckpt_dir.clone(),
+                tokenizer: tokenizer.clone(),
+                template: template.clone(),
+                stop_ids: stop_ids.clone(),
+                model_config: learner.model_config().clone(),
+                engine,
+                learner,
+            });
+        }
+        Ok(loaded)
     }
 
     /// The learner's weights as they start (version 0), for a serving side in this process: its

@@ -681,13 +681,16 @@ fn a_personal_run_killed_under_load_loses_no_answer_and_resumes() {
     let s = run.stop();
 
     // The trainer resumed from the last checkpoint; versions count on.
-    let t = &s["trainer"];
+    let t = &s["agents"][0]["trainer"];
     assert_eq!(t["resumed_from"].as_u64(), Some(ck_version), "{t}");
     assert!(served_version > newest && t["version"].as_u64().unwrap() > newest);
 
     // Every file parses whole; the torn lines were cut and counted.
     assert_records_whole(&out);
-    assert_eq!(s["records"]["torn_lines_cut"].as_u64(), Some(torn_records));
+    assert_eq!(
+        s["agents"][0]["records"]["torn_lines_cut"].as_u64(),
+        Some(torn_records)
+    );
     let (served_after, torn) = journal(&data, "served");
     assert_eq!(torn, 0);
     let (turns_after, torn) = journal(&data, "turns");
@@ -737,7 +740,10 @@ fn a_personal_run_killed_under_load_loses_no_answer_and_resumes() {
         s["counts"]["samples_submitted"].as_u64().unwrap() + journal_samples,
         "{s}"
     );
-    assert_eq!(s["records"]["lost_by_crash"].as_u64(), Some(unsettled));
+    assert_eq!(
+        s["agents"][0]["records"]["lost_by_crash"].as_u64(),
+        Some(unsettled)
+    );
     assert_eq!(unsettled_turns(&out), 0, "a turn neither judged nor lost");
     eprintln!(
         "personal crash: {} answers ({} a second before the kill), {} served; checkpoint \

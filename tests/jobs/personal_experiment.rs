@@ -124,7 +124,7 @@ fn shortened_run_goes_through_the_gateway_judge_and_trainer_and_combined_improve
         );
         assert!(n(&c["judged"]) > 0, "{m}");
         // ... and trained on by its trainer, exactly to the measured version.
-        let t = &job["trainer"];
+        let t = &job["agents"][0]["trainer"];
         assert_eq!(n(&t["steps"]), UPDATES, "{m}: {t}");
         assert_eq!(n(&t["trained"]), UPDATES * batch, "{m}: {t}");
         assert_eq!(
@@ -135,7 +135,7 @@ fn shortened_run_goes_through_the_gateway_judge_and_trainer_and_combined_improve
         // New versions were installed while the users talked: at least two served them.
         let served = r["served_by_version"].as_object().unwrap();
         assert!(served.len() >= 2, "{m}: served by {served:?}");
-        assert!(n(&job["gateway"]["version"]) >= UPDATES, "{m}");
+        assert!(n(&job["agents"][0]["gateway"]["version"]) >= UPDATES, "{m}");
         // The measurements were answered by exactly the versions they name.
         let ms: Vec<u64> = r["measurements"]
             .as_array()
@@ -204,7 +204,10 @@ fn two_seeds_report_mean_std_and_each_seeds_scores_and_counts() {
         assert_eq!(runs.len(), 3, "seed {s}");
         for r in runs {
             assert_eq!(r["updates"].as_array().unwrap().len() as i64, UPDATES);
-            assert_eq!(r["job"]["trainer"]["steps"].as_i64(), Some(UPDATES));
+            assert_eq!(
+                r["job"]["agents"][0]["trainer"]["steps"].as_i64(),
+                Some(UPDATES)
+            );
         }
         assert!(out.join(format!("seed-{s}/results.json")).exists());
     }

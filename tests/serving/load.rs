@@ -391,9 +391,9 @@ fn a_hundred_sessions_for_a_minute_while_training_without_5xx_and_the_books_bala
     assert_eq!(n(&c["turns"]), n(&c["judged"]) + n(&c["unjudged"]), "{c}");
 
     // It trained while serving: a version it published answered a client.
-    let t = &s["trainer"];
+    let t = &s["agents"][0]["trainer"];
     assert!(n(&t["steps"]) >= 1, "{t}");
-    assert!(n(&s["gateway"]["switches"]) >= 1, "{s}");
+    assert!(n(&s["agents"][0]["gateway"]["switches"]) >= 1, "{s}");
     assert!(
         seen.newest_version >= 1,
         "no trained version answered a client"

@@ -260,7 +260,10 @@ fn stock_openclaw_trains_a_personal_job_by_talking_to_it() {
     assert_eq!(s["turns_with_next_state"], 3, "all but the last turn: {s}");
     assert_eq!(c["judged"], 3, "{s}");
     assert_eq!(s["balanced"], true, "{s}");
-    assert!(s["trainer"]["steps"].as_u64().unwrap() >= 1, "{s}");
+    assert!(
+        s["agents"][0]["trainer"]["steps"].as_u64().unwrap() >= 1,
+        "{s}"
+    );
 
     // The first step's two samples share OpenClaw's system prompt and tools (about 12k tokens
     // of each sample's 12k): the trainer ran that prefix once, not once per sample.

@@ -484,7 +484,7 @@ async fn a_personal_job_is_watched_in_a_browser_and_in_tensorboard() {
     let steps = step_records(&out);
     assert_eq!(
         steps.len() as u64,
-        summary["trainer"]["steps"].as_u64().unwrap(),
+        summary["agents"][0]["trainer"]["steps"].as_u64().unwrap(),
         "{summary}"
     );
     let tb = tensorboard_scalars(&out.join("tb"));

@@ -299,8 +299,8 @@ impl StopCause {
     }
 }
 
-/// Where the job is.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// Where the job is (ordered as a job goes through them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum JobPhase {
     /// Sessions run.
@@ -380,6 +380,119 @@ pub struct JobCounts {
 }
 
 impl JobCounts {
+    /// The counts of a job made of several supervisors (one per agent, each over its own
+    /// trainer), as one: every counter summed; the phase of the least advanced part; the longest
+    /// elapsed time; the newest trainer version; the first part's error, give-up reason and stop
+    /// cause that are set. The sum balances exactly when every part does, since each trainer
+    /// counter is summed.
+    pub fn sum<'a>(parts: impl IntoIterator<Item = &'a JobCounts>) -> JobCounts {
+        let mut total = JobCounts {
+            phase: JobPhase::Finished,
+            ..JobCounts::default()
+        };
+        let mut any = false;
+        for p in parts {
+            any = true;
+            let JobCounts {
+                phase,
+                elapsed_ms,
+                sessions_started,
+                sessions_running,
+                sessions_finished,
+                sessions_failed,
+                sessions_restarted,
+                sessions_lost,
+                turns,
+                judged,
+                unjudged,
+                votes_failed,
+                votes_truncated,
+                turns_settled,
+                episodes_built,
+                build_errors,
+                samples_submitted,
+                samples_refused,
+                trainer,
+                records_written,
+                records_waited,
+                records_failed,
+                last_error,
+                gave_up,
+                admission,
+                groups,
+                stopped_by,
+            } = p;
+            let t = &mut total;
+            t.phase = t.phase.min(*phase);
+            t.elapsed_ms = t.elapsed_ms.max(*elapsed_ms);
+            t.sessions_started += sessions_started;
+            t.sessions_running += sessions_running;
+            t.sessions_finished += sessions_finished;
+            t.sessions_failed += sessions_failed;
+            t.sessions_restarted += sessions_restarted;
+            t.sessions_lost += sessions_lost;
+            t.turns += turns;
+            t.judged += judged;
+            t.unjudged += unjudged;
+            t.votes_failed += votes_failed;
+            t.votes_truncated += votes_truncated;
+            t.turns_settled += turns_settled;
+            t.episodes_built += episodes_built;
+            t.build_errors += build_errors;
+            t.samples_submitted += samples_submitted;
+            t.samples_refused += samples_refused;
+            let TrainerCounts {
+                produced,
+                trained,
+                dropped_stale,
+                failed,
+                pending,
+                version,
+                steps,
+            } = trainer;
+            t.trainer.produced += produced;
+            t.trainer.trained += trained;
+            t.trainer.dropped_stale += dropped_stale;
+            t.trainer.failed += failed;
+            t.trainer.pending += pending;
+            t.trainer.version = t.trainer.version.max(*version);
+            t.trainer.steps += steps;
+            t.records_written += records_written;
+            t.records_waited += records_waited;
+            t.records_failed += records_failed;
+            if t.last_error.is_none() {
+                t.last_error.clone_from(last_error);
+            }
+            if t.gave_up.is_none() {
+                t.gave_up.clone_from(gave_up);
+            }
+            let a = &mut t.admission;
+            a.max_backlog += admission.max_backlog;
+            a.backlog += admission.backlog;
+            a.admitted += admission.admitted;
+            a.held += admission.held;
+            a.held_ms += admission.held_ms;
+            a.wait_expired += admission.wait_expired;
+            a.starts_deferred += admission.starts_deferred;
+            if let Some(g) = groups {
+                let s = t.groups.get_or_insert(GroupCounts {
+                    size: g.size,
+                    ..GroupCounts::default()
+                });
+                s.started += g.started;
+                s.built += g.built;
+                s.short += g.short;
+                s.dropped += g.dropped;
+                s.episodes_discarded += g.episodes_discarded;
+            }
+            t.stopped_by = t.stopped_by.or(*stopped_by);
+        }
+        if !any {
+            total.phase = JobPhase::Running;
+        }
+        total
+    }
+
     /// Whether the trainer's counts balance: produced = trained + dropped_stale + failed +
     /// pending.
     pub fn balanced(&self) -> bool {
@@ -1435,4 +1548,47 @@ pub async fn spawn_job<S: JobSample>(
     args.done = Some(tx);
     let (actor, _) = Actor::spawn(None, JobSupervisor::<S>::new(), args).await?;
     Ok((actor, rx))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn part(phase: JobPhase, turns: u64, produced: u64, trained: u64, version: u64) -> JobCounts {
+        JobCounts {
+            phase,
+            turns,
+            trainer: TrainerCounts {
+                produced,
+                trained,
+                pending: produced - trained,
+                version,
+                steps: version,
+                ..TrainerCounts::default()
+            },
+            ..JobCounts::default()
+        }
+    }
+
+    #[test]
+    fn a_sum_of_parts_counts_every_part_and_waits_for_the_slowest() {
+        let a = part(JobPhase::Finished, 3, 4, 4, 2);
+        let mut b = part(JobPhase::Draining, 5, 6, 2, 1);
+        b.stopped_by = Some(StopCause::MaxSteps);
+        b.last_error = Some("b".into());
+        let s = JobCounts::sum([&a, &b]);
+        assert_eq!(s.phase, JobPhase::Draining);
+        assert_eq!(s.turns, 8);
+        assert_eq!(s.trainer.produced, 10);
+        assert_eq!(s.trainer.pending, 4);
+        assert_eq!(s.trainer.steps, 3);
+        assert_eq!(s.trainer.version, 2, "the newest version, not a sum");
+        assert_eq!(s.stopped_by, Some(StopCause::MaxSteps));
+        assert_eq!(s.last_error.as_deref(), Some("b"));
+        assert!(s.balanced());
+        // One unbalanced part unbalances the sum.
+        b.trainer.pending = 0;
+        assert!(!JobCounts::sum([&a, &b]).balanced());
+        assert_eq!(JobCounts::sum([&a]), a);
+    }
 }
