@@ -1329,6 +1329,17 @@ max_steps = 3
 "#;
 
     #[test]
+    fn the_example_job_specs_are_valid() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+        for f in ["demo.toml", "personal_serve.toml", "personal_agents.toml"] {
+            let spec = JobSpec::load(&dir.join(f)).unwrap_or_else(|e| panic!("{e}"));
+            if f == "personal_agents.toml" {
+                assert_eq!(spec.policy.agents, ["alice", "bob"]);
+            }
+        }
+    }
+
+    #[test]
     fn agents_need_a_personal_lora_job_and_names_that_are_ids_and_directories() {
         let lora = "checkpoint = \"tests/fixtures/qwen3-tiny\"\n\
                     lora = { r = 4, alpha = 8, targets = [\"q_proj\"] }";
