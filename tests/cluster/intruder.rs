@@ -1,8 +1,9 @@
 //! A node with a valid cluster certificate that is not placed on a job tries to take the job
 //! over: it announces a weight version no real one can follow to the rollout host (every later
 //! version would be dropped as stale), the same with the job home's name written into the
-//! request as its caller, reports the job finished to Control, and starts an episode on the
-//! environment host. Each request is refused and the refusal is logged with the intruder's
+//! request as its caller, reports the job finished to Control, starts an episode on the
+//! environment host, and steps and closes an episode the job's home started there. Each request
+//! is refused and the refusal is logged with the intruder's
 //! name; the job trains on and completes with versions past the attack.
 //!
 //! The intruder is a node in the test process (so it can send what no `clawrl node` would);
@@ -172,6 +173,41 @@ fn a_node_not_placed_on_a_job_cannot_poison_or_finish_it() {
         Ok(EnvReply::Failed(e)) => assert!(e.contains("`mal` is not the home"), "{e}"),
         other => panic!("the intruder's episode started: {other:?}"),
     }
+    // The home's own episodes: its sessions keep episodes open on e1 while the job runs, so a
+    // scan of e1's episode ids (numbered from 1) meets open ones. Stepping one is refused as not
+    // the intruder's (an id that is not open is simply not there); closing the same one is then
+    // refused too, unless the home closed it in between (`Closed` also answers an id that is not
+    // open), in which case the scan goes on.
+    let not_mine = |e: &str, id: u64| e.contains(&format!("`mal` did not start episode {id}"));
+    let step = |id: u64| EnvRequest::Step {
+        episode: id,
+        action: "{\"content\": \"rm -rf /\", \"tool_calls\": [], \"raw\": \"\"}".into(),
+    };
+    let (mut steps_refused, mut closes_refused) = (0usize, 0usize);
+    let stolen = wait_for(LONG, || {
+        for id in 1..=100_000u64 {
+            match rt.block_on(rpc::call::<_, EnvReply>(&envhost, &step(id), CALL)) {
+                Ok(EnvReply::Failed(e)) if not_mine(&e, id) => steps_refused += 1,
+                Ok(EnvReply::Failed(e)) if e.contains("no open episode") => continue,
+                other => panic!("the intruder stepped episode {id}: {other:?}"),
+            }
+            let close = EnvRequest::Close { episode: id };
+            match rt.block_on(rpc::call::<_, EnvReply>(&envhost, &close, CALL)) {
+                Ok(EnvReply::Failed(e)) if not_mine(&e, id) => {
+                    closes_refused += 1;
+                    return Some(id);
+                }
+                Ok(EnvReply::Closed) => continue,
+                other => panic!("the intruder's close of episode {id}: {other:?}"),
+            }
+        }
+        None
+    });
+    assert!(
+        stolen.is_some(),
+        "the intruder never met an open episode:\n{}",
+        c.logs()
+    );
 
     // Each refusal is logged with the intruder's name.
     let r1 = c.procs["r1"].log_text();
@@ -191,7 +227,7 @@ fn a_node_not_placed_on_a_job_cannot_poison_or_finish_it() {
     let e1 = c.procs["e1"].log_text();
     assert_eq!(
         lines_with(&e1, &["request refused", "mal"]).len(),
-        1,
+        1 + steps_refused + closes_refused,
         "{}",
         c.logs()
     );

@@ -2,7 +2,8 @@
 //! a client speaking another ALPN, a client with no ALPN, and garbage datagrams. None of them
 //! gets in, and the node neither crashes nor stalls: a proper CLI request still succeeds. A
 //! connection with a valid cluster certificate that never said hello gets no blob from the bulk
-//! plane, and a CLI blob body that lies about its length is refused.
+//! plane, a CLI blob body that lies about its length is refused, and so is a job's progress
+//! reported by the CLI.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -272,5 +273,30 @@ async fn cli_blob_bodies_are_bounded_by_their_declared_length_and_the_cap() {
     assert_eq!(saved.len, data.len() as u64);
     assert_eq!(saved.blake3, blake3::hash(&data).to_hex().to_string());
     assert!(std::fs::read(&out).unwrap() == data);
+    node.shutdown().await;
+}
+
+/// A job's progress is reported to Control by its trainer node alone: the CLI's certificate may
+/// ask Control anything else, but a `Progress` (which could mark a job finished) is refused by
+/// the node before it reaches Control.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_cannot_report_a_jobs_progress() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), "progress-target");
+    let node = Node::start(&cfg, NodeOptions::default()).await.unwrap();
+    let ccfg = client_config(&cfg, &node);
+    let fake = CliRequest::Control(clawrl_actors::control::ControlRequest::Progress {
+        id: "job-1".into(),
+        counts: Box::new(clawrl_actors::loops::job::JobCounts {
+            phase: clawrl_actors::loops::job::JobPhase::Finished,
+            ..Default::default()
+        }),
+    });
+    match cli::request(&ccfg, &fake, Duration::from_secs(10)).await {
+        Ok(CliReply::Error(e)) => assert!(e.contains("reported by its trainer node"), "{e}"),
+        other => panic!("the CLI's progress report was not refused: {other:?}"),
+    }
+    // The node still answers the CLI.
+    cli_works(&ccfg).await;
     node.shutdown().await;
 }
