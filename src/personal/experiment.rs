@@ -52,13 +52,14 @@ use thiserror::Error;
 use tokio::sync::{watch, Notify};
 
 use super::corpus::Split;
-use super::sft::{warm_start, SftError, SftOutcome, SftSettings};
+use super::sft::{warm_start, SftError, SftSettings};
 use super::style::{satisfies, UserKind};
 use crate::env::personal::{PersonalEnv, PersonalEnvError, UserSettings};
 use crate::job::{JobSpec, JobSpecError, MethodKind};
 use crate::pipeline::gateway_job::{
     run_gateway_job, GatewayJobError, GatewayJobOptions, GatewayJobReport,
 };
+use crate::train::warm_start::SftOutcome;
 use crate::train::TrainConfig;
 
 /// The job kind of an experiment file.

@@ -40,7 +40,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use super::prm::judge_step;
-use super::sft::{warm_start, SftError, SftOutcome, SftSettings};
+use super::sft::{warm_start, SftError, SftSettings};
 use super::tasks::{task_sets, GenTask};
 use super::tokenizer::continuation_ids;
 use crate::env::reward::{
@@ -54,6 +54,7 @@ use crate::model::{
 use crate::pipeline::policy::action_of;
 use crate::rl::{Aggregation, EpisodeKind};
 use crate::train::learner::{BurnLearner, StepError};
+use crate::train::warm_start::SftOutcome;
 use crate::train::{Sample, TrainConfig};
 use crate::watch::scalars::{JudgedPoint, ScalarWriter, StepPoint};
 use clawrl_actors::loops::{Environment, Episode};

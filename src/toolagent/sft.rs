@@ -1,8 +1,7 @@
-//! The warm start of the tool-call experiment: a small seeded Qwen3 policy
-//! ([`crate::personal::sft::seeded_init`]) supervised-trained on generated transcripts
-//! ([`super::corpus`]) of train-split tasks, saved as a Hugging Face checkpoint directory with
-//! the tokenizer and chat template of [`super::tokenizer`], cached under the hash of its
-//! settings (a second run with the same settings reuses it).
+//! The warm start of the tool-call experiment ([`crate::train::warm_start`]): a small seeded
+//! Qwen3 policy supervised-trained on generated transcripts ([`super::corpus`]) of train-split
+//! tasks, saved with the tokenizer and chat template of [`super::tokenizer`], cached under the
+//! hash of its settings and tasks.
 //!
 //! One transcript is one learner sample: the prompt is the rendered question, the response is
 //! everything after it (policy messages, each ended by the stop token, and the tool messages
@@ -15,11 +14,9 @@
 //! one learner step is then one supervised step on the token-mean NLL of the policy's tokens
 //! (scaled by a constant).
 
-use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::path::Path;
 
-use burn::module::AutodiffModule;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -30,9 +27,9 @@ use super::tasks::GenTask;
 use super::tokenizer::{
     build_tokenizer, chat_template, continuation_ids, tokenizer_files, TokenizerError, IM_END,
 };
-use crate::model::{save_checkpoint_dir, ChatError, ChatTemplate, Qwen3Config, SaveError};
-use crate::train::learner::{BurnLearner, StepError};
-use crate::train::{Sample, TrainConfig};
+use crate::model::{ChatError, ChatTemplate, Qwen3Config};
+use crate::train::warm_start::{ModelShape, SftOutcome, WarmStart, WarmStartError};
+use crate::train::Sample;
 
 /// The constant the per-token weight `L / 32` divides by (see the module doc).
 pub const TOKEN_WEIGHT_SCALE: f32 = 32.0;
@@ -103,63 +100,26 @@ pub enum SftError {
     /// Tokenizing or the chat template failed.
     #[error("sft: {0}")]
     Chat(#[from] ChatError),
-    /// A training step failed.
-    #[error("sft step {step}: {source}")]
-    Step {
-        /// The step.
-        step: usize,
-        /// The cause.
-        source: StepError,
-    },
-    /// The checkpoint could not be written.
-    #[error("sft: writing the checkpoint: {0}")]
-    Save(#[from] SaveError),
-    /// A file operation failed.
-    #[error("sft: {path}: {source}")]
-    Io {
-        /// The path.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
+    /// Training or caching failed.
+    #[error(transparent)]
+    Run(#[from] WarmStartError),
 }
 
 impl SftSettings {
     /// Checks every value.
     pub fn validate(&self) -> Result<(), SftError> {
-        let bad = |key, reason: &str| {
-            Err(SftError::Setting {
-                key,
-                reason: reason.to_string(),
-            })
-        };
-        for (key, v) in [
-            ("layers", self.layers),
-            ("hidden", self.hidden),
-            ("heads", self.heads),
-            ("kv_heads", self.kv_heads),
-            ("intermediate", self.intermediate),
-            ("batch_size", self.batch_size),
-        ] {
-            if v == 0 {
-                return bad(key, "must be at least 1");
-            }
-        }
-        if !self.hidden.is_multiple_of(self.heads) || !(self.hidden / self.heads).is_multiple_of(2)
+        let bad = |key, reason: String| Err(SftError::Setting { key, reason });
+        if let Err((key, reason)) = self
+            .shape()
+            .validate(128, "a two-call transcript takes about 150 tokens")
         {
-            return bad("heads", "hidden / heads must be a whole, even head width");
+            return bad(key, reason);
         }
-        if !self.heads.is_multiple_of(self.kv_heads) {
-            return bad("kv_heads", "must divide heads");
-        }
-        if self.max_positions < 128 {
-            return bad(
-                "max_positions",
-                "must be at least 128 (a two-call transcript takes about 150 tokens)",
-            );
+        if self.batch_size == 0 {
+            return bad("batch_size", "must be at least 1".into());
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
-            return bad("lr", "must be a finite number > 0");
+            return bad("lr", "must be a finite number > 0".into());
         }
         for (key, v) in [
             ("mixture.direct_rate", self.mixture.direct_rate),
@@ -167,24 +127,27 @@ impl SftSettings {
             ("mixture.slip_rate", self.mixture.slip_rate),
         ] {
             if !(0.0..=1.0).contains(&v) {
-                return bad(key, "must lie in [0, 1]");
+                return bad(key, "must lie in [0, 1]".into());
             }
         }
         Ok(())
     }
 
-    /// The model config for a vocabulary of `vocab` pieces with stop token `eos`.
-    pub fn model_config(&self, vocab: usize, eos: u32) -> Qwen3Config {
-        crate::personal::sft::SftSettings {
+    /// The policy's shape.
+    pub fn shape(&self) -> ModelShape {
+        ModelShape {
             layers: self.layers,
             hidden: self.hidden,
             heads: self.heads,
             kv_heads: self.kv_heads,
             intermediate: self.intermediate,
             max_positions: self.max_positions,
-            ..Default::default()
         }
-        .model_config(vocab, eos)
+    }
+
+    /// The model config for a vocabulary of `vocab` pieces with stop token `eos`.
+    pub fn model_config(&self, vocab: usize, eos: u32) -> Qwen3Config {
+        self.shape().model_config(vocab, eos)
     }
 }
 
@@ -268,19 +231,6 @@ impl Encoder {
     }
 }
 
-/// What [`warm_start`] produced.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct SftOutcome {
-    /// The checkpoint directory.
-    pub dir: PathBuf,
-    /// Whether it came from the cache.
-    pub cached: bool,
-    /// Seconds spent (0 when cached).
-    pub seconds: f64,
-    /// Mean NLL of the policy's tokens on a fixed held-aside batch at the end.
-    pub final_nll: f64,
-}
-
 /// The cached warm start for `settings` over the train tasks `train` (its cache key covers
 /// both), trained first when absent or when `force`.
 pub fn warm_start(
@@ -297,117 +247,25 @@ pub fn warm_start(
         });
     }
     let key_text = serde_json::to_string(&(RECIPE_VERSION, settings, train)).expect("serializes");
-    let key = blake3::hash(key_text.as_bytes()).to_hex()[..16].to_string();
-    let dir = cache_dir.join(format!("sft-{key}"));
-    if !force && dir.join("model.safetensors").exists() {
-        if let Ok(text) = std::fs::read_to_string(dir.join("sft.json")) {
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
-                if v.get("settings") == Some(&json!(settings)) {
-                    return Ok(SftOutcome {
-                        dir,
-                        cached: true,
-                        seconds: 0.0,
-                        final_nll: v["final_nll"].as_f64().unwrap_or(f64::NAN),
-                    });
-                }
-            }
-        }
-    }
-    let started = Instant::now();
     let enc = Encoder::new()?;
-    let cfg = settings.model_config(enc.tokenizer.get_vocab_size(true), enc.stop);
-    let train_cfg = TrainConfig {
-        lr: settings.lr,
-        weight_decay: 0.0,
-        kl_coef: 0.0,
+    let run = WarmStart {
+        cache_dir,
+        key: blake3::hash(key_text.as_bytes()).to_hex()[..16].to_string(),
+        recipe_version: RECIPE_VERSION,
+        settings: json!(settings),
+        config: settings.model_config(enc.tokenizer.get_vocab_size(true), enc.stop),
+        seed: settings.seed,
+        draw_salt: 0x70_01a6,
+        steps: settings.steps,
         batch_size: settings.batch_size,
-        ..TrainConfig::default()
+        lr: settings.lr,
+        probe: 32,
+        log_every: 100,
+        tokenizer_files: tokenizer_files(),
     };
-    let model = crate::personal::sft::seeded_init(&cfg, settings.seed);
-    let mut learner: BurnLearner =
-        BurnLearner::new(cfg, model, train_cfg, Default::default(), settings.seed);
-    let mut rng = ChaCha8Rng::seed_from_u64(settings.seed ^ 0x70_01a6);
-    let mut probe_rng = ChaCha8Rng::seed_from_u64(settings.seed ^ 0x9e37);
-    let draw = |rng: &mut ChaCha8Rng| -> Result<Sample, SftError> {
+    run.run(force, |rng: &mut ChaCha8Rng| {
         let task = &train[rng.random_range(0..train.len())];
         enc.sample(&transcript(task, &settings.mixture, rng))
-    };
-    let probe: Vec<Sample> = (0..32)
-        .map(|_| draw(&mut probe_rng))
-        .collect::<Result<_, _>>()?;
-    let nll = |learner: &BurnLearner| -> Result<f64, SftError> {
-        let lps = learner
-            .logprobs(&probe)
-            .map_err(|source| SftError::Step { step: 0, source })?;
-        let (mut sum, mut n) = (0f64, 0usize);
-        for (lp, s) in lps.iter().zip(&probe) {
-            for (l, a) in lp.iter().zip(&s.advantages) {
-                if *a > 0.0 {
-                    sum -= *l as f64;
-                    n += 1;
-                }
-            }
-        }
-        Ok(sum / n.max(1) as f64)
-    };
-    for step in 0..settings.steps {
-        let batch: Vec<Sample> = (0..settings.batch_size)
-            .map(|_| draw(&mut rng))
-            .collect::<Result<_, _>>()?;
-        learner
-            .step(&batch)
-            .map_err(|source| SftError::Step { step, source })?;
-        if (step + 1) % 100 == 0 {
-            tracing::info!(
-                step = step + 1,
-                of = settings.steps,
-                nll = nll(&learner)?,
-                secs = started.elapsed().as_secs_f64(),
-                "toolagent sft"
-            );
-        }
-    }
-    let final_nll = nll(&learner)?;
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| SftError::Io { path, source }
-    };
-    std::fs::create_dir_all(cache_dir).map_err(io(cache_dir))?;
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let tmp = cache_dir.join(format!(
-        "sft-{key}.tmp-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&tmp);
-    save_checkpoint_dir(
-        &tmp,
-        learner.model_config(),
-        &learner.policy().valid(),
-        &tokenizer_files(),
-    )?;
-    let seconds = started.elapsed().as_secs_f64();
-    let stamp = serde_json::to_string_pretty(&json!({
-        "recipe_version": RECIPE_VERSION,
-        "settings": settings,
-        "final_nll": final_nll,
-        "seconds": seconds,
-    }))
-    .expect("json serializes");
-    std::fs::write(tmp.join("sft.json"), stamp).map_err(io(&tmp))?;
-    let _ = std::fs::remove_dir_all(&dir);
-    if let Err(e) = std::fs::rename(&tmp, &dir) {
-        // A concurrent warm start with the same settings put its identical result first.
-        let _ = std::fs::remove_dir_all(&tmp);
-        if !dir.join("sft.json").exists() {
-            return Err(io(&dir)(e));
-        }
-    }
-    Ok(SftOutcome {
-        dir,
-        cached: false,
-        seconds,
-        final_nll,
     })
 }
 
@@ -415,6 +273,7 @@ pub fn warm_start(
 mod tests {
     use super::*;
     use crate::toolagent::tasks::Op;
+    use rand::SeedableRng;
 
     #[test]
     fn samples_train_only_the_policys_tokens() {

@@ -20,7 +20,7 @@ fn cache() -> PathBuf {
 }
 
 /// Trains (or finds) the shortened warm start once, whichever test asks first.
-fn warm(f: &ExperimentFile) -> clawrl::personal::sft::SftOutcome {
+fn warm(f: &ExperimentFile) -> clawrl::train::warm_start::SftOutcome {
     static ONCE: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = ONCE.lock().unwrap_or_else(|e| e.into_inner());
     clawrl::personal::sft::warm_start(&f.sft, &cache(), false).unwrap()
