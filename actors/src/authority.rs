@@ -9,9 +9,9 @@
 //!   its progress) are accepted only from J's trainer node ([`Need::Home`]).
 //! - **Placed nodes may use it.** Requests that only use what a host serves for J (generate)
 //!   are accepted from the nodes Control placed on J: its trainer node and the nodes of its
-//!   environment workers ([`Need::Placed`]).
+//!   environment slots ([`Need::Placed`]).
 //! - **Hosts serve jobs placed on them.** An environment host builds a job's environment and
-//!   starts its episodes only when Control placed the job's environment workers on its node
+//!   starts its episodes only when Control placed the job's environment slots on its node
 //!   (or it is the home's own node), so a home cannot take capacity Control did not give it
 //!   ([`check_host`]).
 //! - **The caller is the certified node.** A caller is named by [`Caller`], which the transport
@@ -28,7 +28,7 @@ use crate::rpc::{self, Caller};
 pub enum Need {
     /// The caller is the job's home (its trainer node).
     Home,
-    /// The caller is a node placed on the job (its home, or a node of one of its workers).
+    /// The caller is a node placed on the job (its home, or a node of one of its environment slots).
     Placed,
 }
 
@@ -37,17 +37,17 @@ pub enum Need {
 pub struct Places {
     /// The job's home (trainer node), if it has one.
     pub home: Option<String>,
-    /// The nodes of its environment workers.
+    /// The nodes of its environment slots.
     pub env_nodes: BTreeSet<String>,
 }
 
 impl Places {
-    /// The nodes of `placement` (workers are labelled `<node>/<actor>`).
+    /// The nodes of `placement` (slots are named `<node>/env.<kind>.<i>`).
     pub fn of(placement: &Placement) -> Places {
         Places {
             home: placement.trainer.clone(),
             env_nodes: placement
-                .env_workers
+                .env_slots
                 .iter()
                 .map(|w| w.split('/').next().unwrap_or(w).to_string())
                 .collect(),
@@ -127,7 +127,7 @@ pub fn check(job: &str, caller: &str, need: Need, places: &Places) -> Result<(),
 }
 
 /// Whether a host on node `here` may serve job `job`, the job running at `places`: its node
-/// holds environment workers placed on the job, or is the job's home.
+/// holds environment slots placed on the job, or is the job's home.
 pub fn check_host(job: &str, here: &str, places: &Places) -> Result<(), Refusal> {
     if places.env_nodes.contains(here) || places.home.as_deref() == Some(here) {
         return Ok(());
@@ -309,10 +309,10 @@ mod tests {
     }
 
     #[test]
-    fn placement_nodes_come_from_worker_labels() {
+    fn placement_nodes_come_from_slot_names() {
         let p = Places::of(&Placement {
             trainer: Some("t".into()),
-            env_workers: vec!["e/env.terminal.0".into(), "f/env.terminal.1".into()],
+            env_slots: vec!["e/env.terminal.0".into(), "f/env.terminal.1".into()],
         });
         assert_eq!(p, places(Some("t"), &["e", "f"]));
     }

@@ -22,7 +22,7 @@ pub enum Role {
     Rollout,
     /// May host judge workers.
     Judge,
-    /// May host environment workers.
+    /// May host environments (`--env KIND:N` slots).
     Env,
 }
 

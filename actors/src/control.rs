@@ -3,11 +3,12 @@
 //! There is one per cluster, on the node with the `control` role, in group
 //! [`crate::groups::CONTROL`]. Job specs are validated by a [`JobValidator`] the binary supplies
 //! (the spec format belongs to the LLM/RL crate). Placement ([`place`]) is a pure function: a
-//! trainer node from the nodes with the `trainer` role, and environment workers of the job's kind
-//! from `clawrl.env.<kind>`, each worker serving one job. Control watches the process groups and
-//! re-places running jobs when workers join or leave, so workers attached at runtime are used
-//! without a restart. Jobs are kept in `data_dir/control/jobs.json`. Running the training
-//! pipeline behind a job is not part of this crate.
+//! trainer node from the nodes with the `trainer` role, and environment slots of the job's kind
+//! from the slots nodes offer in their descriptions (`--env KIND:N`: `<node>/env.<KIND>.<i>`),
+//! each slot serving one job. Control watches the process groups and re-places running jobs
+//! when nodes join or leave, so capacity attached at runtime is used without a restart. Jobs
+//! are kept in `data_dir/control/jobs.json`. Running the training pipeline behind a job is not
+//! part of this crate.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -19,17 +20,17 @@ use serde::{Deserialize, Serialize};
 
 use crate::authority::{self, Need, Places};
 use crate::config::Role;
+use crate::member::{MemberInfo, MemberReply, MemberRequest};
 use crate::rpc::{self, Caller, Rpc};
-use crate::worker::{MemberInfo, MemberReply, MemberRequest};
 
 /// What a validated job needs from the cluster.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct JobNeeds {
     /// The job's kind or name, for display.
     pub name: String,
-    /// Environment kind (`clawrl.env.<kind>` workers).
+    /// Environment kind (slots of that kind are placed).
     pub env_kind: String,
-    /// How many environment workers the job wants.
+    /// How many environment slots (sessions at once) the job wants.
     pub env_parallelism: u32,
 }
 
@@ -43,11 +44,11 @@ pub trait JobValidator: Send + Sync + 'static {
 /// A job's state.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub enum JobState {
-    /// No trainer node or no environment worker yet.
+    /// No trainer node or no environment slot yet.
     Waiting,
-    /// Placed, with fewer environment workers than asked for.
+    /// Placed, with fewer environment slots than asked for.
     Partial,
-    /// Placed with every environment worker asked for.
+    /// Placed with every environment slot asked for.
     Placed,
     /// Cancelled by a user.
     Cancelled,
@@ -58,8 +59,10 @@ pub enum JobState {
 pub struct Placement {
     /// The node that hosts the job's trainer.
     pub trainer: Option<String>,
-    /// The environment workers (`<node>/<actor>`) serving the job.
-    pub env_workers: Vec<String>,
+    /// The environment slots (`<node>/env.<kind>.<i>`) serving the job (`env_workers` in
+    /// stores written before slots had that name).
+    #[serde(alias = "env_workers")]
+    pub env_slots: Vec<String>,
 }
 
 /// A stored job.
@@ -136,12 +139,12 @@ pub enum ControlReply {
 pub struct Pool {
     /// Nodes with the trainer role.
     pub trainer_nodes: BTreeSet<String>,
-    /// Live environment workers by kind.
+    /// Environment slots of live nodes, by kind.
     pub env: BTreeMap<String, BTreeSet<String>>,
 }
 
 /// Places (or re-places) one job: keeps what is still alive, fills up from free resources.
-/// `busy` are workers already serving other jobs; `load` counts jobs per trainer node.
+/// `busy` are slots already serving other jobs; `load` counts jobs per trainer node.
 pub fn place(
     needs: &JobNeeds,
     current: &Placement,
@@ -160,8 +163,8 @@ pub fn place(
                 .cloned()
         });
     let live = pool.env.get(&needs.env_kind);
-    let mut env_workers: Vec<String> = current
-        .env_workers
+    let mut env_slots: Vec<String> = current
+        .env_slots
         .iter()
         .filter(|w| live.is_some_and(|l| l.contains(*w)))
         .cloned()
@@ -169,27 +172,21 @@ pub fn place(
     let want = needs.env_parallelism as usize;
     if let Some(live) = live {
         for w in live {
-            if env_workers.len() >= want {
+            if env_slots.len() >= want {
                 break;
             }
-            if !busy.contains(w) && !env_workers.contains(w) {
-                env_workers.push(w.clone());
+            if !busy.contains(w) && !env_slots.contains(w) {
+                env_slots.push(w.clone());
             }
         }
     }
-    env_workers.truncate(want);
-    let state = match (&trainer, env_workers.len()) {
+    env_slots.truncate(want);
+    let state = match (&trainer, env_slots.len()) {
         (None, _) | (_, 0) => JobState::Waiting,
         (Some(_), n) if n < want => JobState::Partial,
         _ => JobState::Placed,
     };
-    (
-        Placement {
-            trainer,
-            env_workers,
-        },
-        state,
-    )
+    (Placement { trainer, env_slots }, state)
 }
 
 /// Messages of the Control actor: cluster requests, and an internal re-placement tick.
@@ -212,14 +209,15 @@ pub struct ControlState {
     args: ControlArgs,
     jobs: BTreeMap<u64, JobRecord>,
     next_id: u64,
-    /// Described members by label (cached: a label is one actor for its lifetime).
-    known: HashMap<String, MemberInfo>,
+    /// Described node members by label, with the actor that answered (a node restarted under
+    /// the same name is described again).
+    known: HashMap<String, (ractor::ActorId, MemberInfo)>,
 }
 
 const DESCRIBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl JobRecord {
-    /// Whether the job still holds (or waits for) workers: not cancelled, not finished.
+    /// Whether the job still holds (or waits for) slots: not cancelled, not finished.
     pub fn is_active(&self) -> bool {
         let finished = self
             .progress
@@ -272,34 +270,28 @@ impl ControlState {
         }
     }
 
-    /// Asks every member of the node and environment groups who it is (new labels only) and
-    /// builds the placement pool from the members that answer.
+    /// Asks every member of the node group who it is (members not described yet, or restarted
+    /// since) and builds the placement pool from the members that answer: trainer nodes, and
+    /// each node's environment slots.
     async fn refresh_pool(&mut self) -> Pool {
-        let mut groups = vec![crate::groups::NODES.to_string()];
-        groups.extend(
-            ractor::pg::which_groups()
-                .into_iter()
-                .filter(|g| g.starts_with(crate::groups::ENV_PREFIX)),
-        );
         let mut live = BTreeSet::new();
         let mut pending = tokio::task::JoinSet::new();
-        for g in &groups {
-            for cell in ractor::pg::get_members(g) {
-                let label = rpc::actor_label(&cell);
-                live.insert(label.clone());
-                if !self.known.contains_key(&label) {
-                    pending.spawn(async move {
-                        let r: Result<MemberReply, _> =
-                            rpc::call(&cell, &MemberRequest::Describe, DESCRIBE_TIMEOUT).await;
-                        (label, r)
-                    });
-                }
+        for cell in ractor::pg::get_members(&crate::groups::NODES.to_string()) {
+            let label = rpc::actor_label(&cell);
+            let id = cell.get_id();
+            live.insert(label.clone());
+            if self.known.get(&label).is_none_or(|(known, _)| *known != id) {
+                pending.spawn(async move {
+                    let r: Result<MemberReply, _> =
+                        rpc::call(&cell, &MemberRequest::Describe, DESCRIBE_TIMEOUT).await;
+                    (label, id, r)
+                });
             }
         }
-        while let Some(Ok((label, r))) = pending.join_next().await {
+        while let Some(Ok((label, id, r))) = pending.join_next().await {
             match r {
                 Ok(MemberReply::Info(info)) => {
-                    self.known.insert(label, info);
+                    self.known.insert(label, (id, info));
                 }
                 Ok(other) => tracing::warn!("control: {label} answered {other:?} to Describe"),
                 Err(e) => tracing::warn!("control: {e}"),
@@ -307,16 +299,15 @@ impl ControlState {
         }
         self.known.retain(|l, _| live.contains(l));
         let mut pool = Pool::default();
-        for info in self.known.values() {
-            if info.group == crate::groups::NODES {
-                if info.roles.contains(&Role::Trainer) {
-                    pool.trainer_nodes.insert(info.node.clone());
-                }
-            } else if let Some(kind) = info.group.strip_prefix(crate::groups::ENV_PREFIX) {
+        for (_, info) in self.known.values() {
+            if info.roles.contains(&Role::Trainer) {
+                pool.trainer_nodes.insert(info.node.clone());
+            }
+            for e in &info.envs {
                 pool.env
-                    .entry(kind.to_string())
+                    .entry(e.kind.clone())
                     .or_default()
-                    .insert(info.label.clone());
+                    .extend(info.env_slots(&e.kind));
             }
         }
         pool
@@ -327,7 +318,7 @@ impl ControlState {
         let mut changed = false;
         let ids: Vec<u64> = self.jobs.keys().copied().collect();
         for id in ids {
-            // A cancelled or finished job keeps the placement it ran with: workers leaving
+            // A cancelled or finished job keeps the placement it ran with: nodes leaving
             // afterwards (a node shutting down) must not rewrite its history.
             if !self.jobs[&id].is_active() {
                 continue;
@@ -338,11 +329,11 @@ impl ControlState {
             let job = self.jobs.get_mut(&id).expect("id taken from the map");
             if placement != job.placement || state != job.state {
                 tracing::info!(
-                    "control: {} {:?} trainer={:?} env workers {}/{}",
+                    "control: {} {:?} trainer={:?} env slots {}/{}",
                     job.id,
                     state,
                     placement.trainer,
-                    placement.env_workers.len(),
+                    placement.env_slots.len(),
                     job.needs.env_parallelism
                 );
                 job.placement = placement;
@@ -363,7 +354,7 @@ impl ControlState {
             if *id == except || !j.is_active() {
                 continue;
             }
-            busy.extend(j.placement.env_workers.iter().cloned());
+            busy.extend(j.placement.env_slots.iter().cloned());
             if let Some(t) = &j.placement.trainer {
                 *load.entry(t.clone()).or_insert(0) += 1;
             }
@@ -448,12 +439,12 @@ impl ControlState {
                     let j = self.jobs.get_mut(&k).expect("found above");
                     if j.state != JobState::Cancelled {
                         j.state = JobState::Cancelled;
-                        // The workers are freed; the trainer node stays on record, as the
+                        // The slots are freed; the trainer node stays on record, as the
                         // home that drains the job and reports its final counts.
-                        j.placement.env_workers.clear();
+                        j.placement.env_slots.clear();
                         tracing::info!("control: cancelled {id}");
                         self.persist();
-                        // Freed workers may complete other jobs.
+                        // Freed slots may complete other jobs.
                         self.replace_all().await;
                     }
                     ControlReply::Jobs(vec![self.jobs[&k].clone()])
@@ -558,7 +549,7 @@ impl Actor for Control {
         state: &mut ControlState,
     ) -> Result<(), ActorProcessingErr> {
         // Control has no children; the events it gets are process-group changes, which may
-        // free or bring workers: re-place every running job.
+        // free or bring slots: re-place every running job.
         if let SupervisionEvent::ProcessGroupChanged(_) = evt {
             state.replace_all().await;
         }
@@ -725,12 +716,12 @@ mod tests {
             ..Default::default()
         };
         job.progress = Some(counts.clone());
-        assert!(job.is_active(), "a draining job still holds its workers");
+        assert!(job.is_active(), "a draining job still holds its slots");
         counts.phase = crate::loops::job::JobPhase::Finished;
         job.progress = Some(counts);
         assert!(
             !job.is_active(),
-            "a finished job keeps its placement and frees its workers"
+            "a finished job keeps its placement and frees its slots"
         );
         job.progress = None;
         job.state = JobState::Cancelled;
@@ -738,7 +729,7 @@ mod tests {
     }
 
     #[test]
-    fn waits_without_trainer_or_workers() {
+    fn waits_without_trainer_or_slots() {
         let (p, s) = place(
             &needs(2),
             &Placement::default(),
@@ -759,23 +750,23 @@ mod tests {
     }
 
     #[test]
-    fn fills_up_skips_busy_and_keeps_current_workers() {
+    fn fills_up_skips_busy_and_keeps_current_slots() {
         let pl = pool(&["a", "b"], &["w/1", "w/2", "w/3"]);
         let busy = BTreeSet::from(["w/1".to_string()]);
         let load = BTreeMap::from([("a".to_string(), 1)]);
         let (p, s) = place(&needs(2), &Placement::default(), &pl, &busy, &load);
         assert_eq!(s, JobState::Placed);
         assert_eq!(p.trainer.as_deref(), Some("b"));
-        assert_eq!(p.env_workers, vec!["w/2", "w/3"]);
-        // A worker that left is replaced only if a free one exists.
+        assert_eq!(p.env_slots, vec!["w/2", "w/3"]);
+        // A slot that left is replaced only if a free one exists.
         let pl2 = pool(&["a", "b"], &["w/1", "w/3"]);
         let (p2, s2) = place(&needs(2), &p, &pl2, &busy, &load);
-        assert_eq!(p2.env_workers, vec!["w/3"]);
+        assert_eq!(p2.env_slots, vec!["w/3"]);
         assert_eq!(s2, JobState::Partial);
-        // A new worker joins: the job picks it up without losing w/3.
+        // A new slot joins: the job picks it up without losing w/3.
         let pl3 = pool(&["a", "b"], &["w/1", "w/3", "w/9"]);
         let (p3, s3) = place(&needs(2), &p2, &pl3, &busy, &load);
-        assert_eq!(p3.env_workers, vec!["w/3", "w/9"]);
+        assert_eq!(p3.env_slots, vec!["w/3", "w/9"]);
         assert_eq!(s3, JobState::Placed);
     }
 
@@ -783,7 +774,7 @@ mod tests {
     fn a_lost_trainer_node_is_replaced() {
         let cur = Placement {
             trainer: Some("gone".into()),
-            env_workers: vec![],
+            env_slots: vec![],
         };
         let (p, _) = place(
             &needs(1),

@@ -3,7 +3,7 @@
 //! A process runs one [`node::Node`]: a `quinn` endpoint with mutual TLS ([`pki`],
 //! [`transport`]) that carries `ractor_cluster` node sessions on QUIC streams, keeps a full mesh
 //! with its peers, and supervises the local actors its roles call for ([`control::Control`],
-//! the group [`worker::Member`]s). Its configuration is [`config::NodeConfig`]; the CLI talks to
+//! the node's [`member::Member`]). Its configuration is [`config::NodeConfig`]; the CLI talks to
 //! a node through [`cli`].
 
 pub mod authority;
@@ -13,12 +13,12 @@ pub mod config;
 pub mod control;
 pub mod dial;
 pub mod loops;
+pub mod member;
 pub mod node;
 pub mod pki;
 pub mod rpc;
 pub mod stamp;
 pub mod transport;
-pub mod worker;
 
 /// Names of the process groups clawrl uses for discovery.
 pub mod groups {
@@ -30,13 +30,6 @@ pub mod groups {
     pub const ROLLOUT: &str = "clawrl.rollout";
     /// Judge workers.
     pub const JUDGE: &str = "clawrl.judge";
-    /// Environment workers of kind `K` are in `clawrl.env.K`.
-    pub const ENV_PREFIX: &str = "clawrl.env.";
     /// Prefix of every clawrl group.
     pub const PREFIX: &str = "clawrl.";
-
-    /// The group of environment workers of `kind`.
-    pub fn env(kind: &str) -> String {
-        format!("{ENV_PREFIX}{kind}")
-    }
 }

@@ -1,10 +1,10 @@
-//! Group members: the actors other nodes discover through ractor process groups.
+//! Node members: the actors other nodes discover through ractor process groups.
 //!
-//! Every node runs one member in [`crate::groups::NODES`] describing itself (name, address,
-//! roles). A node started with `--env KIND:N` (or `clawrl attach`) runs N environment workers in
-//! `clawrl.env.KIND`. Here an environment worker is a real, addressable actor that answers
-//! `Describe` and `Ping` from any node; the environment behaviour itself (sandboxes, sessions)
-//! comes from a later issue and is not implemented in this crate yet.
+//! Every node runs one member in [`crate::groups::NODES`] describing itself: name, address,
+//! roles, and the environment capacity it hosts. A node started with `--env KIND:N` (or
+//! `clawrl attach`) offers N environment slots of KIND, which the node's environment host serves
+//! (that host lives in the binary that runs episodes); Control places jobs on those slots
+//! ([`crate::control`]), and a slot is a name, `<node>/env.<KIND>.<i>`, not an actor.
 
 use std::net::SocketAddr;
 use std::str::FromStr;
@@ -44,16 +44,34 @@ pub struct MemberInfo {
     pub group: String,
     /// The node's advertised QUIC address.
     pub addr: SocketAddr,
-    /// The node's roles (for node members; empty for workers).
+    /// The node's roles.
     pub roles: Vec<Role>,
+    /// The environment slots the node hosts, by kind.
+    pub envs: Vec<EnvSpec>,
 }
 
-/// An environment kind and how many workers of it to run (`terminal:32`).
-#[derive(Clone, Debug, PartialEq, Eq)]
+impl MemberInfo {
+    /// The names of the node's environment slots of `kind`: `<node>/env.<kind>.<i>`.
+    pub fn env_slots(&self, kind: &str) -> Vec<String> {
+        self.envs
+            .iter()
+            .filter(|e| e.kind == kind)
+            .flat_map(|e| (0..e.count).map(move |i| env_slot(&self.node, &e.kind, i)))
+            .collect()
+    }
+}
+
+/// The name of environment slot `i` of `kind` on `node`.
+pub fn env_slot(node: &str, kind: &str, i: u32) -> String {
+    format!("{node}/env.{kind}.{i}")
+}
+
+/// An environment kind and how many slots of it a node hosts (`terminal:32`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EnvSpec {
     /// The environment kind (`terminal`, `swe`, `gui`, ...).
     pub kind: String,
-    /// How many workers.
+    /// How many slots (sessions at once).
     pub count: u32,
 }
 

@@ -1,5 +1,6 @@
-//! The node supervisor's decisions: a killed environment worker is restarted and rejoins its
-//! group; a killed Control actor is restarted and reloads its stored jobs.
+//! The node supervisor's decisions: a killed node member is restarted and rejoins its group,
+//! describing the node's environment slots again; a killed Control actor is restarted and
+//! reloads its stored jobs.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -8,8 +9,8 @@ use std::time::{Duration, Instant};
 use clawrl_actors::cli::{self, CliReply, CliRequest};
 use clawrl_actors::config::NodeConfig;
 use clawrl_actors::control::{ControlReply, ControlRequest, JobNeeds, JobState, JobValidator};
+use clawrl_actors::member::EnvSpec;
 use clawrl_actors::node::{Node, NodeOptions};
-use clawrl_actors::worker::EnvSpec;
 
 /// A validator for this test: the spec is `KIND PARALLELISM`.
 struct LineValidator;
@@ -54,11 +55,11 @@ async fn control(cfg: &NodeConfig, req: ControlRequest) -> ControlReply {
     }
 }
 
-// Both workers are killed the instant `Node::start` returns: a child's supervision event must
-// never be handled before the supervisor knows the child (that race left a killed worker
+// The node member is killed the instant `Node::start` returns: a child's supervision event must
+// never be handled before the supervisor knows the child (that race left a killed child
 // unrestarted in about 1 run of 3 before the supervisor spawned its children itself).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_workers_and_control_are_restarted_and_control_keeps_its_jobs() {
+async fn killed_members_and_control_are_restarted_and_control_keeps_its_jobs() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path());
     let node = Node::start(
@@ -76,39 +77,20 @@ async fn killed_workers_and_control_are_restarted_and_control_keeps_its_jobs() {
     let mut ccfg = cfg.clone();
     ccfg.listen = node.addr();
 
-    let group = "clawrl.env.terminal".to_string();
-    let names = ["sup/env.terminal.0", "sup/env.terminal.1"];
-    let old_ids: Vec<_> = names
-        .iter()
-        .map(|n| {
-            let w = ractor::registry::where_is(n).expect("worker registered");
-            w.kill();
-            w.get_id()
-        })
-        .collect();
+    let group = clawrl_actors::groups::NODES.to_string();
+    let member = ractor::registry::where_is("sup/node").expect("node member registered");
+    let old_id = member.get_id();
+    member.kill();
     assert!(
         wait_until(Duration::from_secs(15), || {
-            names
-                .iter()
-                .zip(&old_ids)
-                .all(|(n, old)| ractor::registry::where_is(n).is_some_and(|w| w.get_id() != *old))
-                && ractor::pg::get_members(&group).len() == 2
+            let members = ractor::pg::get_members(&group);
+            ractor::registry::where_is("sup/node").is_some_and(|m| {
+                m.get_id() != old_id && members.len() == 1 && members[0].get_id() == m.get_id()
+            })
         })
         .await,
-        "a killed worker was not restarted into its group"
+        "a killed node member was not restarted into its group"
     );
-    // The group holds exactly the new workers.
-    let mut members: Vec<_> = ractor::pg::get_members(&group)
-        .iter()
-        .map(|m| m.get_id())
-        .collect();
-    members.sort();
-    let mut expected: Vec<_> = names
-        .iter()
-        .map(|n| ractor::registry::where_is(n).unwrap().get_id())
-        .collect();
-    expected.sort();
-    assert_eq!(members, expected);
 
     let job = match control(
         &ccfg,
@@ -122,7 +104,12 @@ async fn killed_workers_and_control_are_restarted_and_control_keeps_its_jobs() {
         ControlReply::Jobs(j) => j[0].clone(),
         other => panic!("{other:?}"),
     };
+    // Placed on the node's two slots, which the restarted member describes.
     assert_eq!(job.state, JobState::Placed);
+    assert_eq!(
+        job.placement.env_slots,
+        ["sup/env.terminal.0", "sup/env.terminal.1"]
+    );
     match control(
         &ccfg,
         ControlRequest::Submit {

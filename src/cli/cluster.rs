@@ -12,8 +12,8 @@ use clawrl_actors::cli::{self as client, BlobReply, BlobRequest, CliReply, CliRe
 use clawrl_actors::config::NodeConfig;
 use clawrl_actors::control::{ControlReply, ControlRequest, JobRecord};
 use clawrl_actors::loops::JobCounts;
+use clawrl_actors::member::EnvSpec;
 use clawrl_actors::node::{Node, NodeOptions};
-use clawrl_actors::worker::EnvSpec;
 
 /// Subcommands of the cluster area.
 #[derive(Subcommand)]
@@ -28,18 +28,19 @@ pub enum Commands {
         /// The node's config file (`cluster.toml`).
         #[arg(long)]
         config: PathBuf,
-        /// Environment workers to host, `KIND:COUNT` (needs the `env` role); repeatable.
+        /// Environment slots to host, `KIND:COUNT` (needs the `env` role): an environment host
+        /// of KIND runs on the node, and Control places up to COUNT sessions of jobs on it;
+        /// repeatable.
         #[arg(long = "env")]
         envs: Vec<EnvSpec>,
     },
-    /// Join a running cluster as a worker process hosting environment workers. Each worker is
-    /// an actor in group `clawrl.env.KIND` that answers describe/ping and is placed on jobs by
-    /// Control; the environment behaviour itself (sandboxes, episodes) is not implemented yet.
+    /// Join a running cluster as a process hosting environments: a node with the environment
+    /// hosts of its `--env` kinds, whose slots Control places jobs on as they run.
     Attach {
-        /// This worker's node config (name, listen, seeds, tls; roles should include `env`).
+        /// This process's node config (name, listen, seeds, tls; roles should include `env`).
         #[arg(long)]
         config: PathBuf,
-        /// Environment workers, `KIND:COUNT`; repeatable.
+        /// Environment slots, `KIND:COUNT`; repeatable.
         #[arg(long = "env", required = true)]
         envs: Vec<EnvSpec>,
     },
@@ -99,7 +100,7 @@ pub enum Commands {
         #[command(subcommand)]
         cmd: BlobCmd,
     },
-    /// Ping every node and environment worker from a node (remote request/reply round trips).
+    /// Ping every node from a node (remote request/reply round trips).
     Ping {
         /// Config of the node to talk to.
         #[arg(long)]
@@ -202,9 +203,9 @@ fn print_jobs(jobs: &[JobRecord]) {
             j.state,
             j.placement.trainer.as_deref().unwrap_or("-"),
             j.needs.env_kind,
-            j.placement.env_workers.len(),
+            j.placement.env_slots.len(),
             j.needs.env_parallelism,
-            j.placement.env_workers.join(",")
+            j.placement.env_slots.join(",")
         );
         if let Some(c) = &j.progress {
             println!("\t{}", progress_line(c));

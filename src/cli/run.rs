@@ -19,8 +19,8 @@ use clawrl::pipeline::{run_job, RunOptions, RunReport};
 use clawrl_actors::config::{JudgeAccess, NodeConfig};
 use clawrl_actors::control::{ControlReply, ControlRequest};
 use clawrl_actors::loops::{JobCounts, JobPhase, ProgressReport, TrainerStats};
+use clawrl_actors::member::EnvSpec;
 use clawrl_actors::node::{Node, NodeOptions};
-use clawrl_actors::worker::EnvSpec;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 
@@ -483,7 +483,8 @@ fn run_embedded(
     let spec_text = std::fs::read_to_string(job).with_context(|| format!("reading {file}"))?;
     let node_file = out.join("node.toml");
     let cfg = embedded.config(&node_file, &out.join("node"))?;
-    // Members standing for the job's environment capacity, so that Control places the job.
+    // The environment slots this process runs the job's sessions on (an `rl` job's sessions,
+    // in process; a `personal` job's gateway), offered to Control so that it places the job.
     let envs = vec![match spec.kind {
         JobKind::Rl => EnvSpec {
             kind: spec.env.kind.name().into(),

@@ -16,11 +16,11 @@
 //!   skipped, so sessions re-route when a rollout node dies. A [`RolloutPool`] on the job home
 //!   offers the newest version to every host of the group that does not serve it yet, so a
 //!   host that joins or restarts is brought up to date.
-//! - **Environments** (nodes started with `--env KIND:N`): an [`EnvHost`] in group
-//!   `clawrl.envhost.KIND` builds the job's environment from the spec and holds its episodes;
-//!   the session on the job home drives its episode over the wire ([`RemoteEnvironment`]). An
-//!   episode starts on the host of a node holding workers Control placed on the job, the least
-//!   busy first. When its node dies the episode's next step fails, the session fails, and the
+//! - **Environments** (nodes started with `--env KIND:N`, which offer N slots of KIND in their
+//!   node description): an [`EnvHost`] in group `clawrl.envhost.KIND` builds the job's
+//!   environment from the spec and holds its episodes; the session on the job home drives its
+//!   episode over the wire ([`RemoteEnvironment`]). An episode starts on the host of a node
+//!   whose slots Control placed the job on, the least busy first. When its node dies the episode's next step fails, the session fails, and the
 //!   job supervisor restarts it on its task (on a live host) or counts it lost.
 //!
 //! Everything that crosses the wire is a `serde` value in `bincode` over [`rpc::Rpc`]; chat

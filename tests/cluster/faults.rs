@@ -362,7 +362,7 @@ fn a_job_survives_an_environment_node_killed_mid_job() {
     );
     // Control now places the job only on e2's workers.
     let status = job_status(c.control(), &job);
-    let workers = status["placement"]["env_workers"].as_array().unwrap();
+    let workers = status["placement"]["env_slots"].as_array().unwrap();
     assert!(
         workers
             .iter()

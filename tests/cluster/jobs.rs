@@ -23,7 +23,7 @@ fn root_cluster_toml_runs_a_single_node_that_takes_jobs_and_names_bad_keys() {
     .unwrap();
     let node = NodeProc::start("node", &cfg, &["--env", "terminal:2"]);
     let v = wait_for(Duration::from_secs(20), || {
-        view(&cfg).filter(|v| members(v, "clawrl.env.terminal").len() == 2)
+        view(&cfg).filter(|v| members(v, "clawrl.envhost.terminal") == ["local/envhost.terminal"])
     })
     .unwrap_or_else(|| panic!("single node never came up:\n{}", node.log_text()));
     assert_eq!(node_names(&v), ["local"]);

@@ -1,6 +1,7 @@
 //! Multi-process cluster tests on loopback: nodes started from the built binary form a full mesh
-//! over QUIC, process groups span them, remote calls round-trip, jobs are placed on workers of
-//! several nodes (including ones attached later), and a SIGKILLed node leaves and rejoins.
+//! over QUIC, process groups span them, remote calls round-trip, jobs are placed on environment
+//! slots of several nodes (including ones attached later), and a SIGKILLed node leaves and
+//! rejoins.
 
 use std::time::{Duration, Instant};
 
@@ -9,7 +10,7 @@ use crate::util::*;
 const JOIN_LIMIT: Duration = Duration::from_secs(20);
 
 #[test]
-fn three_nodes_mesh_groups_span_them_calls_round_trip_and_jobs_use_attached_workers() {
+fn three_nodes_mesh_groups_span_them_calls_round_trip_and_jobs_use_attached_slots() {
     let dir = tempfile::tempdir().unwrap();
     let certs = init_certs(dir.path(), &["a", "b", "c", "d"]);
     let (pa, pb, pc, pd) = (free_port(), free_port(), free_port(), free_port());
@@ -35,7 +36,8 @@ fn three_nodes_mesh_groups_span_them_calls_round_trip_and_jobs_use_attached_work
             view(cfg).filter(|v| {
                 node_names(v) == ["a", "b", "c"]
                     && members(v, "clawrl.nodes") == ["a/node", "b/node", "c/node"]
-                    && members(v, "clawrl.env.terminal").len() == 4
+                    && members(v, "clawrl.envhost.terminal")
+                        == ["b/envhost.terminal", "c/envhost.terminal"]
             })
         })
         .unwrap_or_else(|| panic!("{} never saw the full mesh: {:?}", cfg.display(), view(cfg)));
@@ -68,11 +70,11 @@ fn three_nodes_mesh_groups_span_them_calls_round_trip_and_jobs_use_attached_work
         .filter(|p| p["ok"].as_bool() == Some(true))
         .map(|p| p["member"].as_str().unwrap())
         .collect();
-    for m in ["b/node", "c/node", "b/env.terminal.0", "c/env.terminal.1"] {
+    for m in ["a/node", "b/node", "c/node"] {
         assert!(pinged.contains(&m), "{m} did not answer: {pings}");
     }
 
-    // A job submitted through c is placed by Control on a, with workers of b and c.
+    // A job submitted through c is placed by Control on a, with the slots b and c offer.
     let job = dir.path().join("job.toml");
     std::fs::write(&job, job_spec(6)).unwrap();
     let out = clawrl_ok(&[
@@ -86,21 +88,16 @@ fn three_nodes_mesh_groups_span_them_calls_round_trip_and_jobs_use_attached_work
     let s = job_status(&b, &id);
     assert_eq!(s["state"], "Partial", "{s}");
     assert_eq!(s["placement"]["trainer"], "a");
-    assert_eq!(s["placement"]["env_workers"].as_array().unwrap().len(), 4);
+    assert_eq!(s["placement"]["env_slots"].as_array().unwrap().len(), 4);
 
-    // A worker process attached at runtime joins, and the running job uses its workers.
+    // A process attached at runtime offers its slots, and the running job uses them.
     let _nd = NodeProc::start("attach", &d, &["--env", "terminal:2"]);
     let s = wait_for(JOIN_LIMIT, || {
         let s = job_status(&a, &id);
         (s["state"] == "Placed").then_some(s)
     })
-    .unwrap_or_else(|| {
-        panic!(
-            "job never used the attached workers: {}",
-            job_status(&a, &id)
-        )
-    });
-    let workers: Vec<&str> = s["placement"]["env_workers"]
+    .unwrap_or_else(|| panic!("job never used the attached slots: {}", job_status(&a, &id)));
+    let workers: Vec<&str> = s["placement"]["env_slots"]
         .as_array()
         .unwrap()
         .iter()
@@ -113,11 +110,11 @@ fn three_nodes_mesh_groups_span_them_calls_round_trip_and_jobs_use_attached_work
     let v = view(&b).unwrap();
     assert_eq!(node_names(&v), ["a", "b", "c", "d"]);
 
-    // Cancelling frees the workers.
+    // Cancelling frees the slots.
     clawrl_ok(&["cancel", &id, "--config", b.to_str().unwrap()]);
     let s = job_status(&c, &id);
     assert_eq!(s["state"], "Cancelled");
-    assert!(s["placement"]["env_workers"].as_array().unwrap().is_empty());
+    assert!(s["placement"]["env_slots"].as_array().unwrap().is_empty());
 }
 
 #[test]
@@ -140,7 +137,7 @@ fn a_killed_node_leaves_within_5s_others_keep_working_and_it_rejoins() {
     let mut n3 = NodeProc::start("node", &c3, &["--env", "terminal:1"]);
     for cfg in [&c1, &c2] {
         wait_for(JOIN_LIMIT, || {
-            view(cfg).filter(|v| members(v, "clawrl.env.terminal").len() == 3)
+            view(cfg).filter(|v| members(v, "clawrl.envhost.terminal").len() == 3)
         })
         .unwrap_or_else(|| panic!("no full mesh at {}", cfg.display()));
     }
@@ -151,7 +148,7 @@ fn a_killed_node_leaves_within_5s_others_keep_working_and_it_rejoins() {
         wait_for(Duration::from_secs(10), || {
             view(cfg).filter(|v| {
                 node_names(v) == ["k1", "k2"]
-                    && !members(v, "clawrl.env.terminal")
+                    && !members(v, "clawrl.envhost.terminal")
                         .iter()
                         .any(|m| m.starts_with("k3/"))
                     && !members(v, "clawrl.nodes")
@@ -170,7 +167,7 @@ fn a_killed_node_leaves_within_5s_others_keep_working_and_it_rejoins() {
     // The survivors keep working: remote calls between them still round-trip.
     let pings = clawrl_ok(&["ping", "--config", c2.to_str().unwrap(), "--json"]);
     assert!(
-        pings.contains("k1/env.terminal.0") && !pings.contains("k3/"),
+        pings.contains("k1/node") && !pings.contains("k3/"),
         "{pings}"
     );
 
@@ -179,13 +176,14 @@ fn a_killed_node_leaves_within_5s_others_keep_working_and_it_rejoins() {
     for cfg in [&c1, &c2, &c3] {
         wait_for(JOIN_LIMIT, || {
             view(cfg).filter(|v| {
-                node_names(v) == ["k1", "k2", "k3"] && members(v, "clawrl.env.terminal").len() == 3
+                node_names(v) == ["k1", "k2", "k3"]
+                    && members(v, "clawrl.envhost.terminal").len() == 3
             })
         })
         .unwrap_or_else(|| panic!("k3 did not rejoin in the view of {}", cfg.display()));
     }
     let pings = clawrl_ok(&["ping", "--config", c2.to_str().unwrap()]);
-    assert!(pings.contains("k3/env.terminal.0"), "{pings}");
+    assert!(pings.contains("k3/node"), "{pings}");
 }
 
 #[test]

@@ -117,8 +117,8 @@ pub enum EnvError {
 
 /// A set of tasks of one kind, able to start episodes. Shared by every session of a job.
 pub trait Environment: Send + Sync + 'static {
-    /// The kind (`terminal`, `swe`, `tool_call`, `gui`, `personal`, ...); the worker group is
-    /// `clawrl.env.<kind>`.
+    /// The kind (`terminal`, `swe`, `tool_call`, `gui`, `personal`, ...); Control places a job
+    /// on environment slots of this kind.
     fn kind(&self) -> &str;
 
     /// How many tasks the set holds (at least one).

@@ -12,9 +12,9 @@ use quinn::{RecvStream, SendStream};
 use super::{Node, STREAM_HEAD_TIMEOUT};
 use crate::cli::{BlobRequest, CliReply, CliRequest, ClusterView, NodeView, PingResult};
 use crate::control::ControlRequest;
+use crate::member::{MemberReply, MemberRequest};
 use crate::rpc;
 use crate::transport;
-use crate::worker::{MemberReply, MemberRequest};
 
 impl Node {
     /// The cluster as this node sees it.
@@ -116,14 +116,14 @@ impl Node {
         let _ = tokio::time::timeout(Duration::from_secs(2), send.stopped()).await;
     }
 
-    /// Pings every node member and environment worker, concurrently.
+    /// Pings every node member, concurrently.
     async fn ping_all(&self) -> Vec<PingResult> {
         let mut set = tokio::task::JoinSet::new();
         let mut n = 0u64;
-        // Only the groups of generic members answer `MemberRequest`; Control, the rollout
-        // hosts and the environment hosts speak their own protocols.
+        // Only node members answer `MemberRequest`; Control, the rollout hosts and the
+        // environment hosts speak their own protocols.
         for g in ractor::pg::which_groups() {
-            if g != crate::groups::NODES && !g.starts_with(crate::groups::ENV_PREFIX) {
+            if g != crate::groups::NODES {
                 continue;
             }
             for m in ractor::pg::get_members(&g) {

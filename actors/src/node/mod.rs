@@ -89,9 +89,9 @@ use crate::bulk::{BulkConfig, BulkPlane};
 use crate::config::{NodeConfig, Role};
 use crate::control::JobValidator;
 use crate::dial::DialTable;
+use crate::member::{EnvSpec, MemberInfo};
 use crate::pki;
 use crate::transport;
-use crate::worker::{EnvSpec, MemberInfo};
 use admission::MeshAdmission;
 use supervisor::{spawn_child, start_node_server, Child, NodeSupervisor, SupervisorMsg};
 
@@ -135,7 +135,8 @@ pub enum NodeError {
 pub struct NodeOptions {
     /// Validates job specs for the Control actor (required when the node has `control`).
     pub validator: Option<Arc<dyn JobValidator>>,
-    /// Environment workers to run on this node (`--env KIND:N`).
+    /// Environment slots this node hosts (`--env KIND:N`), offered to Control in the node's
+    /// description; whoever starts the node serves them (the binary's environment hosts).
     pub envs: Vec<EnvSpec>,
 }
 
@@ -182,7 +183,7 @@ impl Node {
         }
         if !options.envs.is_empty() && !config.has_role(Role::Env) {
             return Err(NodeError::Invalid(format!(
-                "environment workers requested but {} does not give node `{}` the `env` role",
+                "environment slots requested but {} does not give node `{}` the `env` role",
                 config.file.display(),
                 config.name
             )));
@@ -248,6 +249,7 @@ impl Node {
             group: crate::groups::NODES.into(),
             addr: advertised,
             roles: config.roles.clone(),
+            envs: options.envs.clone(),
         })];
         if let (true, Some(v)) = (config.has_role(Role::Control), &options.validator) {
             children.push(Child::Control {
@@ -256,17 +258,6 @@ impl Node {
                 label: format!("{}/control", config.name),
                 node: config.name.clone(),
             });
-        }
-        for e in &options.envs {
-            for i in 0..e.count {
-                children.push(Child::Member(MemberInfo {
-                    node: config.name.clone(),
-                    label: format!("{}/env.{}.{}", config.name, e.kind, i),
-                    group: crate::groups::env(&e.kind),
-                    addr: advertised,
-                    roles: Vec::new(),
-                }));
-            }
         }
         for c in children {
             spawn_child(&supervisor, c).await?;

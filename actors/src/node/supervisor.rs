@@ -1,6 +1,6 @@
 //! The node supervisor: the root of a node's local actors. It spawns each child itself and
 //! decides what a child's failure means: the `ractor_cluster` node server's loss stops the
-//! node; a group member (the node's own, or an environment worker) and the Control actor are
+//! node; the node's group member (its description) and the Control actor are
 //! restarted, unless the node is in a crash loop ([`MAX_RESTARTS`] within [`RESTART_WINDOW`]),
 //! which stops it.
 
@@ -13,14 +13,14 @@ use ractor_cluster::{NodeServer, NodeServerMessage};
 
 use super::NodeError;
 use crate::control::{Control, ControlArgs, JobValidator};
-use crate::worker::{Member, MemberInfo};
+use crate::member::{Member, MemberInfo};
 
 #[derive(Clone)]
 pub(super) enum Child {
     /// The `ractor_cluster` node server: without it there is no actor traffic, so its loss
     /// stops the node.
     NodeServer,
-    /// A group member (the node's own, or an environment worker): restarted.
+    /// The node's group member (its description): restarted.
     Member(MemberInfo),
     /// The Control actor: restarted; it reloads its jobs from disk.
     Control {

@@ -15,8 +15,8 @@ use clawrl_actors::loops::{
     JobCounts, JobMsg, JobPhase, ProgressReport, RelayPublisher, TrainSample, TurnSource,
     WeightPublisher,
 };
+use clawrl_actors::member::EnvSpec;
 use clawrl_actors::node::{Node, NodeConnector};
-use clawrl_actors::worker::EnvSpec;
 use ractor::{Actor, ActorRef};
 
 use super::env_host::{EnvHost, EnvHostArgs};

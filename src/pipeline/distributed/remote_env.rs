@@ -30,15 +30,15 @@ pub struct RemoteEnvironment {
 }
 
 impl RemoteEnvironment {
-    /// The hosts of the job's kind on nodes that hold environment workers Control placed on
-    /// the job (all hosts of the kind when Control cannot say).
+    /// The hosts of the job's kind on nodes whose environment slots Control placed the job on
+    /// (all hosts of the kind when Control cannot say).
     async fn hosts(&self) -> Vec<ActorCell> {
         let all = ractor::pg::get_members(&envhost_group(&self.kind));
         let placed: Option<Vec<String>> =
             match control_call(&ControlRequest::Status(Some(self.job.clone()))).await {
                 Ok(ControlReply::Jobs(j)) if !j.is_empty() => Some(
                     j[0].placement
-                        .env_workers
+                        .env_slots
                         .iter()
                         .map(|w| node_of(w).to_string())
                         .collect(),
