@@ -155,7 +155,9 @@ def main():
         for s in sorted(steps, key=lambda s: s.get("version", 0))
     ]
     if report is not None:
-        result["report"] = {k: report.get(k) for k in ("stopped_by", "trainer", "gateway", "counts")}
+        agent = (report.get("agents") or [{}])[0]
+        result["report"] = {k: report.get(k) for k in ("stopped_by", "counts")}
+        result["report"].update({k: agent.get(k) for k in ("trainer", "gateway")})
     seen = result["versions_seen"]
     result["pass"] = (result["failed"] == 0 and job.returncode == 0 and report is not None
                       and (result["weight_switches"] or 0) >= a.versions

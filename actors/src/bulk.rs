@@ -12,7 +12,8 @@
 //!   so a slow child costs no extra memory, and QUIC flow control paces each hop.
 //! - **Bounded.** Each node keeps blobs in a byte-bounded store (LRU eviction, explicit
 //!   [`BulkPlane::remove`]); a transfer reserves its size up front and is refused if it cannot.
-//!   The pushes of one peer hold at most [`BulkConfig::peer_quota`] bytes in flight.
+//!   The pushes of one peer hold at most [`BulkConfig::peer_quota`] bytes of the store, in
+//!   flight and stored; a push past it evicts that peer's own oldest pushes first.
 //! - **Defensive.** All wire input is validated (see [`wire`]); a misbehaving peer gets an
 //!   error on its stream, never a crash, and stalled streams time out.
 //!
@@ -84,7 +85,8 @@ pub struct BulkConfig {
     pub capacity: u64,
     /// Largest blob accepted from a peer.
     pub max_blob: u64,
-    /// Most bytes the pushes of one peer may hold reserved in the store at once.
+    /// Most bytes the pushes of one peer may hold in the store at once, in flight and stored
+    /// (its own least recently used pushes are evicted first to stay within it).
     pub peer_quota: u64,
     /// Children per relay node: 1 makes a chain, larger values a shallower tree.
     pub fanout: usize,
@@ -363,10 +365,14 @@ struct Reservation {
 }
 
 impl Reservation {
-    /// Turns the reservation into the stored blob.
+    /// Turns the reservation into the stored blob (a push's, counted against its peer).
     fn commit(mut self, manifest: Arc<Manifest>, bytes: Bytes) {
         self.committed = true;
-        lock(&self.store).commit(manifest, bytes);
+        let mut store = lock(&self.store);
+        match &self.pusher {
+            Some(peer) => store.commit_pushed(peer, manifest, bytes),
+            None => store.commit(manifest, bytes),
+        }
     }
 }
 

@@ -4,8 +4,10 @@
 //! room the reservation is refused. Blobs can also be removed explicitly. Evicting a blob only
 //! drops the store's reference: a holder of its `Bytes` keeps it alive. A pinned blob is never
 //! evicted, only removed ([`Store::pin`]): what a job must keep serving until it ends. A blob a
-//! peer pushes reserves its size against that peer's quota too: the bytes one peer's pushes hold
-//! in flight are bounded, so one peer cannot take the whole store ([`Store::reserve_pushed`]).
+//! peer pushes counts against that peer's quota, in flight and once stored: a push that would
+//! take the peer past it first evicts that peer's own least recently used pushes, and is refused
+//! when what the peer holds in flight or pinned leaves no room. So one peer can neither take the
+//! whole store nor evict other peers' blobs by pushing more ([`Store::reserve_pushed`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -35,12 +37,12 @@ pub enum StoreError {
         /// Bytes reserved by transfers in flight.
         in_flight: u64,
     },
-    /// The pushing peer's transfers in flight already hold its quota.
-    #[error("peer `{peer}` holds {held} bytes of pushes in flight; {size} more would pass its quota of {quota} bytes")]
+    /// The pushing peer's transfers in flight and pinned pushes already hold its quota.
+    #[error("peer `{peer}` holds {held} bytes of pushes in flight or pinned; {size} more would pass its quota of {quota} bytes")]
     PeerQuota {
         /// The pushing peer.
         peer: String,
-        /// Bytes its pushes in flight hold.
+        /// Bytes its pushes in flight and its pinned pushes hold.
         held: u64,
         /// Blob size.
         size: u64,
@@ -55,6 +57,8 @@ struct Entry {
     last_use: u64,
     /// Never evicted (removed only explicitly).
     pinned: bool,
+    /// The peer whose push stored it (`None`: published here, or fetched by this node).
+    pushed_by: Option<String>,
 }
 
 /// A byte-bounded LRU store of complete blobs plus reservations for blobs in flight.
@@ -86,36 +90,37 @@ impl Store {
         self.clock
     }
 
-    /// Reserves `size` bytes for a blob in flight, evicting least recently used blobs as
-    /// needed. Returns the evicted ids.
-    pub(crate) fn reserve(&mut self, size: u64) -> Result<Vec<BlobId>, StoreError> {
+    /// Whether `size` more bytes fit once every unpinned blob is evicted (reservations in
+    /// flight and pinned blobs stay).
+    fn check_room(&self, size: u64) -> Result<(), StoreError> {
         if size > self.capacity {
             return Err(StoreError::TooLarge {
                 size,
                 capacity: self.capacity,
             });
         }
-        if self.capacity - self.reserved < size {
-            return Err(StoreError::Full {
-                size,
-                free: self.capacity - self.reserved,
-                in_flight: self.reserved,
-            });
-        }
-        // Pinned blobs stay: refuse before evicting anything if the rest cannot make room.
         let pinned: u64 = self
             .blobs
             .values()
             .filter(|e| e.pinned)
             .map(|e| e.bytes.len() as u64)
             .sum();
-        if self.capacity - self.reserved - pinned < size {
+        let free = self.capacity - self.reserved.min(self.capacity);
+        let free = free - pinned.min(free);
+        if free < size {
             return Err(StoreError::Full {
                 size,
-                free: self.capacity - self.reserved - pinned,
+                free,
                 in_flight: self.reserved,
             });
         }
+        Ok(())
+    }
+
+    /// Reserves `size` bytes for a blob in flight, evicting least recently used blobs as
+    /// needed. Returns the evicted ids.
+    pub(crate) fn reserve(&mut self, size: u64) -> Result<Vec<BlobId>, StoreError> {
+        self.check_room(size)?;
         let mut evicted = Vec::new();
         while self.stored + self.reserved + size > self.capacity {
             let oldest = self
@@ -132,16 +137,29 @@ impl Store {
         Ok(evicted)
     }
 
-    /// [`reserve`](Self::reserve) for a blob `peer` pushes, refused when the peer's pushes in
-    /// flight would then hold more than `quota` bytes. The caller gives the peer's share back
-    /// with [`release_pushed`](Self::release_pushed) when the transfer ends, however it ends.
+    /// [`reserve`](Self::reserve) for a blob `peer` pushes, held to `quota` bytes of the
+    /// peer's pushes in flight and stored: the peer's own least recently used unpinned pushes
+    /// are evicted first to keep it there; refused when its pushes in flight and pinned leave no
+    /// room, or the store cannot take the blob (nothing is evicted then). The caller gives the
+    /// peer's in-flight share back with [`release_pushed`](Self::release_pushed) when the
+    /// transfer ends, however it ends, and stores the blob under the peer with
+    /// [`commit_pushed`](Self::commit_pushed).
     pub(crate) fn reserve_pushed(
         &mut self,
         peer: &str,
         quota: u64,
         size: u64,
     ) -> Result<Vec<BlobId>, StoreError> {
-        let held = self.pushed.get(peer).copied().unwrap_or(0);
+        let in_flight = self.pushed.get(peer).copied().unwrap_or(0);
+        let own = |pinned: bool| -> u64 {
+            self.blobs
+                .values()
+                .filter(|e| e.pushed_by.as_deref() == Some(peer) && e.pinned == pinned)
+                .map(|e| e.bytes.len() as u64)
+                .sum()
+        };
+        let (own_pinned, mut own_stored) = (own(true), own(false));
+        let held = in_flight.saturating_add(own_pinned);
         if held.saturating_add(size) > quota {
             return Err(StoreError::PeerQuota {
                 peer: peer.to_string(),
@@ -150,7 +168,21 @@ impl Store {
                 quota,
             });
         }
-        let evicted = self.reserve(size)?;
+        self.check_room(size)?;
+        let mut evicted = Vec::new();
+        while held + own_stored + size > quota {
+            let oldest = self
+                .blobs
+                .iter()
+                .filter(|(_, e)| !e.pinned && e.pushed_by.as_deref() == Some(peer))
+                .min_by_key(|(_, e)| e.last_use)
+                .map(|(id, e)| (*id, e.bytes.len() as u64))
+                .expect("the peer's unpinned pushes make its room, as checked");
+            self.remove(&oldest.0);
+            own_stored -= oldest.1;
+            evicted.push(oldest.0);
+        }
+        evicted.extend(self.reserve(size)?);
         *self.pushed.entry(peer.to_string()).or_insert(0) += size;
         Ok(evicted)
     }
@@ -174,6 +206,16 @@ impl Store {
     /// Turns a reservation of `bytes.len()` bytes into a stored blob. If the blob is already
     /// stored, the reservation is just released.
     pub(crate) fn commit(&mut self, manifest: Arc<Manifest>, bytes: Bytes) {
+        self.store(manifest, bytes, None);
+    }
+
+    /// [`commit`](Self::commit) for a blob `peer` pushed: stored, it counts against the peer's
+    /// quota (a blob already stored keeps whoever stored it first).
+    pub(crate) fn commit_pushed(&mut self, peer: &str, manifest: Arc<Manifest>, bytes: Bytes) {
+        self.store(manifest, bytes, Some(peer.to_string()));
+    }
+
+    fn store(&mut self, manifest: Arc<Manifest>, bytes: Bytes, pushed_by: Option<String>) {
         let size = bytes.len() as u64;
         self.release(size);
         let id = manifest.id();
@@ -190,6 +232,7 @@ impl Store {
                 bytes,
                 last_use: now,
                 pinned: false,
+                pushed_by,
             },
         );
     }
@@ -338,6 +381,41 @@ mod tests {
         // A refused reservation takes nothing.
         assert!(s.reserve_pushed("p", 3000, 1).is_err());
         assert_eq!(s.reserved_bytes(), 6000);
+    }
+
+    #[test]
+    fn a_peers_stored_pushes_count_against_its_quota_and_evict_its_own_first() {
+        let mut s = Store::new(10_000);
+        let push = |s: &mut Store, peer: &str, b: &(Arc<Manifest>, Bytes)| {
+            let size = b.1.len() as u64;
+            let evicted = s.reserve_pushed(peer, 3000, size)?;
+            s.commit_pushed(peer, b.0.clone(), b.1.clone());
+            s.release_pushed(peer, size);
+            Ok::<_, StoreError>(evicted)
+        };
+        // Another peer's blob and a local one, older than anything p pushes.
+        let (q1, local) = (blob(2000, 1), blob(2000, 2));
+        push(&mut s, "q", &q1).unwrap();
+        put(&mut s, &local);
+        let (p1, p2, p3) = (blob(2000, 3), blob(1000, 4), blob(1500, 5));
+        assert!(push(&mut s, "p", &p1).unwrap().is_empty());
+        assert!(push(&mut s, "p", &p2).unwrap().is_empty());
+        // p holds 3000 stored: its next push evicts its own oldest (p1), though q1 and the
+        // local blob are older and the store has room.
+        assert_eq!(push(&mut s, "p", &p3).unwrap(), vec![p1.0.id()]);
+        assert!(s.contains(&q1.0.id()) && s.contains(&local.0.id()));
+        assert!(s.contains(&p2.0.id()) && s.contains(&p3.0.id()));
+        // A pinned push stays and counts: with p2 pinned, p3 goes for the next one, and a push
+        // that only evicting p2 could fit is refused, evicting nothing.
+        assert!(s.pin(&p2.0.id()));
+        let p4 = blob(2000, 6);
+        assert_eq!(push(&mut s, "p", &p4).unwrap(), vec![p3.0.id()]);
+        let before = s.len();
+        assert!(matches!(
+            push(&mut s, "p", &blob(2500, 7)),
+            Err(StoreError::PeerQuota { held: 1000, .. })
+        ));
+        assert_eq!(s.len(), before);
     }
 
     #[test]

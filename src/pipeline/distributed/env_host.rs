@@ -210,6 +210,8 @@ impl Actor for EnvHost {
                 tokio::spawn(async move {
                     let reply = match env.start(task_index as usize, seed).await {
                         Ok(ep) => {
+                            // Who runs what here: one line per episode, with its starter.
+                            tracing::info!(job = %job, episode = id, %caller, "episode started");
                             let reply = EnvReply::Started {
                                 episode: id,
                                 task_id: ep.task_id().to_string(),
