@@ -102,8 +102,11 @@ struct AppState {
     /// Whether the checkpoint itself is a model id (not when the gateway serves agents'
     /// adapters over it: [`Gateway::for_agents`]).
     base_served: bool,
-    /// The dashboard's data: the run's records (when a job set them) and this gateway's state.
-    dashboard: std::sync::OnceLock<Arc<DashboardSource>>,
+    /// The dashboard's data by model id: the run's records (when a job set them; an agent's
+    /// own under a gateway serving agents) and this gateway's state.
+    dashboards: std::sync::OnceLock<std::collections::HashMap<String, Arc<DashboardSource>>>,
+    /// The dashboard of a model id with no run: live data only.
+    live_only: Arc<DashboardSource>,
     policy: GatewayPolicy,
     tokenizer: Arc<tokenizers::Tokenizer>,
     /// Every token's bytes, for answers with log-probs (made on first use).
@@ -348,7 +351,8 @@ impl Gateway {
             keys: cfg.accepted_keys(),
             adapters,
             base_served,
-            dashboard: std::sync::OnceLock::new(),
+            dashboards: std::sync::OnceLock::new(),
+            live_only: Arc::new(DashboardSource::new(None)),
             policy,
             tokenizer,
             template: chat_template,
@@ -410,14 +414,18 @@ impl Gateway {
         self.state.tap.set(tx).ok().map(|()| rx)
     }
 
-    /// Makes `GET /dashboard/data` show the run in `run_dir` (its records) besides what the
-    /// gateway knows now; without it the dashboard is live only. Set once; `false` when it
-    /// was already set.
-    pub fn dashboard_run(&self, run_dir: &std::path::Path) -> bool {
-        self.state
-            .dashboard
-            .set(Arc::new(DashboardSource::new(Some(run_dir.to_path_buf()))))
-            .is_ok()
+    /// Makes `GET /dashboard/data?model=ID` show the run of each `(ID, run_dir)` (its records
+    /// under `run_dir/records`) besides what the gateway knows now; a model id with no run is
+    /// shown live only. Set once; `false` when it was already set.
+    pub fn dashboard_runs(
+        &self,
+        runs: impl IntoIterator<Item = (String, std::path::PathBuf)>,
+    ) -> bool {
+        let runs = runs
+            .into_iter()
+            .map(|(id, dir)| (id, Arc::new(DashboardSource::new(Some(dir)))))
+            .collect();
+        self.state.dashboards.set(runs).is_ok()
     }
 
     /// The routes.
@@ -719,22 +727,48 @@ fn unknown_model(id: &str, served: &[&str]) -> ApiError {
     }
 }
 
-/// The dashboard's data: the run's records (when set) and this gateway's counters now.
-async fn dashboard_data(State(s): State<Arc<AppState>>) -> Response {
+/// The query of `GET /dashboard/data`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DashboardQuery {
+    /// The model id to show (default: the first the key may use).
+    model: Option<String>,
+}
+
+/// The dashboard's data of one model id the key may use: its run's records (when set) and this
+/// gateway's counters now. A model id the key may not use is a 404, as on `/v1/models/{id}`.
+async fn dashboard_data(
+    State(s): State<Arc<AppState>>,
+    Extension(scope): Extension<Scope>,
+    axum::extract::Query(q): axum::extract::Query<DashboardQuery>,
+) -> Response {
+    let (model, policy) = match &q.model {
+        Some(id) => match s.model(scope, id) {
+            Ok((_, policy)) => (id.clone(), policy),
+            Err(e) => return e.into_response(),
+        },
+        None => match s.models_for(scope).first() {
+            Some((_, id, policy)) => (id.to_string(), (*policy).clone()),
+            None => return unknown_model("", &[]).into_response(),
+        },
+    };
     let (st, open) = {
         let t = s.sessions.lock().unwrap();
         (t.stats(), t.open_sessions())
     };
     let live = dashboard::Live {
-        version: s.primary().1.version(),
+        version: policy.version(),
         sessions_open: open as u64,
         sessions_started: st.started,
         main_turns: st.main_turns,
+        model: model.clone(),
     };
     let source = s
-        .dashboard
-        .get_or_init(|| Arc::new(DashboardSource::new(None)))
-        .clone();
+        .dashboards
+        .get()
+        .and_then(|runs| runs.get(&model))
+        .cloned()
+        .unwrap_or_else(|| s.live_only.clone());
     dashboard::data_response(source, Some(live)).await
 }
 

@@ -534,11 +534,8 @@ where
         }
     }
 
-    // Serve. The dashboard shows the run's records; with agents each has its own (and its own
-    // TensorBoard directory), so the dashboard shows what the gateway knows now.
-    if names.is_empty() {
-        gateway.dashboard_run(&out);
-    }
+    // Serve. The dashboard shows each model id's records: the run's, or each agent's own.
+    gateway.dashboard_runs(agents.iter().map(|a| (a.model.clone(), a.out.clone())));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(gateway.serve(listener, async move {
         let _ = stop_rx.await;

@@ -34,9 +34,11 @@ pub const PAGE: &str = include_str!("dashboard.html");
 pub const RECENT_TURNS: usize = 8;
 
 /// What a serving gateway knows now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Live {
-    /// The weight version new requests get.
+    /// The model id the page is about (a gateway serving several shows one at a time).
+    pub model: String,
+    /// The weight version new requests for it get.
     pub version: u64,
     /// Sessions open now.
     pub sessions_open: u64,
@@ -243,6 +245,7 @@ pub fn build(
         .collect();
     let steps: Vec<StepRow> = steps.into_values().collect();
     let serving_version = live
+        .as_ref()
         .map(|l| l.version)
         .or_else(|| steps.iter().map(|s| s.version).max());
     let dir = records_dir.display();
@@ -533,6 +536,7 @@ mod tests {
 
         // A gateway's live version wins over the records'.
         let live = Live {
+            model: "m".into(),
             version: 5,
             sessions_open: 1,
             sessions_started: 2,

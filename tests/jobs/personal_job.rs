@@ -306,7 +306,8 @@ async fn user(base: &str, key: &str, agent: &str, reply: &str, sessions: usize) 
 /// once, with the same session ids, one always pleased and one never: each agent's trainer
 /// gets only its own user's turns (every judged reward of `alice` is +1, of `bob` −1), each
 /// serves its own trained versions, and each writes its own records and adapter checkpoints.
-/// A key scoped to `alice` cannot see `bob` or the checkpoint's id.
+/// A key scoped to `alice` cannot see `bob` or the checkpoint's id, and each user's dashboard
+/// shows their own agent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_users_train_their_own_adapters_at_once_and_never_each_other() {
     let dir = tempfile::tempdir().unwrap();
@@ -379,6 +380,36 @@ async fn two_users_train_their_own_adapters_at_once_and_never_each_other() {
         user(&base, "sk-bob", "bob", "That is wrong.", 2),
     );
     assert!(va >= 1 && vb >= 1);
+
+    // Each user's dashboard shows their own agent: its records (its trainer's steps) and the
+    // version it serves. The other agent does not exist for their key.
+    for (key, name, other) in [("sk-alice", "alice", "bob"), ("sk-bob", "bob", "alice")] {
+        let data = |query: String| {
+            http.get(format!("{base}/dashboard/data{query}"))
+                .bearer_auth(key)
+                .send()
+        };
+        let d: Value = data(String::new()).await.unwrap().json().await.unwrap();
+        assert_eq!(d["live"]["model"], name, "{d}");
+        assert!(d["live"]["version"].as_u64().unwrap() >= 1, "{d}");
+        assert!(
+            !d["steps"].as_array().unwrap().is_empty(),
+            "{name}: no steps: {d}"
+        );
+        let own: Value = data(format!("?model={name}"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(own["steps"], d["steps"], "{name}");
+        let r = data(format!("?model={other}")).await.unwrap();
+        assert_eq!(
+            r.status(),
+            404,
+            "{name}'s key asked for {other}'s dashboard"
+        );
+    }
     let s = run.stop();
     assert_eq!(s["balanced"], true, "{s}");
     let agents = s["agents"].as_array().unwrap();
