@@ -242,7 +242,11 @@ fn optimizer_bytes(state: &BTreeMap<String, MomentsData>) -> Result<Vec<u8>, Che
                 .map_err(|e| invalid(Path::new(name), e.to_string()))
         })
         .collect::<Result<Vec<_>, _>>()?;
-    safetensors::tensor::serialize(views, Some(steps))
+    // With no tensors, the safetensors crate (0.6) writes metadata after an already closed
+    // header (`{},"__metadata__":{}}`), which no reader parses: a learner saved before its
+    // first step (no moments yet) writes no metadata.
+    let meta = (!steps.is_empty()).then_some(steps);
+    safetensors::tensor::serialize(views, meta)
         .map_err(|e| invalid(Path::new("optimizer.safetensors"), e.to_string()))
 }
 
@@ -590,4 +594,28 @@ fn restore_adapters<B: AutodiffBackend>(
         _ => None,
     };
     Ok((policy, reference))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn optimizer_state_round_trips_also_before_the_first_step() {
+        let empty = BTreeMap::new();
+        let path = Path::new("optimizer.safetensors");
+        let bytes = optimizer_bytes(&empty).unwrap();
+        assert_eq!(optimizer_from_bytes(path, &bytes).unwrap(), empty);
+        let state: BTreeMap<String, MomentsData> = [(
+            "layers.0.w".to_string(),
+            MomentsData {
+                step: 3,
+                exp_avg: vec![0.5, -1.0],
+                exp_avg_sq: vec![0.25, 1.0],
+            },
+        )]
+        .into();
+        let bytes = optimizer_bytes(&state).unwrap();
+        assert_eq!(optimizer_from_bytes(path, &bytes).unwrap(), state);
+    }
 }
