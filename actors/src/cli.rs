@@ -116,6 +116,8 @@ pub struct NodeView {
     pub addr: String,
     /// Its roles.
     pub roles: Vec<String>,
+    /// The environment slots it offers (`KIND:COUNT`).
+    pub envs: Vec<String>,
 }
 
 /// The cluster as one node sees it (`clawrl nodes --json` prints exactly this).

@@ -320,7 +320,12 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
                     println!("{}", serde_json::to_string(&view)?);
                 } else {
                     for n in &view.nodes {
-                        println!("{}\t{}\t{}", n.name, n.addr, n.roles.join(","));
+                        let envs = if n.envs.is_empty() {
+                            String::new()
+                        } else {
+                            format!("\tenv {}", n.envs.join(","))
+                        };
+                        println!("{}\t{}\t{}{envs}", n.name, n.addr, n.roles.join(","));
                     }
                     for (g, members) in &view.groups {
                         println!("{g}: {}", members.join(" "));

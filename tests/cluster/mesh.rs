@@ -49,6 +49,7 @@ fn three_nodes_mesh_groups_span_them_calls_round_trip_and_jobs_use_attached_slot
             .find(|n| n["name"] == "c")
             .unwrap();
         assert_eq!(c_node["roles"], serde_json::json!(["judge", "env"]));
+        assert_eq!(c_node["envs"], serde_json::json!(["terminal:2"]));
         assert!(c_node["addr"]
             .as_str()
             .unwrap()

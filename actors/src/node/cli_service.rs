@@ -19,16 +19,23 @@ use crate::transport;
 impl Node {
     /// The cluster as this node sees it.
     pub fn view(&self) -> ClusterView {
+        let slots = |envs: &[crate::member::EnvSpec]| {
+            envs.iter()
+                .map(|e| format!("{}:{}", e.kind, e.count))
+                .collect()
+        };
         let mut nodes = vec![NodeView {
             name: self.inner.name.clone(),
             addr: self.inner.advertised.to_string(),
             roles: self.inner.roles.iter().map(|r| r.as_str().into()).collect(),
+            envs: slots(&self.inner.envs),
         }];
         for p in self.peers().into_values() {
             nodes.push(NodeView {
                 name: p.name,
                 addr: p.addr.to_string(),
                 roles: p.roles.iter().map(|r| r.as_str().into()).collect(),
+                envs: slots(&p.envs),
             });
         }
         nodes.sort_by(|a, b| a.name.cmp(&b.name));

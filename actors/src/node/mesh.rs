@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use super::admission::{self, Held, HelloRefusal, Join};
 use super::{lock, Node, STREAM_HEAD_TIMEOUT};
 use crate::config::Role;
+use crate::member::EnvSpec;
 use crate::pki::NODE_SERVER_NAME;
 use crate::transport::{self, QuicBidi, StreamTag};
 
@@ -26,6 +27,8 @@ pub struct Peer {
     pub addr: SocketAddr,
     /// Its roles.
     pub roles: Vec<Role>,
+    /// The environment slots it offers.
+    pub envs: Vec<EnvSpec>,
     /// The one QUIC connection to it.
     pub conn: quinn::Connection,
     /// Which node dialed this connection.
@@ -40,6 +43,7 @@ struct Hello {
     name: String,
     addr: SocketAddr,
     roles: Vec<Role>,
+    envs: Vec<EnvSpec>,
     peers: Vec<(String, SocketAddr)>,
 }
 
@@ -56,6 +60,7 @@ impl Node {
             name: self.inner.name.clone(),
             addr: self.inner.advertised,
             roles: self.inner.roles.clone(),
+            envs: self.inner.envs.clone(),
             peers: self
                 .peers()
                 .into_values()
@@ -129,6 +134,7 @@ impl Node {
                 name: hello.name.clone(),
                 addr,
                 roles: hello.roles.clone(),
+                envs: hello.envs.clone(),
                 conn: conn.clone(),
                 dialer: dialer.to_string(),
                 session_opened: None,

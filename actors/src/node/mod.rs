@@ -145,6 +145,8 @@ pub struct NodeOptions {
 struct Inner {
     name: String,
     roles: Vec<Role>,
+    /// The environment slots this node offers.
+    envs: Vec<EnvSpec>,
     advertised: SocketAddr,
     digest: String,
     endpoint: quinn::Endpoint,
@@ -228,6 +230,7 @@ impl Node {
         let inner = Arc::new(Inner {
             name: config.name.clone(),
             roles: config.roles.clone(),
+            envs: options.envs.clone(),
             advertised,
             admission: Mutex::new(MeshAdmission::new(&config.name, &digest, denied)),
             digest,
