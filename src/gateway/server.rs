@@ -742,25 +742,23 @@ async fn dashboard_data(
     Extension(scope): Extension<Scope>,
     axum::extract::Query(q): axum::extract::Query<DashboardQuery>,
 ) -> Response {
-    let (model, policy) = match &q.model {
+    let (index, model, policy) = match &q.model {
         Some(id) => match s.model(scope, id) {
-            Ok((_, policy)) => (id.clone(), policy),
+            Ok((index, policy)) => (index, id.clone(), policy),
             Err(e) => return e.into_response(),
         },
         None => match s.models_for(scope).first() {
-            Some((_, id, policy)) => (id.to_string(), (*policy).clone()),
+            Some((index, id, policy)) => (*index, id.to_string(), (*policy).clone()),
             None => return unknown_model("", &[]).into_response(),
         },
     };
-    let (st, open) = {
-        let t = s.sessions.lock().unwrap();
-        (t.stats(), t.open_sessions())
-    };
+    // That model id's sessions alone: one agent's user never sees another's counts.
+    let counts = s.sessions.lock().unwrap().model_counts(index);
     let live = dashboard::Live {
         version: policy.version(),
-        sessions_open: open as u64,
-        sessions_started: st.started,
-        main_turns: st.main_turns,
+        sessions_open: counts.open,
+        sessions_started: counts.started,
+        main_turns: counts.main_turns,
         model: model.clone(),
     };
     let source = s

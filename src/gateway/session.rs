@@ -137,6 +137,17 @@ pub struct SessionConfig {
     pub max_sessions_per_key: usize,
 }
 
+/// One model id's sessions, as its dashboard shows them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct ModelCounts {
+    /// Sessions opened.
+    pub started: u64,
+    /// Sessions open now.
+    pub open: u64,
+    /// Main turns served.
+    pub main_turns: u64,
+}
+
 /// Counters of the table, for `/metrics` and a job's summary. Every session opened is ended by
 /// its client (`ended_done`), ended idle (`ended_idle`, shutdown included) or still open; every
 /// main turn served is completed with a next state, kept or dropped without one, or still
@@ -252,6 +263,8 @@ pub struct SessionTable<T> {
     cfg: SessionConfig,
     scopes: HashMap<Scope, HashMap<String, Entry<T>>>,
     stats: SessionStats,
+    /// Sessions opened and main turns served, by model index.
+    by_model: HashMap<u32, ModelCounts>,
     /// Serial of the last served main turn, every scope together (the order of recency).
     serial: u64,
 }
@@ -263,6 +276,7 @@ impl<T> SessionTable<T> {
             cfg,
             scopes: HashMap::new(),
             stats: SessionStats::default(),
+            by_model: HashMap::new(),
             serial: 0,
         }
     }
@@ -275,6 +289,19 @@ impl<T> SessionTable<T> {
     /// Counters.
     pub fn stats(&self) -> SessionStats {
         self.stats
+    }
+
+    /// One model id's sessions: opened, open now, and main turns served (every key together).
+    pub fn model_counts(&self, model: u32) -> ModelCounts {
+        let mut c = self.by_model.get(&model).copied().unwrap_or_default();
+        c.open = self
+            .scopes
+            .iter()
+            .filter(|(scope, _)| scope.model == model)
+            .flat_map(|(_, m)| m.values())
+            .filter(|e| e.open.is_some())
+            .count() as u64;
+        c
     }
 
     /// Open sessions, every scope together.
@@ -457,6 +484,7 @@ impl<T> SessionTable<T> {
         let Admission { scope, session_id } = admission;
         let mut out = Vec::new();
         self.stats.main_turns += 1;
+        self.by_model.entry(scope.model).or_default().main_turns += 1;
         let entry = self
             .scopes
             .entry(scope)
@@ -486,6 +514,7 @@ impl<T> SessionTable<T> {
         }
         if opened {
             self.stats.started += 1;
+            self.by_model.entry(scope.model).or_default().started += 1;
         }
         if let Some(t) = older {
             self.close(&session_id, t, TurnEnd::NoNextState, &mut out);

@@ -391,6 +391,9 @@ async fn two_users_train_their_own_adapters_at_once_and_never_each_other() {
         };
         let d: Value = data(String::new()).await.unwrap().json().await.unwrap();
         assert_eq!(d["live"]["model"], name, "{d}");
+        // Its own user's 2 sessions and 4 main turns, not the other's.
+        assert_eq!(d["live"]["sessions_started"], 2, "{d}");
+        assert_eq!(d["live"]["main_turns"], 4, "{d}");
         assert!(d["live"]["version"].as_u64().unwrap() >= 1, "{d}");
         assert!(
             !d["steps"].as_array().unwrap().is_empty(),
