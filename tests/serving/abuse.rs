@@ -123,6 +123,9 @@ async fn a_key_past_its_in_flight_cap_gets_429_and_other_keys_are_served() {
     let mut s = Server::start(GatewayConfig {
         api_keys: vec!["key-a".into(), "key-b".into()],
         max_in_flight_per_key: 1,
+        // A's body is held back for as long as the test takes: with the default 30 s, a slow
+        // machine could answer A with 408 (freeing its slot) before a poll saw the cap.
+        body_read_timeout_secs: BOUND.as_secs_f64() * 4.0,
         ..Default::default()
     })
     .await;
