@@ -7,7 +7,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use burn::tensor::backend::Backend;
 use clawrl::model::{
     spawn_engine, EngineOptions, GenerationRequest, Qwen3, Qwen3Config, SamplingParams,
 };
@@ -19,8 +18,7 @@ fn main() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/shapes/qwen3-20m/config.json");
     let cfg = Qwen3Config::from_json(&std::fs::read_to_string(path).unwrap()).unwrap();
     let device = Default::default();
-    B::seed(&device, 0);
-    let model = Arc::new(Qwen3::<B>::init(&cfg, &device));
+    let model = Arc::new(Qwen3::<B>::init(&cfg, &device, 0));
     let vocab = cfg.vocab_size as u32;
     let prompt = |n: usize, salt: u32| -> Vec<u32> {
         (0..n as u32)

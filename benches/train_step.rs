@@ -33,7 +33,7 @@ fn main() {
     let text = std::fs::read_to_string("benches/shapes/qwen3-20m/config.json").expect("config");
     let cfg = Qwen3Config::from_json(&text).expect("valid config");
     let device = Default::default();
-    let model = Qwen3::<CpuAutodiff>::init(&cfg, &device);
+    let model = Qwen3::<CpuAutodiff>::init(&cfg, &device, 0);
     let train = TrainConfig {
         lr: 1e-5,
         kl_coef: 0.02,

@@ -90,7 +90,7 @@ fn learner(shape: &str) -> BurnLearner<CpuAutodiff> {
             let text = std::fs::read_to_string("benches/shapes/qwen3-20m/config.json")
                 .expect("benches/shapes/qwen3-20m/config.json");
             let cfg = Qwen3Config::from_json(&text).expect("valid config");
-            let model = Qwen3::<CpuAutodiff>::init(&cfg, &device);
+            let model = Qwen3::<CpuAutodiff>::init(&cfg, &device, 0);
             (cfg, model)
         }
         other => panic!("WU_SHAPES: unknown shape {other:?} (expected tiny or 20m, -loraR)"),

@@ -11,7 +11,6 @@
 pub mod answer;
 pub mod exec;
 pub mod gui;
-pub mod personal;
 pub mod reward;
 pub mod scripted;
 pub mod shell;

@@ -2,7 +2,9 @@
 //!
 //! The root crate knows LLMs and RL: the Qwen3 policy in Burn ([`model`]), the pure RL core
 //! ([`rl`]), the judge ([`judge`]) and the learner ([`train`]). The actor system and the QUIC
-//! cluster runtime live in the `clawrl-actors` crate, which knows no LLM.
+//! cluster runtime live in the `clawrl-actors` crate, which knows no LLM. The experiments in
+//! miniature (the personal agent, the tool-call agent) are part of the `clawrl` program
+//! (`src/experiments/`), not of this library: they use it as any other user would.
 
 pub mod device;
 pub mod env;
@@ -10,12 +12,10 @@ pub mod gateway;
 pub mod job;
 pub mod judge;
 pub mod model;
-pub mod personal;
 pub mod pipeline;
 pub mod rl;
 pub mod sandbox;
 pub mod serve;
-pub mod toolagent;
 pub mod train;
 pub mod watch;
 

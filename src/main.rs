@@ -4,6 +4,7 @@
 use clap::{Parser, Subcommand};
 
 mod cli;
+mod experiments;
 
 #[derive(Parser)]
 #[command(name = "clawrl", version, about = "Online RL for LLM agents")]

@@ -1,9 +1,9 @@
 //! The learner: the OpenClaw-RL objective of docs/design.md §1 in Burn. It owns the batch layout of
 //! variable-length samples ([`batch`]), the loss ([`loss`]), a `torch.optim.AdamW`-exact optimizer
 //! with a global gradient-norm clip ([`optim`]), the training configuration ([`config`]),
-//! shared-prefix packing of a batch ([`packing`]), the learner itself with versioned weight export ([`learner`]), checkpoints ([`checkpoint`]),
-//! the JSONL sample reader used by offline training ([`samples`]) and the experiments' cached
-//! supervised warm start ([`warm_start`]).
+//! shared-prefix packing of a batch ([`packing`]), the learner itself with versioned weight
+//! export ([`learner`]), checkpoints ([`checkpoint`]) and the JSONL sample reader used by offline
+//! training ([`samples`]).
 
 pub mod batch;
 pub mod checkpoint;
@@ -13,7 +13,6 @@ pub mod loss;
 pub mod optim;
 pub mod packing;
 pub mod samples;
-pub mod warm_start;
 
 pub use batch::{BatchLayout, OpdLossKind, OpdTerm, Sample, SampleError, TeacherTopK};
 pub use config::{ConfigError, TrainConfig};

@@ -265,8 +265,7 @@ fn init(config: &Path, tokenizer: &Path, out: &Path, seed: u64) -> anyhow::Resul
         );
     }
     let device = Default::default();
-    CpuBackend::seed(&device, seed);
-    let model = Qwen3::<CpuBackend>::init(&cfg, &device);
+    let model = Qwen3::<CpuBackend>::init(&cfg, &device, seed);
     save_checkpoint_dir(out, &cfg, &model, &files)?;
     println!(
         "{}",

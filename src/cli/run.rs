@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Subcommand;
 use clawrl::job::{JobKind, JobSpec, SpecValidator, PERSONAL_ENV_KIND};
-use clawrl::personal::experiment::{Seeds, SeedsError};
 use clawrl::pipeline::gateway_job::{
     run_gateway_job, GatewayJobOptions, GatewayJobReport, OnListening,
 };
@@ -23,6 +22,9 @@ use clawrl_actors::member::EnvSpec;
 use clawrl_actors::node::{Node, NodeOptions};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
+
+use crate::experiments::personal::experiment::{Seeds, SeedsError};
+use crate::experiments::{personal, toolagent, ExperimentKind};
 
 /// Subcommands of this area.
 #[derive(Subcommand)]
@@ -52,7 +54,8 @@ pub enum Commands {
         #[arg(long = "allow-judge-key-env", value_name = "NAME")]
         allow_judge_key_env: Vec<String>,
         /// Experiment files only: run every method once per seed (comma-separated, e.g.
-        /// `1,2,3`) and report mean ± standard deviation; default: the file's one seed.
+        /// `1,2,3`) and report mean ± standard deviation; default: the file's one seed. The
+        /// tool-call experiment takes one seed.
         #[arg(long, value_name = "SEEDS", value_parser = parse_seeds)]
         seeds: Option<Seeds>,
     },
@@ -119,35 +122,39 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 /// Runs one subcommand of this area.
 pub fn run(cmd: Commands) -> anyhow::Result<()> {
-    match cmd {
-        // The personal-agent experiment is a file of its own kind.
-        Commands::Run {
-            job,
-            out,
-            json,
-            seeds,
-            ..
-        } if clawrl::personal::experiment::is_experiment_file(&job) => {
-            clawrl::personal::experiment::cli_main(&job, out, json, seeds.as_ref())?;
+    let Commands::Run {
+        job,
+        out,
+        json,
+        listen,
+        allow_judge_endpoint,
+        allow_judge_key_env,
+        seeds,
+    } = cmd;
+    // An experiment is a file of its own kind; anything else is a job spec.
+    match ExperimentKind::of_file(&job) {
+        Some(ExperimentKind::Personal) => {
+            personal::experiment::cli_main(&job, out, json, seeds.as_ref())?;
             Ok(())
         }
-        Commands::Run {
-            seeds: Some(_),
-            job,
-            ..
-        } => anyhow::bail!(
-            "--seeds applies to experiment files (kind = \"personal_experiment\"); {} is a job spec",
+        Some(ExperimentKind::ToolCall) => {
+            let seed = match seeds.as_ref().map(|s| s.0.as_slice()) {
+                None => None,
+                Some([one]) => Some(*one),
+                Some(_) => bail!(
+                    "--seeds: the tool-call experiment runs one seed at a time; give one seed \
+                     per run (its results go to --out)"
+                ),
+            };
+            toolagent::experiment::cli_main(&job, out, json, seed)?;
+            Ok(())
+        }
+        None if seeds.is_some() => bail!(
+            "--seeds applies to experiment files (kind = \"personal_experiment\" or \
+             \"tool_call_experiment\"); {} is a job spec",
             job.display()
         ),
-        Commands::Run {
-            job,
-            out,
-            json,
-            listen,
-            allow_judge_endpoint,
-            allow_judge_key_env,
-            seeds: None,
-        } => {
+        None => {
             let node = EmbeddedNode::new(
                 listen,
                 judge_access(allow_judge_endpoint, allow_judge_key_env),

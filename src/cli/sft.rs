@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Subcommand;
 
-use clawrl::personal::experiment::ExperimentFile;
-use clawrl::personal::sft::{warm_start, SftSettings};
+use crate::experiments::personal::experiment::ExperimentFile;
+use crate::experiments::personal::sft::{warm_start, SftSettings};
 
 /// Subcommands of the sft area.
 #[derive(Subcommand)]

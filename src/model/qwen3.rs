@@ -19,7 +19,7 @@ use burn::module::{Module, Param};
 use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::module::embedding;
-use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 
 use super::attention::{cached_attention, causal_attention, prefixed_attention};
 use super::config::Qwen3Config;
@@ -443,16 +443,25 @@ pub fn hf_weight_shapes(cfg: &Qwen3Config) -> Vec<(String, Vec<usize>)> {
 pub type WeightGetter<'a, E> = dyn FnMut(&str, &[usize]) -> Result<Vec<f32>, E> + 'a;
 
 impl<B: Backend> Qwen3<B> {
-    /// A randomly initialised model (normal weights with `initializer_range` std, unit norms).
-    pub fn init(cfg: &Qwen3Config, device: &B::Device) -> Self {
+    /// A randomly initialised model: normal(0, `initializer_range`) weights drawn from a
+    /// ChaCha8 stream seeded by `seed` (Box-Muller), unit norms. The same seed and config give
+    /// the same weights on every backend and run, whatever else draws random numbers.
+    pub fn init(cfg: &Qwen3Config, device: &B::Device, seed: u64) -> Self {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let std = cfg.initializer_range;
         Self::build(cfg, device, &mut |name, shape| {
             let n: usize = shape.iter().product();
             if name.ends_with("norm.weight") {
                 return Ok::<_, std::convert::Infallible>(vec![1.0; n]);
             }
-            let t = Tensor::<B, 1>::random([n], Distribution::Normal(0.0, std), device);
-            Ok(t.into_data().convert::<f32>().to_vec().expect("f32 data"))
+            Ok((0..n)
+                .map(|_| {
+                    let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
+                    let u2: f64 = rng.random();
+                    ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos() * std) as f32
+                })
+                .collect())
         })
         .unwrap_or_else(|e| match e {})
     }

@@ -54,7 +54,7 @@ fn tokenizer_files(template: Option<&str>) -> TokenizerFiles {
 
 fn learner(positions: usize, lr: f64) -> BurnLearner {
     let cfg = config(positions);
-    let model = clawrl::train::warm_start::seeded_init(&cfg, 11);
+    let model = clawrl::model::Qwen3::<clawrl::CpuAutodiff>::init(&cfg, &Default::default(), 11);
     let train = TrainConfig {
         lr,
         weight_decay: 0.0,

@@ -5,87 +5,124 @@
 //! `examples/personal.toml` is `--ignored` (it takes minutes).
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
-use clawrl::personal::experiment::{run, ExperimentFile};
+use serde_json::Value;
 
 use crate::personal_run;
 
-fn example() -> ExperimentFile {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/personal.toml");
-    ExperimentFile::from_file(&path).expect("examples/personal.toml is valid")
+fn example_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/personal.toml")
+}
+
+/// `examples/personal.toml` as a TOML table.
+fn example() -> toml::Table {
+    toml::from_str(&std::fs::read_to_string(example_path()).unwrap()).unwrap()
 }
 
 fn cache() -> PathBuf {
     Path::new(env!("CARGO_TARGET_TMPDIR")).join("personal-sft-cache")
 }
 
+/// `clawrl ARGS`, which must succeed and print one JSON value.
+fn clawrl_json(args: &[&std::ffi::OsStr]) -> Value {
+    let done = Command::new(env!("CARGO_BIN_EXE_clawrl"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("RUST_LOG", "warn")
+        .args(args)
+        .output()
+        .expect("starting clawrl");
+    let stderr = String::from_utf8_lossy(&done.stderr);
+    assert!(done.status.success(), "clawrl {args:?} failed: {stderr}");
+    let stdout = String::from_utf8_lossy(&done.stdout);
+    serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {stdout}\n{stderr}"))
+}
+
+/// `clawrl sft` of the shortened warm start (the example's `[sft]` with 300 steps, what
+/// [`personal_run::run_experiment`] asks for), cached under [`cache`]: its outcome.
+fn sft() -> Value {
+    let cache = cache();
+    clawrl_json(&[
+        "sft".as_ref(),
+        "--config".as_ref(),
+        example_path().as_os_str(),
+        "--cache-dir".as_ref(),
+        cache.as_os_str(),
+        "--steps".as_ref(),
+        "300".as_ref(),
+    ])
+}
+
 /// Trains (or finds) the shortened warm start once, whichever test asks first.
-fn warm(f: &ExperimentFile) -> clawrl::train::warm_start::SftOutcome {
+fn warm() -> Value {
     static ONCE: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = ONCE.lock().unwrap_or_else(|e| e.into_inner());
-    clawrl::personal::sft::warm_start(&f.sft, &cache(), false).unwrap()
+    sft()
 }
 
 #[test]
 #[ignore = "the full experiment takes minutes; run with --ignored"]
 fn full_run_of_the_example() {
-    let mut f = match std::env::var("PERSONAL_TOML") {
-        Ok(p) => ExperimentFile::from_file(Path::new(&p)).unwrap(),
+    let mut t: toml::Table = match std::env::var("PERSONAL_TOML") {
+        Ok(p) => toml::from_str(&std::fs::read_to_string(p).unwrap()).unwrap(),
         Err(_) => example(),
     };
     if let Some(lr) = std::env::var("PERSONAL_LR")
         .ok()
-        .and_then(|v| v.parse().ok())
+        .and_then(|v| v.parse::<f64>().ok())
     {
-        f.experiment.lr = lr;
+        t["experiment"]
+            .as_table_mut()
+            .unwrap()
+            .insert("lr".into(), lr.into());
     }
     if let Ok(dir) = std::env::var("PERSONAL_CACHE") {
-        f.cache_dir = Some(dir.into());
+        t.insert("cache_dir".into(), dir.into());
     }
     let out = tempfile::tempdir().unwrap();
-    let report = run(&f, "examples/personal.toml", out.path(), None).unwrap();
+    let file = out.path().join("experiment.toml");
+    std::fs::write(&file, toml::to_string(&t).unwrap()).unwrap();
+    let run = out.path().join("run");
+    let report = clawrl_json(&[
+        "run".as_ref(),
+        "--json".as_ref(),
+        "--out".as_ref(),
+        run.as_os_str(),
+        file.as_os_str(),
+    ]);
     println!("{}", serde_json::to_string_pretty(&report).unwrap());
-}
-
-/// The shortened experiment's warm start (what [`personal_run::run_experiment`] asks for).
-fn short() -> ExperimentFile {
-    let mut f = example();
-    f.cache_dir = Some(cache());
-    f.sft.steps = 300;
-    f
 }
 
 #[test]
 fn warm_start_is_a_cached_hf_checkpoint() {
-    use clawrl::personal::sft::warm_start;
-    let f = short();
-    let first = warm(&f);
-    let again = warm_start(&f.sft, &cache(), false).unwrap();
-    assert!(again.cached, "the second warm start reuses the cache");
-    assert_eq!(first.dir, again.dir);
+    let first = warm();
+    let again = sft();
+    assert_eq!(
+        again["cached"], true,
+        "the second warm start reuses the cache"
+    );
+    assert_eq!(first["dir"], again["dir"]);
+    let dir = PathBuf::from(first["dir"].as_str().unwrap());
     for file in [
         "config.json",
         "model.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",
     ] {
-        assert!(first.dir.join(file).exists(), "{file} is written");
+        assert!(dir.join(file).exists(), "{file} is written");
     }
-    let ck = clawrl::model::load_checkpoint::<clawrl::CpuBackend>(&first.dir, &Default::default())
-        .unwrap();
-    assert_eq!(ck.config.num_hidden_layers, f.sft.layers);
+    let ck =
+        clawrl::model::load_checkpoint::<clawrl::CpuBackend>(&dir, &Default::default()).unwrap();
+    let layers = example()["sft"]["layers"].as_integer().unwrap();
+    assert_eq!(ck.config.num_hidden_layers as i64, layers);
     assert_eq!(ck.stop_token_ids(), vec![2]);
-    // Other settings are another cache entry.
-    let mut other = f.sft.clone();
-    other.seed += 1;
-    assert_ne!(other.cache_key(), f.sft.cache_key());
 }
 
 #[test]
 fn shortened_run_goes_through_the_gateway_judge_and_trainer_and_combined_improves() {
     const UPDATES: u64 = 4;
-    let f = short();
-    warm(&f);
+    warm();
     let dir = tempfile::tempdir().unwrap();
     let report = personal_run::run_experiment(dir.path(), &cache(), UPDATES as i64);
     let out = dir.path().join("run");
@@ -101,7 +138,7 @@ fn shortened_run_goes_through_the_gateway_judge_and_trainer_and_combined_improve
     }
     let png = std::fs::read(out.join("scores.png")).unwrap();
     assert_eq!(&png[..4], b"\x89PNG");
-    let batch = f.experiment.batch_size as u64;
+    let batch = example()["experiment"]["batch_size"].as_integer().unwrap() as u64;
     let runs = report["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 3);
     for r in runs {
@@ -165,8 +202,7 @@ fn shortened_run_goes_through_the_gateway_judge_and_trainer_and_combined_improve
 #[test]
 fn two_seeds_report_mean_std_and_each_seeds_scores_and_counts() {
     const UPDATES: i64 = 2;
-    let f = short();
-    warm(&f);
+    warm();
     let dir = tempfile::tempdir().unwrap();
     let report =
         personal_run::run_experiment_with(dir.path(), &cache(), UPDATES, &["--seeds", "5,6"]);

@@ -1,13 +1,17 @@
 //! The tool-call agent experiment end to end at a tiny size: the warm start makes the policy
 //! emit `code_interpreter` calls that the sandboxed environment parses and runs, an RL update
-//! moves the policy, and both reward arms run and are measured and plotted. Needs the sandbox
-//! (root and user namespaces, as in CI); the full-size experiment is
-//! `cargo run --release --example tool_call_agent`.
+//! moves the policy, and both reward arms run and are measured and plotted, all by the built
+//! binary (`clawrl run --json`). Needs the sandbox (root and user namespaces, as in CI); the
+//! full-size experiment is `clawrl run examples/tool_call_agent.toml`.
 
-use clawrl::rl::EpisodeKind;
-use clawrl::toolagent::experiment::{run, ExperimentFile};
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
 
 const TINY: &str = r#"
+kind = "tool_call_experiment"
+
 [tasks]
 train = 40
 held_out = 4
@@ -40,45 +44,75 @@ temperature = 0.5
 max_new_tokens = 48
 "#;
 
+/// `clawrl run --json --out OUT FILE`, which must succeed: its JSON report.
+fn run(file: &Path, out: &Path) -> Value {
+    let done = Command::new(env!("CARGO_BIN_EXE_clawrl"))
+        .env("RUST_LOG", "warn")
+        .args(["run", "--json", "--out"])
+        .arg(out)
+        .arg(file)
+        .output()
+        .expect("starting clawrl run");
+    let stderr = String::from_utf8_lossy(&done.stderr);
+    assert!(done.status.success(), "clawrl run failed: {stderr}");
+    let stdout = String::from_utf8_lossy(&done.stdout);
+    serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {stdout}\n{stderr}"))
+}
+
+fn num(v: &Value) -> f64 {
+    v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"))
+}
+
 #[test]
 fn warm_start_calls_the_interpreter_and_both_arms_train() {
-    let _ = EpisodeKind::ToolCall;
     let dir = tempfile::tempdir().unwrap();
-    let mut file = ExperimentFile::from_toml_str(TINY, "tiny.toml").unwrap();
-    file.cache_dir = Some(dir.path().join("cache"));
+    let file = dir.path().join("tiny.toml");
+    let cache = dir.path().join("cache");
+    std::fs::write(
+        &file,
+        format!("cache_dir = {:?}\n{TINY}", cache.display().to_string()),
+    )
+    .unwrap();
     let out = dir.path().join("run");
-    let report = run(&file, &out).unwrap();
-    assert!(!report.sft.cached);
-    assert!(report.sft.final_nll.is_finite());
+    let report = run(&file, &out);
+    assert_eq!(report["sft"]["cached"], false);
+    assert!(num(&report["sft"]["final_nll"]).is_finite());
 
     // The warm start calls the tool, and its calls are parsed and executed by python3 in the
     // sandbox (their tool messages carry exit code 0 and what the code printed).
-    let base = &report.runs[0].measurements[0];
-    assert_eq!(base.updates, 0);
+    let base = &report["runs"][0]["measurements"][0];
+    assert_eq!(base["updates"], 0);
     assert!(
-        base.tool_use > 0.0,
-        "no tool call at the warm start: {base:?}"
+        num(&base["tool_use"]) > 0.0,
+        "no tool call at the warm start: {base}"
     );
-    assert!(base.calls_ran > 0.0, "no tool call ran: {base:?}");
+    assert!(num(&base["calls_ran"]) > 0.0, "no tool call ran: {base}");
 
     // Both arms ran their update on samples and were measured twice.
-    assert_eq!(report.runs.len(), 2);
-    for (r, name) in report.runs.iter().zip(["integrated", "outcome_only"]) {
-        assert_eq!(r.arm, name);
-        assert_eq!(r.measurements.len(), 2);
-        assert_eq!(r.measurements[1].updates, 1);
-        let u = &r.updates[0];
-        assert_eq!(u.episodes, 4);
-        assert!(u.steps >= 4 && u.trained >= 1, "{u:?}");
-        assert!(u.loss.is_finite() && u.grad_norm.is_finite(), "{u:?}");
+    let runs = report["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    for (r, name) in runs.iter().zip(["integrated", "outcome_only"]) {
+        assert_eq!(r["arm"], name);
+        assert_eq!(r["measurements"].as_array().unwrap().len(), 2);
+        assert_eq!(r["measurements"][1]["updates"], 1);
+        let u = &r["updates"][0];
+        assert_eq!(u["episodes"], 4);
+        assert!(num(&u["steps"]) >= 4.0 && num(&u["trained"]) >= 1.0, "{u}");
+        // A non-finite loss or gradient norm serializes as null, which `num` refuses.
+        assert!(
+            num(&u["loss"]).is_finite() && num(&u["grad_norm"]).is_finite(),
+            "{u}"
+        );
         // The update moved the policy on what it trained on.
-        assert!(u.shift > 1e-6, "the policy did not move: {u:?}");
-        assert!(report.success[name].iter().all(|s| (0.0..=1.0).contains(s)));
+        assert!(num(&u["shift"]) > 1e-6, "the policy did not move: {u}");
+        let success = report["success"][name].as_array().unwrap();
+        assert!(success.iter().all(|s| (0.0..=1.0).contains(&num(s))));
     }
     for f in ["results.json", "details.json", "success.png"] {
         assert!(out.join(f).exists(), "{f} missing");
     }
-    let results: serde_json::Value =
+    let results: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
     assert_eq!(results["updates"], serde_json::json!([0, 1]));
 
@@ -96,6 +130,6 @@ fn warm_start_calls_the_interpreter_and_both_arms_train() {
     }
 
     // A second run reuses the cached warm start.
-    let again = run(&file, &dir.path().join("run2")).unwrap();
-    assert!(again.sft.cached);
+    let again = run(&file, &dir.path().join("run2"));
+    assert_eq!(again["sft"]["cached"], true);
 }

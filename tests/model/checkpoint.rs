@@ -117,7 +117,7 @@ fn weight_blob_round_trip_is_exact_tied_and_untied() {
 
     let mut untied = cfg.clone();
     untied.tie_word_embeddings = false;
-    let m = Qwen3::<B>::init(&untied, &Default::default());
+    let m = Qwen3::<B>::init(&untied, &Default::default(), 7);
     assert!(m.lm_head.is_some());
     let blob = model_to_safetensors(&m, &untied).unwrap();
     assert!(SafeTensors::deserialize(&blob)

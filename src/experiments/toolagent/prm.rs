@@ -10,9 +10,9 @@
 //! task's intermediate quantity or its answer, not printed by an earlier step; `-1` otherwise
 //! (an error, a refused call, nothing useful printed, a wrong value, or a repeat). A step with
 //! no next state (the final answer) is not judged: it gets no vote, so its process score is 0
-//! (docs/design.md §1, [`crate::env::reward`]). One deterministic vote per step (`m = 1`).
+//! (docs/design.md §1, [`clawrl::env::reward`]). One deterministic vote per step (`m = 1`).
 
-use crate::env::answer::{extract_answer, numbers_match, parse_number, Number};
+use clawrl::env::answer::{extract_answer, numbers_match, parse_number, Number};
 
 use super::tasks::GenTask;
 
@@ -26,7 +26,7 @@ pub struct CallReading {
 }
 
 /// Reads a tool message's text as the environment renders it
-/// ([`crate::env::exec::render_output`]).
+/// ([`clawrl::env::exec::render_output`]).
 pub fn read_call(text: &str) -> CallReading {
     let ran = text.starts_with("exit code: 0\n");
     let printed = if ran {
@@ -83,9 +83,9 @@ pub fn judge_step(task: &GenTask, results: &[String], seen: &mut Vec<i64>) -> i8
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::env::exec::render_output;
-    use crate::sandbox::ExecOutput;
-    use crate::toolagent::tasks::Op;
+    use crate::experiments::toolagent::tasks::Op;
+    use clawrl::env::exec::render_output;
+    use clawrl::sandbox::ExecOutput;
     use std::time::Duration;
 
     fn out(stdout: &str, stderr: &str, code: Option<i32>, timed_out: bool) -> String {

@@ -4,7 +4,7 @@
 //!
 //! An episode opens with the system prompt and the user's question. After each assistant message
 //! the user replies with an *evaluative* sentence (praise when the response satisfies every rule
-//! of [`crate::personal::style`], a complaint otherwise) and, when unhappy, usually a *directive*
+//! of [`crate::experiments::personal::style`], a complaint otherwise) and, when unhappy, usually a *directive*
 //! one: `"next time : <what to change> ."`, naming exactly the rules that failed. The directive
 //! is what an OPD hint judge extracts; with probability `1 - directive_rate` an unhappy user
 //! only complains. The episode ends when the user is satisfied or after `max_turns` replies.
@@ -22,11 +22,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use thiserror::Error;
 
-use crate::personal::corpus::{
+use crate::experiments::personal::corpus::{
     opening, Split, Task, DIRECTIVE_LEAD, STUDENT_COMPLAINTS, STUDENT_PRAISE, TEACHER_COMPLAINTS,
     TEACHER_PRAISE,
 };
-use crate::personal::style::{directive, problems, Problem, UserKind};
+use crate::experiments::personal::style::{directive, problems, Problem, UserKind};
 
 /// How the simulated users behave.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -211,11 +211,6 @@ pub struct PersonalEpisode {
 }
 
 impl PersonalEpisode {
-    /// Which user this is.
-    pub fn user(&self) -> UserKind {
-        self.user
-    }
-
     /// Applies an action synchronously (what [`Episode::step`] does).
     pub fn apply(&mut self, action: &Action) -> Result<(StepOutcome, UserReply), EnvError> {
         if self.done {

@@ -1,16 +1,16 @@
 //! The personal-agent experiment: warm-start a small policy ([`super::sft`], offline), then for
 //! each method — binary RL, OPD, combined — run a `personal` job over it
-//! ([`crate::pipeline::gateway_job::run_gateway_job`]: the gateway serves the warm start, its
+//! ([`clawrl::pipeline::gateway_job::run_gateway_job`]: the gateway serves the warm start, its
 //! completed main turns are judged by the job's `PrmVoter`s and trained on by the `Trainer`
 //! actor, and every new weight version is installed into the gateway while it serves), with the
-//! simulated student and teacher of [`crate::env::personal`] as its users, and measure the
+//! simulated student and teacher of [`crate::experiments::personal::users`] as its users, and measure the
 //! personalization score of first responses on held-out prompts after the configured numbers of
 //! updates.
 //!
 //! **The users** are HTTP clients of the job's gateway speaking the OpenAI chat-completions wire
 //! format (every other conversation streamed), sending no session header: the gateway links
-//! each conversation's requests into one session by inference ([`crate::gateway::session`]).
-//! A user asks its question, reads the answer, and replies ([`crate::env::personal::reply`]);
+//! each conversation's requests into one session by inference ([`clawrl::gateway::session`]).
+//! A user asks its question, reads the answer, and replies ([`crate::experiments::personal::users::reply`]);
 //! the reply is sent as the conversation's next request, so it becomes the answered turn's next
 //! state. A user who leaves (satisfied, or after `users.max_turns` replies) sends its last reply
 //! and never answers what follows: that last turn is dropped when the session idles out
@@ -30,7 +30,7 @@
 //! held-out split of [`super::corpus::Split`]) the gateway samples `eval_samples` first
 //! responses (temperature `temperature`, seeds fixed per task and sample, the same at every
 //! measurement and for every method); the score is the fraction of those responses that
-//! satisfy their user's rules ([`super::style::satisfies`]), the same deterministic rules the
+//! satisfy their user's rules ([`super::style::personalization_score`]), the same deterministic rules the
 //! simulated users reply by.
 //!
 //! **Seeds.** [`run_seeds`] runs the whole experiment once per experiment seed, all from one
@@ -53,14 +53,14 @@ use tokio::sync::{watch, Notify};
 
 use super::corpus::Split;
 use super::sft::{warm_start, SftError, SftSettings};
-use super::style::{satisfies, UserKind};
-use crate::env::personal::{PersonalEnv, PersonalEnvError, UserSettings};
-use crate::job::{JobSpec, JobSpecError, MethodKind};
-use crate::pipeline::gateway_job::{
+use super::style::{personalization_score, UserKind};
+use crate::experiments::personal::users::{PersonalEnv, PersonalEnvError, UserSettings};
+use crate::experiments::warm_start::SftOutcome;
+use clawrl::job::{JobSpec, JobSpecError, MethodKind};
+use clawrl::pipeline::gateway_job::{
     run_gateway_job, GatewayJobError, GatewayJobOptions, GatewayJobReport,
 };
-use crate::train::warm_start::SftOutcome;
-use crate::train::TrainConfig;
+use clawrl::train::TrainConfig;
 
 /// The job kind of an experiment file.
 pub const KIND: &str = "personal_experiment";
@@ -1057,7 +1057,7 @@ async fn measure(
                 .unwrap_or_default()
                 .to_string();
             messages[last]["content"] =
-                Value::String(format!("{text}{}{hint}", crate::judge::HINT_PREFIX));
+                Value::String(format!("{text}{}{hint}", clawrl::judge::HINT_PREFIX));
         }
         for s in 0..x.eval_samples {
             let seed = x.seed ^ 0xe7a1_0000 ^ ((i as u64) << 8) ^ s as u64;
@@ -1082,25 +1082,26 @@ async fn measure(
         .buffered(64)
         .try_collect()
         .await?;
-    let mut ok = BTreeMap::<UserKind, (usize, usize)>::new();
+    // Up to six examples, alternating student and teacher, in the order they were asked.
     let mut examples = Vec::new();
-    for (text, user, id) in answers {
-        let e = ok.entry(user).or_default();
-        e.0 += usize::from(satisfies(user, &text));
-        e.1 += 1;
-        if examples.len() < 6 && (examples.len() % 2 == 0) == (user == UserKind::Student) {
-            examples.push((id, text));
+    for (text, user, id) in &answers {
+        if examples.len() < 6 && (examples.len() % 2 == 0) == (*user == UserKind::Student) {
+            examples.push((id.clone(), text.clone()));
         }
     }
-    let frac = |(a, n): (usize, usize)| if n == 0 { 0.0 } else { a as f64 / n as f64 };
-    let total = ok
-        .values()
-        .fold((0, 0), |acc, v| (acc.0 + v.0, acc.1 + v.1));
+    let score = |only: Option<UserKind>| {
+        personalization_score(
+            answers
+                .iter()
+                .filter(|(_, user, _)| only.is_none_or(|o| o == *user))
+                .map(|(text, user, _)| (*user, text.as_str())),
+        )
+    };
     Ok(Measurement {
         updates: version as usize,
-        score: frac(total),
-        student: frac(ok.get(&UserKind::Student).copied().unwrap_or_default()),
-        teacher: frac(ok.get(&UserKind::Teacher).copied().unwrap_or_default()),
+        score: score(None),
+        student: score(Some(UserKind::Student)),
+        teacher: score(Some(UserKind::Teacher)),
         examples,
     })
 }
@@ -1632,26 +1633,6 @@ pub fn seeds_table(report: &SeedsReport) -> String {
     out
 }
 
-/// Reads `path` and runs it (see [`run`]).
-pub fn run_file(
-    path: &Path,
-    run_dir: &Path,
-    progress: Option<Progress>,
-) -> Result<Report, ExperimentError> {
-    let file = ExperimentFile::from_file(path)?;
-    run(&file, &path.display().to_string(), run_dir, progress)
-}
-
-/// Whether `path` is an experiment file (its top-level `kind` is `personal_experiment`);
-/// `false` when it cannot be read or parsed (the caller's own parser then reports why).
-pub fn is_experiment_file(path: &Path) -> bool {
-    std::fs::read_to_string(path)
-        .ok()
-        .and_then(|t| toml::from_str::<toml::Table>(&t).ok())
-        .and_then(|t| t.get("kind").and_then(|k| k.as_str()).map(|k| k == KIND))
-        .unwrap_or(false)
-}
-
 /// The scores table of a report, one line per method (the README's table).
 pub fn summary_table(report: &Report) -> String {
     let mut out = String::from("| method |");
@@ -1694,13 +1675,7 @@ pub fn cli_main(
         Some(many) if many.len() > 1 => Some(many.to_vec()),
         _ => None,
     };
-    let run_dir = out.unwrap_or_else(|| {
-        let secs = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or_default();
-        PathBuf::from("runs").join(format!("{}-{secs}", file.name))
-    });
+    let run_dir = crate::experiments::run_dir(out, &file.name);
     let bar = ProgressBar::with_draw_target(
         Some(file.experiment.updates as u64),
         if json {
@@ -1732,20 +1707,20 @@ pub fn cli_main(
         let report = run_seeds(&file, &origin, &run_dir, &seeds, Some(progress));
         bar.finish_and_clear();
         let report = report?;
-        if json {
-            println!(
-                "{}",
-                serde_json::to_string(&report).expect("the report serializes")
-            );
-        } else {
-            println!("{}", seeds_table(&report));
-            println!(
-                "mean ± sample standard deviation over seeds {seeds:?}, {:.0} s in all; \
-                 results.json, details.json and scores.png in {} (each seed's in seed-<seed>/)",
-                report.seconds,
-                run_dir.display()
-            );
-        }
+        crate::experiments::print_report(
+            json,
+            &report,
+            &seeds_table(&report),
+            crate::experiments::Done {
+                sft: None,
+                seconds: report.seconds,
+                outputs: &format!(
+                    "results.json, details.json and scores.png (mean ± sample standard \
+                     deviation over seeds {seeds:?}; each seed's own in seed-<seed>/)"
+                ),
+                run_dir: &run_dir,
+            },
+        );
         return Ok(run_dir);
     }
     let seed = file.experiment.seed;
@@ -1753,25 +1728,17 @@ pub fn cli_main(
     let report = run(&file, &origin, &run_dir, Some(one));
     bar.finish_and_clear();
     let report = report?;
-    if json {
-        println!(
-            "{}",
-            serde_json::to_string(&report).expect("the report serializes")
-        );
-    } else {
-        println!("{}", summary_table(&report));
-        println!(
-            "warm start {} ({}), {:.0} s in all; results.json, details.json and scores.png in {}",
-            report.sft.dir.display(),
-            if report.sft.cached {
-                "cached"
-            } else {
-                "trained now"
-            },
-            report.seconds,
-            run_dir.display()
-        );
-    }
+    crate::experiments::print_report(
+        json,
+        &report,
+        &summary_table(&report),
+        crate::experiments::Done {
+            sft: Some(&report.sft),
+            seconds: report.seconds,
+            outputs: "results.json, details.json and scores.png",
+            run_dir: &run_dir,
+        },
+    );
     Ok(run_dir)
 }
 
@@ -1799,7 +1766,7 @@ mod tests {
         assert_eq!(spec.method.kind, MethodKind::Combined);
         assert_eq!(spec.optim.batch_size, 16);
         let g = spec.gateway.as_ref().unwrap();
-        assert_eq!(g.on_session_end, crate::gateway::session::EndPolicy::Drop);
+        assert_eq!(g.on_session_end, clawrl::gateway::session::EndPolicy::Drop);
         let err = |t: String| {
             ExperimentFile::from_toml_str(&t, "x.toml")
                 .unwrap_err()
@@ -1876,17 +1843,6 @@ mod tests {
         let v = serde_json::to_value(one([0.1, 0.2], [0.1, 0.3])).unwrap();
         assert_eq!(v.as_object().unwrap().len(), 2, "{v}");
         assert_eq!(mean_and_sample_std(&[0.5]), (0.5, 0.0));
-    }
-
-    #[test]
-    fn experiment_files_are_recognised_by_kind() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("a.toml");
-        std::fs::write(&p, example_text()).unwrap();
-        assert!(is_experiment_file(&p));
-        std::fs::write(&p, "kind = \"rl\"\n").unwrap();
-        assert!(!is_experiment_file(&p));
-        assert!(!is_experiment_file(&dir.path().join("missing.toml")));
     }
 
     #[test]

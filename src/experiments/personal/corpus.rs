@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use super::style::{directive_phrases, UserKind};
-use crate::judge::HINT_PREFIX;
+use clawrl::judge::HINT_PREFIX;
 
 /// The system prompt of every conversation.
 pub const SYSTEM_PROMPT: &str = "you are a helpful assistant .";
@@ -275,6 +275,7 @@ impl Style {
     }
 
     /// The style `user` wants.
+    #[cfg(test)]
     pub fn wanted(user: UserKind) -> Style {
         match user {
             UserKind::Student => Style::Casual,
@@ -476,7 +477,7 @@ pub fn vocabulary_texts() -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::personal::style::{satisfies, UserKind};
+    use crate::experiments::personal::style::{satisfies, UserKind};
     use rand::SeedableRng;
 
     #[test]

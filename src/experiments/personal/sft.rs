@@ -5,7 +5,7 @@
 //! the chat template, and `sft.json` describing the run), cached under a key that is the hash of
 //! the settings: a second run with the same settings reuses the directory.
 //!
-//! The training and the cache are [`crate::train::warm_start`]'s; every response token has
+//! The training and the cache are [`crate::experiments::warm_start`]'s; every response token has
 //! advantage `1`, so one learner step is one supervised step on the mean token negative
 //! log-likelihood.
 
@@ -18,9 +18,9 @@ use thiserror::Error;
 
 use super::corpus::{sft_example, SftExample};
 use super::tokenizer::{build_tokenizer, tokenizer_files, TokenizerError, CHAT_TEMPLATE, IM_END};
-use crate::model::{ChatError, ChatTemplate, Qwen3Config};
-use crate::train::warm_start::{ModelShape, SftOutcome, WarmStart, WarmStartError};
-use crate::train::Sample;
+use crate::experiments::warm_start::{ModelShape, SftOutcome, WarmStart, WarmStartError};
+use clawrl::model::{ChatError, ChatTemplate, Qwen3Config};
+use clawrl::train::Sample;
 
 /// Bumped whenever the corpus, tokenizer or training recipe changes, so old caches are not
 /// reused.
@@ -163,21 +163,11 @@ impl Encoder {
         })
     }
 
-    /// The tokenizer.
-    pub fn tokenizer(&self) -> &tokenizers::Tokenizer {
-        &self.tokenizer
-    }
-
-    /// The stop token id.
-    pub fn stop(&self) -> u32 {
-        self.stop
-    }
-
     /// One SFT sample.
     pub fn sample(&self, ex: &SftExample) -> Result<Sample, SftError> {
         let messages = minijinja::Value::from_serialize(&ex.messages);
         let prompt = self.template.encode(&self.tokenizer, &messages, None)?;
-        let mut response = crate::model::chat::encode_text(&self.tokenizer, &ex.response)?;
+        let mut response = clawrl::model::chat::encode_text(&self.tokenizer, &ex.response)?;
         response.push(self.stop);
         Ok(Sample {
             prompt_ids: prompt.ids,
@@ -219,4 +209,22 @@ pub fn warm_start(
     run.run(force, |rng: &mut ChaCha8Rng| {
         encoder.sample(&sft_example(settings.instruct_rate, rng))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn other_settings_are_another_cache_entry() {
+        let base = SftSettings::default();
+        assert_eq!(base.cache_key(), SftSettings::default().cache_key());
+        assert_eq!(base.cache_key().len(), 16);
+        let mut other = base.clone();
+        other.seed += 1;
+        assert_ne!(other.cache_key(), base.cache_key());
+        let mut other = base.clone();
+        other.steps += 1;
+        assert_ne!(other.cache_key(), base.cache_key());
+    }
 }

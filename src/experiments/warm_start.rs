@@ -1,8 +1,8 @@
 //! A supervised warm start, cached on disk: a small Qwen3 policy from a seeded random
-//! initialisation ([`seeded_init`]), trained on samples an experiment draws, saved as a Hugging
+//! initialisation ([`Qwen3::init`]), trained on samples an experiment draws, saved as a Hugging
 //! Face checkpoint directory with the experiment's tokenizer files and an `sft.json` stamp, and
 //! reused when asked again with the same settings. The experiments build their own samples and
-//! settings on it (`crate::personal::sft`, `crate::toolagent::sft`).
+//! settings on it ([`super::personal::sft`], [`super::toolagent::sft`]).
 //!
 //! Training goes through the project's [`BurnLearner`] (exact AdamW, gradient-norm clip): with
 //! no KL term and old log-probs equal to the current ones, the gradient of the docs/design.md §1
@@ -18,14 +18,14 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::model::{save_checkpoint_dir, Qwen3, Qwen3Config, SaveError, TokenizerFiles};
-use crate::train::learner::{BurnLearner, StepError};
-use crate::train::{Sample, TrainConfig};
+use clawrl::model::{save_checkpoint_dir, Qwen3, Qwen3Config, SaveError, TokenizerFiles};
+use clawrl::train::learner::{BurnLearner, StepError};
+use clawrl::train::{Sample, TrainConfig};
 
 /// The policy's shape: the `[sft]` keys every warm start has.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -102,27 +102,6 @@ impl ModelShape {
         });
         Qwen3Config::from_json(&cfg.to_string()).expect("a validated shape builds")
     }
-}
-
-/// A seeded random initialisation: normal(0, `initializer_range`) weights, unit norms.
-pub fn seeded_init(cfg: &Qwen3Config, seed: u64) -> Qwen3<crate::CpuAutodiff> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let std = cfg.initializer_range;
-    Qwen3::build(cfg, &Default::default(), &mut |name, shape| {
-        let n: usize = shape.iter().product();
-        if name.ends_with("norm.weight") {
-            return Ok::<_, std::convert::Infallible>(vec![1.0; n]);
-        }
-        Ok((0..n)
-            .map(|_| {
-                // Box-Muller.
-                let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
-                let u2: f64 = rng.random();
-                ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos() * std) as f32
-            })
-            .collect())
-    })
-    .unwrap_or_else(|e| match e {})
 }
 
 /// Why a warm start's training or its cache failed (the experiment's own errors, such as its
@@ -241,7 +220,8 @@ impl WarmStart<'_> {
             batch_size: self.batch_size,
             ..TrainConfig::default()
         };
-        let model = seeded_init(&self.config, self.seed);
+        let model =
+            Qwen3::<clawrl::CpuAutodiff>::init(&self.config, &Default::default(), self.seed);
         let mut learner: BurnLearner = BurnLearner::new(
             self.config.clone(),
             model,

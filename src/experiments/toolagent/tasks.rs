@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
-use crate::env::tool_call::MathTask;
+use clawrl::env::tool_call::MathTask;
 
 /// The second call's source of a two-step solution, given what the first call printed.
 pub type SecondCall<'a> = Box<dyn Fn(&str) -> String + 'a>;

@@ -1,5 +1,5 @@
-//! The tool-call policy's tokenizer, built in code: a word-level `tokenizers` model whose
-//! pre-tokenizer isolates every letter run, every single digit, every whitespace character and
+//! The tool-call policy's tokenizer ([`crate::experiments::word_tokenizer`]): a word-level
+//! model whose pre-tokenizer isolates every letter run, every single digit, every whitespace character and
 //! every punctuation character, with a `Fuse` decoder, so that decoding gives back the exact
 //! text (Python code and JSON survive the round trip) and numbers are read and written digit by
 //! digit. `<tool_call>` / `</tool_call>` are single (non-special) tokens; the Qwen chat markers
@@ -13,16 +13,12 @@
 //! every later prompt holds the exact ids sampled before (docs/design.md §1: never re-tokenised).
 
 use serde_json::{json, Value};
-use thiserror::Error;
 
-use crate::model::{ChatError, ChatTemplate, TokenizerFiles};
+pub use crate::experiments::word_tokenizer::TokenizerError;
+use crate::experiments::word_tokenizer::WordTokenizer;
+pub use crate::experiments::word_tokenizer::{IM_END, IM_START, PAD};
+use clawrl::model::{ChatError, ChatTemplate, TokenizerFiles};
 
-/// The padding / end-of-text token (id 0).
-pub const PAD: &str = "<|endoftext|>";
-/// Starts a chat message (id 1).
-pub const IM_START: &str = "<|im_start|>";
-/// Ends a chat message and a response (id 2): the stop token.
-pub const IM_END: &str = "<|im_end|>";
 /// Opens a tool call (id 3).
 pub const TOOL_OPEN: &str = "<tool_call>";
 /// Closes a tool call (id 4).
@@ -79,14 +75,6 @@ const WORDS: &[&str] = &[
 /// The chat template (Qwen layout, no system messages or tool schemas; see the module doc).
 pub const CHAT_TEMPLATE: &str = "{%- for message in messages %}{%- if message.role != 'system' %}{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}{%- if message.tool_calls %}{%- for tc in message.tool_calls %}{{- '<tool_call>\\n' + (tc.function | tojson) + '\\n</tool_call>' }}{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
 
-/// Why the tokenizer could not be built.
-#[derive(Debug, Error)]
-pub enum TokenizerError {
-    /// The `tokenizers` crate refused the generated `tokenizer.json`.
-    #[error("building the tool-call tokenizer: {0}")]
-    Build(String),
-}
-
 /// The vocabulary: the special tokens (ids 0..=5), the words, the digits, ASCII punctuation,
 /// space and newline.
 pub fn vocabulary() -> Vec<String> {
@@ -107,60 +95,37 @@ pub fn vocabulary() -> Vec<String> {
     v
 }
 
-/// The `tokenizer.json` text.
-pub fn tokenizer_json() -> String {
-    let vocab = vocabulary();
-    let map: serde_json::Map<String, Value> = vocab
-        .iter()
-        .enumerate()
-        .map(|(i, w)| (w.clone(), json!(i)))
-        .collect();
-    let added: Vec<Value> = [PAD, IM_START, IM_END, TOOL_OPEN, TOOL_CLOSE]
-        .iter()
-        .enumerate()
-        .map(|(id, content)| {
-            json!({"id": id, "content": content, "single_word": false, "lstrip": false,
-                   "rstrip": false, "normalized": false, "special": id < 3})
-        })
-        .collect();
-    let doc = json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": PIECES},
-                          "behavior": "Isolated", "invert": false},
-        "post_processor": null,
-        "decoder": {"type": "Fuse"},
-        "model": {"type": "WordLevel", "vocab": map, "unk_token": UNK},
-    });
-    serde_json::to_string_pretty(&doc).expect("json serializes")
+/// The tokenizer's definition: the vocabulary, every piece of [`PIECES`] isolated, and a
+/// `Fuse` decoder, so decoding gives back the exact text.
+pub fn word_tokenizer() -> WordTokenizer {
+    WordTokenizer {
+        name: "tool-call",
+        vocab: vocabulary(),
+        added: vec![
+            (PAD, true),
+            (IM_START, true),
+            (IM_END, true),
+            (TOOL_OPEN, false),
+            (TOOL_CLOSE, false),
+        ],
+        unk: UNK,
+        normalizer: Value::Null,
+        pre_tokenizer: json!({"type": "Split", "pattern": {"Regex": PIECES},
+                              "behavior": "Isolated", "invert": false}),
+        decoder: json!({"type": "Fuse"}),
+        chat_template: CHAT_TEMPLATE,
+        model_max_length: None,
+    }
 }
 
 /// The tokenizer files of the checkpoint.
 pub fn tokenizer_files() -> TokenizerFiles {
-    TokenizerFiles {
-        tokenizer_json: tokenizer_json(),
-        tokenizer_config_json: Some(
-            serde_json::to_string_pretty(&json!({
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": IM_END,
-                "pad_token": PAD,
-                "unk_token": UNK,
-                "chat_template": CHAT_TEMPLATE,
-            }))
-            .expect("json serializes"),
-        ),
-        chat_template_jinja: None,
-        generation_config_json: None,
-    }
+    word_tokenizer().files()
 }
 
 /// The tokenizer.
 pub fn build_tokenizer() -> Result<tokenizers::Tokenizer, TokenizerError> {
-    tokenizers::Tokenizer::from_bytes(tokenizer_json().as_bytes())
-        .map_err(|e| TokenizerError::Build(e.to_string()))
+    word_tokenizer().build()
 }
 
 /// The chat template.
@@ -175,7 +140,7 @@ pub fn chat_template() -> Result<ChatTemplate, ChatError> {
 /// The text of a `code_interpreter` call running `code`.
 pub fn call_text(code: &str) -> String {
     let body =
-        json!({"name": crate::env::tool_call::INTERPRETER_TOOL, "arguments": {"code": code}});
+        json!({"name": clawrl::env::tool_call::INTERPRETER_TOOL, "arguments": {"code": code}});
     format!("{TOOL_OPEN}\n{body}\n{TOOL_CLOSE}")
 }
 
@@ -196,7 +161,7 @@ pub fn continuation_ids(
     tokenizer: &tokenizers::Tokenizer,
     contents: &[String],
 ) -> Result<Vec<u32>, ChatError> {
-    crate::model::chat::encode_text(tokenizer, &continuation_text(contents))
+    clawrl::model::chat::encode_text(tokenizer, &continuation_text(contents))
 }
 
 #[cfg(test)]
@@ -234,7 +199,10 @@ mod tests {
             .encode(&tok, &minijinja::Value::from_serialize(&msgs), None)
             .unwrap();
         let want = format!("{IM_START}user\nwhat is 2+3*4 ?{IM_END}\n{IM_START}assistant\n");
-        assert_eq!(p.ids, crate::model::chat::encode_text(&tok, &want).unwrap());
+        assert_eq!(
+            p.ids,
+            clawrl::model::chat::encode_text(&tok, &want).unwrap()
+        );
         // A tool turn appended by ids equals the template's rendering of the same messages
         // (the assistant message given as its raw text).
         let call = call_text("print(2+3*4)");
@@ -248,7 +216,7 @@ mod tests {
             .encode(&tok, &minijinja::Value::from_serialize(&msgs2), None)
             .unwrap();
         let mut by_ids = p.ids.clone();
-        by_ids.extend(crate::model::chat::encode_text(&tok, &call).unwrap());
+        by_ids.extend(clawrl::model::chat::encode_text(&tok, &call).unwrap());
         by_ids.push(tok.token_to_id(IM_END).unwrap());
         by_ids.extend(continuation_ids(&tok, &[out]).unwrap());
         assert_eq!(full.ids, by_ids);

@@ -1,36 +1,22 @@
-//! The experiment's tokenizer, built in code: a word-level `tokenizers` model over the world's
-//! vocabulary ([`super::corpus::vocabulary_texts`]), lower-casing, whitespace/punctuation
-//! pre-tokenization and the three Qwen chat special tokens, plus a Qwen-style chat template.
-//! Nothing is downloaded; the files are written into the SFT checkpoint as Hugging Face expects
-//! them (`tokenizer.json`, `tokenizer_config.json` with `chat_template`).
+//! The experiment's tokenizer ([`crate::experiments::word_tokenizer`]): words of the world's
+//! vocabulary ([`super::corpus::vocabulary_texts`]), lower-cased, split at whitespace and
+//! punctuation, the three Qwen chat special tokens, and a Qwen-style chat template.
 
 use std::collections::BTreeSet;
 
-use serde_json::{json, Value};
-use thiserror::Error;
+use serde_json::json;
 
 use super::corpus::vocabulary_texts;
-use crate::model::TokenizerFiles;
+pub use crate::experiments::word_tokenizer::TokenizerError;
+use crate::experiments::word_tokenizer::WordTokenizer;
+pub use crate::experiments::word_tokenizer::{IM_END, IM_START, PAD};
+use clawrl::model::TokenizerFiles;
 
-/// The padding / end-of-text token (id 0).
-pub const PAD: &str = "<|endoftext|>";
-/// Starts a chat message (id 1).
-pub const IM_START: &str = "<|im_start|>";
-/// Ends a chat message and a response (id 2): the stop token.
-pub const IM_END: &str = "<|im_end|>";
 /// Stands for any word outside the vocabulary (id 3).
 pub const UNK: &str = "[UNK]";
 
 /// The chat template (the Qwen layout without tools or thinking).
 pub const CHAT_TEMPLATE: &str = "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
-
-/// Why the tokenizer could not be built.
-#[derive(Debug, Error)]
-pub enum TokenizerError {
-    /// The `tokenizers` crate refused the generated `tokenizer.json`.
-    #[error("building the word-level tokenizer: {0}")]
-    Build(String),
-}
 
 /// Splits text the way the `Whitespace` pre-tokenizer does (`\w+|[^\w\s]+`), lower-cased.
 pub fn words(text: &str) -> Vec<String> {
@@ -73,69 +59,36 @@ pub fn vocabulary() -> Vec<String> {
     vocab
 }
 
-/// The `tokenizer.json` text.
-pub fn tokenizer_json() -> String {
-    let vocab = vocabulary();
-    let map: serde_json::Map<String, Value> = vocab
-        .iter()
-        .enumerate()
-        .map(|(i, w)| (w.clone(), json!(i)))
-        .collect();
-    let added: Vec<Value> = [PAD, IM_START, IM_END]
-        .iter()
-        .enumerate()
-        .map(|(id, content)| {
-            json!({"id": id, "content": content, "single_word": false, "lstrip": false,
-                   "rstrip": false, "normalized": false, "special": true})
-        })
-        .collect();
-    let doc = json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": {"type": "Lowercase"},
-        "pre_tokenizer": {"type": "Whitespace"},
-        "post_processor": null,
-        "decoder": null,
-        "model": {"type": "WordLevel", "vocab": map, "unk_token": UNK},
-    });
-    serde_json::to_string_pretty(&doc).expect("json serializes")
-}
-
-/// The `tokenizer_config.json` text (special tokens and the chat template).
-pub fn tokenizer_config_json() -> String {
-    serde_json::to_string_pretty(&json!({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": IM_END,
-        "pad_token": PAD,
-        "unk_token": UNK,
-        "model_max_length": 128,
-        "chat_template": CHAT_TEMPLATE,
-    }))
-    .expect("json serializes")
+/// The tokenizer's definition: the vocabulary, lower-casing, `Whitespace` pre-tokenization
+/// (what [`words`] does) and the chat template.
+pub fn word_tokenizer() -> WordTokenizer {
+    WordTokenizer {
+        name: "personal-experiment",
+        vocab: vocabulary(),
+        added: vec![(PAD, true), (IM_START, true), (IM_END, true)],
+        unk: UNK,
+        normalizer: json!({"type": "Lowercase"}),
+        pre_tokenizer: json!({"type": "Whitespace"}),
+        decoder: serde_json::Value::Null,
+        chat_template: CHAT_TEMPLATE,
+        model_max_length: Some(128),
+    }
 }
 
 /// The tokenizer files of the checkpoint.
 pub fn tokenizer_files() -> TokenizerFiles {
-    TokenizerFiles {
-        tokenizer_json: tokenizer_json(),
-        tokenizer_config_json: Some(tokenizer_config_json()),
-        chat_template_jinja: None,
-        generation_config_json: None,
-    }
+    word_tokenizer().files()
 }
 
 /// The tokenizer itself.
 pub fn build_tokenizer() -> Result<tokenizers::Tokenizer, TokenizerError> {
-    tokenizers::Tokenizer::from_bytes(tokenizer_json().as_bytes())
-        .map_err(|e| TokenizerError::Build(e.to_string()))
+    word_tokenizer().build()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::personal::corpus::sft_example;
+    use crate::experiments::personal::corpus::sft_example;
     use rand::SeedableRng;
 
     #[test]

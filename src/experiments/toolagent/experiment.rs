@@ -1,6 +1,6 @@
 //! The tool-call agent experiment: warm-start a small policy to call the
 //! `code_interpreter` tool ([`super::sft`]), then continue with RL on generated math tasks in
-//! the real tool-call environment ([`crate::env::tool_call::ToolCallEnv`]: every call runs
+//! the real tool-call environment ([`clawrl::env::tool_call::ToolCallEnv`]: every call runs
 //! `python3` in the sandbox), once per reward arm — **integrated** (episode outcome plus each
 //! step's process score from [`super::prm`]) and **outcome-only** — with the same seed, task
 //! draws, sampling seeds and budget, and measure the success rate on held-out tasks after the
@@ -8,12 +8,12 @@
 //!
 //! **One update.** `tasks_per_update` train tasks are drawn (the same for both arms: the draw
 //! depends only on the seed and the update number) and each is rolled out `group_size` times
-//! ([`crate::env::reward::group_plan`]: group `r{update}-t{k}`, distinct seeds). A rollout is a
+//! ([`clawrl::env::reward::group_plan`]: group `r{update}-t{k}`, distinct seeds). A rollout is a
 //! multi-step episode: the policy's response is decoded and parsed into a tool call or a plain
-//! answer ([`crate::pipeline::policy::action_of`]), the environment runs it, and the tool's
+//! answer ([`clawrl::pipeline::policy::action_of`]), the environment runs it, and the tool's
 //! messages are appended to the transcript by token concatenation. Each tool step gets one PRM
 //! vote; the final answer step, having no next state, gets none. Step rewards and advantages
-//! come from [`crate::env::reward::group_advantages`] (kind `tool_call`: `outcome + prm`,
+//! come from [`clawrl::env::reward::group_advantages`] (kind `tool_call`: `outcome + prm`,
 //! z-scored within (group, step index) buckets; [`RewardMode::OutcomeOnly`] sets `prm = 0`).
 //! Every surviving step becomes one learner sample (its prompt is the transcript up to the
 //! step, its response the step's sampled ids, every token carrying the step's advantage), and
@@ -43,20 +43,20 @@ use super::prm::judge_step;
 use super::sft::{warm_start, SftError, SftSettings};
 use super::tasks::{task_sets, GenTask};
 use super::tokenizer::continuation_ids;
-use crate::env::reward::{
+use crate::experiments::warm_start::SftOutcome;
+use clawrl::env::reward::{
     check_groups, group_advantages, group_plan, RewardError, RewardMode, ScoredEpisode,
 };
-use crate::env::{EnvBuildError, EnvOptions, ToolCallEnv};
-use crate::model::{
+use clawrl::env::{EnvBuildError, EnvOptions, ToolCallEnv};
+use clawrl::model::{
     load_checkpoint, load_model, spawn_engine, Checkpoint, EngineError, EngineOptions,
     GenerationRequest, LoadError, Qwen3, SamplingParams,
 };
-use crate::pipeline::policy::action_of;
-use crate::rl::{Aggregation, EpisodeKind};
-use crate::train::learner::{BurnLearner, StepError};
-use crate::train::warm_start::SftOutcome;
-use crate::train::{Sample, TrainConfig};
-use crate::watch::scalars::{JudgedPoint, ScalarWriter, StepPoint};
+use clawrl::pipeline::policy::action_of;
+use clawrl::rl::{Aggregation, EpisodeKind};
+use clawrl::train::learner::{BurnLearner, StepError};
+use clawrl::train::{Sample, TrainConfig};
+use clawrl::watch::scalars::{JudgedPoint, ScalarWriter, StepPoint};
 use clawrl_actors::loops::{Environment, Episode};
 
 /// The `[tasks]` table: the generated task sets.
@@ -136,10 +136,15 @@ impl Default for ExperimentSettings {
     }
 }
 
+/// The top-level `kind` of a tool-call experiment file.
+pub const KIND: &str = "tool_call_experiment";
+
 /// An experiment file (`examples/tool_call_agent.toml`).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ExperimentFile {
+    /// Must be `tool_call_experiment`.
+    pub kind: String,
     /// Where the warm start is cached (default `target/clawrl-cache/toolagent`).
     pub cache_dir: Option<PathBuf>,
     /// The task sets.
@@ -183,7 +188,7 @@ pub enum ExperimentError {
     Episode(#[from] clawrl_actors::loops::EnvError),
     /// Tokenizing failed.
     #[error("prompt: {0}")]
-    Chat(#[from] crate::model::ChatError),
+    Chat(#[from] clawrl::model::ChatError),
     /// Generation failed.
     #[error("generation: {0}")]
     Engine(#[from] EngineError),
@@ -228,6 +233,12 @@ impl ExperimentFile {
 
     /// Checks every value; the message names the key.
     pub fn validate(&self) -> Result<(), String> {
+        if self.kind != KIND {
+            return Err(format!(
+                "kind = {:?}: this runner only runs kind = {KIND:?}",
+                self.kind
+            ));
+        }
         let t = &self.tasks;
         if t.operand_min < 1 || t.operand_max < t.operand_min || t.operand_max > 9999 {
             return Err(format!(
@@ -425,7 +436,7 @@ pub struct Report {
 
 /// The policy-side helpers.
 struct World {
-    ck: Checkpoint<crate::CpuBackend>,
+    ck: Checkpoint<clawrl::CpuBackend>,
     stop: Vec<u32>,
     settings: ExperimentSettings,
     max_positions: usize,
@@ -445,7 +456,7 @@ impl World {
     /// concurrently).
     fn rollout(
         &self,
-        model: Arc<Qwen3<crate::CpuBackend>>,
+        model: Arc<Qwen3<clawrl::CpuBackend>>,
         env: &ToolCallEnv,
         tasks: &[GenTask],
         plan: &[(usize, u64)],
@@ -607,7 +618,7 @@ impl World {
     /// The success rate of `model` on the held-out tasks.
     fn measure(
         &self,
-        model: Arc<Qwen3<crate::CpuBackend>>,
+        model: Arc<Qwen3<clawrl::CpuBackend>>,
         env: &ToolCallEnv,
         tasks: &[GenTask],
         updates: usize,
@@ -720,7 +731,7 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
     let sft = warm_start(&file.sft, &train, &file.cache_dir(), false)?;
     tracing::info!(dir = %sft.dir.display(), cached = sft.cached, secs = sft.seconds, "toolagent: warm start ready");
     let x = file.experiment.clone();
-    let ck = load_checkpoint::<crate::CpuBackend>(&sft.dir, &Default::default())?;
+    let ck = load_checkpoint::<clawrl::CpuBackend>(&sft.dir, &Default::default())?;
     let stop = ck.stop_token_ids();
     let max_positions = ck.config.max_position_embeddings;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -741,7 +752,7 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
         warm_workdirs: 4,
         ..EnvOptions::default()
     };
-    crate::sandbox::probe().map_err(EnvBuildError::from)?;
+    clawrl::sandbox::probe().map_err(EnvBuildError::from)?;
     let train_env = ToolCallEnv::new(train.iter().map(GenTask::math_task).collect(), options())?;
     let eval_env = ToolCallEnv::new(held.iter().map(GenTask::math_task).collect(), options())?;
     let initial = Arc::new(world.ck.model.clone());
@@ -759,7 +770,7 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
     let mut runs = Vec::new();
     for &mode in &x.arms {
         let t0 = Instant::now();
-        let (cfg, model) = load_model::<crate::CpuAutodiff>(&sft.dir, &Default::default())?;
+        let (cfg, model) = load_model::<clawrl::CpuAutodiff>(&sft.dir, &Default::default())?;
         let train_cfg = TrainConfig {
             lr: x.lr,
             kl_coef: x.kl_coef,
@@ -769,7 +780,7 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
         let mut learner: BurnLearner =
             BurnLearner::new(cfg, model, train_cfg, Default::default(), x.seed);
         // Each arm's scalars are a TensorBoard run of their own: `tb/<arm>/`.
-        let tb_dir = crate::watch::scalars::tb_dir(run_dir).join(arm_name(mode));
+        let tb_dir = clawrl::watch::scalars::tb_dir(run_dir).join(arm_name(mode));
         let mut tb =
             ScalarWriter::create(&tb_dir).map_err(|e| write_err(&tb_dir, e.to_string()))?;
         let mut measurements: Vec<Measurement> = base.iter().cloned().collect();
@@ -878,7 +889,7 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
         let p = run_dir.join(name);
         std::fs::write(&p, text).map_err(|e| write_err(&p, e.to_string()))
     };
-    let results = crate::personal::experiment::Results {
+    let results = crate::experiments::personal::experiment::Results {
         updates: report.eval_at.clone(),
         scores: report.success.clone(),
         ..Default::default()
@@ -892,7 +903,8 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
         serde_json::to_string_pretty(&report).expect("report serializes"),
     )?;
     let png = run_dir.join("success.png");
-    crate::personal::plot::plot_scores(&results, &png).map_err(|e| write_err(&png, e.message))?;
+    crate::experiments::personal::plot::plot_scores(&results, &png)
+        .map_err(|e| write_err(&png, e.message))?;
     Ok(report)
 }
 
@@ -913,6 +925,35 @@ pub fn summary_table(report: &Report) -> String {
         }
     }
     out
+}
+
+/// `clawrl run <tool-call experiment file>`: runs it into `out` (default
+/// `runs/tool-call-agent-<unix time>`) and prints the success table, or the whole report as
+/// JSON with `json`. `seed` replaces the file's `experiment.seed`.
+pub fn cli_main(
+    path: &Path,
+    out: Option<PathBuf>,
+    json: bool,
+    seed: Option<u64>,
+) -> Result<PathBuf, ExperimentError> {
+    let mut file = ExperimentFile::from_file(path)?;
+    if let Some(s) = seed {
+        file.experiment.seed = s;
+    }
+    let run_dir = crate::experiments::run_dir(out, "tool-call-agent");
+    let report = run(&file, &run_dir)?;
+    crate::experiments::print_report(
+        json,
+        &report,
+        &summary_table(&report),
+        crate::experiments::Done {
+            sft: Some(&report.sft),
+            seconds: report.seconds,
+            outputs: "results.json, details.json and success.png",
+            run_dir: &run_dir,
+        },
+    );
+    Ok(run_dir)
 }
 
 #[cfg(test)]
@@ -951,6 +992,10 @@ mod tests {
         assert!(e.contains("sft.heads"), "{e}");
         let e = err(format!("{text}\n[experiment.x]\n"));
         assert!(e.contains("x.toml"), "{e}");
+        let e = err(text.replace("kind = \"tool_call_experiment\"", "kind = \"rl\""));
+        assert!(e.contains("kind = \"rl\""), "{e}");
+        let e = err(text.replace("kind = \"tool_call_experiment\"", ""));
+        assert!(e.contains("tool_call_experiment"), "{e}");
     }
 
     fn record(outcome: f64, prms: &[Option<i8>]) -> EpisodeRecord {

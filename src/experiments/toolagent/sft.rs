@@ -1,4 +1,4 @@
-//! The warm start of the tool-call experiment ([`crate::train::warm_start`]): a small seeded
+//! The warm start of the tool-call experiment ([`crate::experiments::warm_start`]): a small seeded
 //! Qwen3 policy supervised-trained on generated transcripts ([`super::corpus`]) of train-split
 //! tasks, saved with the tokenizer and chat template of [`super::tokenizer`], cached under the
 //! hash of its settings and tasks.
@@ -27,9 +27,9 @@ use super::tasks::GenTask;
 use super::tokenizer::{
     build_tokenizer, chat_template, continuation_ids, tokenizer_files, TokenizerError, IM_END,
 };
-use crate::model::{ChatError, ChatTemplate, Qwen3Config};
-use crate::train::warm_start::{ModelShape, SftOutcome, WarmStart, WarmStartError};
-use crate::train::Sample;
+use crate::experiments::warm_start::{ModelShape, SftOutcome, WarmStart, WarmStartError};
+use clawrl::model::{ChatError, ChatTemplate, Qwen3Config};
+use clawrl::train::Sample;
 
 /// The constant the per-token weight `L / 32` divides by (see the module doc).
 pub const TOKEN_WEIGHT_SCALE: f32 = 32.0;
@@ -174,6 +174,7 @@ impl Encoder {
     }
 
     /// The tokenizer.
+    #[cfg(test)]
     pub fn tokenizer(&self) -> &tokenizers::Tokenizer {
         &self.tokenizer
     }
@@ -206,7 +207,7 @@ impl Encoder {
                         response.extend(ids);
                         tools.clear();
                     }
-                    let mut ids = crate::model::chat::encode_text(&self.tokenizer, text)?;
+                    let mut ids = clawrl::model::chat::encode_text(&self.tokenizer, text)?;
                     ids.push(self.stop);
                     advantages.extend(std::iter::repeat_n(1.0, ids.len()));
                     response.extend(ids);
@@ -272,7 +273,7 @@ pub fn warm_start(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::toolagent::tasks::Op;
+    use crate::experiments::toolagent::tasks::Op;
     use rand::SeedableRng;
 
     #[test]

@@ -18,8 +18,8 @@ use serde::{Deserialize, Serialize};
 
 use super::tasks::GenTask;
 use super::tokenizer::call_text;
-use crate::env::exec::render_output;
-use crate::sandbox::ExecOutput;
+use clawrl::env::exec::render_output;
+use clawrl::sandbox::ExecOutput;
 
 /// The mixture of behaviours.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -256,7 +256,7 @@ mod tests {
             let Some(Segment::Assistant(last)) = tr.segments.last() else {
                 panic!("a transcript ends with the policy's answer")
             };
-            right += usize::from(crate::env::answer::answer_matches(
+            right += usize::from(clawrl::env::answer::answer_matches(
                 last,
                 &t.answer().to_string(),
             ));
