@@ -1,4 +1,4 @@
-//! The actor runtime without the LLM crate: the job loops (sessions, admission, rollout, trainer, recorder), the bulk plane, and hostile peers of a node.
+//! The actor runtime without the LLM crate: the job loops (sessions, admission, rollout, trainer, recorder), the bulk plane, hostile peers of a node, and the node supervisor's restarts.
 //!
 //! One test binary of modules: every module here shares one build and link of the
 //! crates it tests.
@@ -10,4 +10,5 @@ mod node_hostile;
 mod recorder;
 mod rollout;
 mod session;
+mod supervision;
 mod trainer;

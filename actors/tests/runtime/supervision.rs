@@ -77,16 +77,24 @@ async fn killed_members_and_control_are_restarted_and_control_keeps_its_jobs() {
     let mut ccfg = cfg.clone();
     ccfg.listen = node.addr();
 
+    // The process group is process-wide and other tests' nodes join it too: this node's
+    // members are the ones registered under its name.
     let group = clawrl_actors::groups::NODES.to_string();
+    let ours = || -> Vec<ractor::ActorId> {
+        ractor::pg::get_members(&group)
+            .iter()
+            .filter(|m| m.get_name().as_deref() == Some("sup/node"))
+            .map(|m| m.get_id())
+            .collect()
+    };
     let member = ractor::registry::where_is("sup/node").expect("node member registered");
     let old_id = member.get_id();
+    assert_eq!(ours(), vec![old_id]);
     member.kill();
     assert!(
         wait_until(Duration::from_secs(15), || {
-            let members = ractor::pg::get_members(&group);
-            ractor::registry::where_is("sup/node").is_some_and(|m| {
-                m.get_id() != old_id && members.len() == 1 && members[0].get_id() == m.get_id()
-            })
+            ractor::registry::where_is("sup/node")
+                .is_some_and(|m| m.get_id() != old_id && ours() == vec![m.get_id()])
         })
         .await,
         "a killed node member was not restarted into its group"
