@@ -4,7 +4,7 @@
 //!
 //! Built from tensor ops, each query tile's score block is written, masked, exponentiated,
 //! summed and multiplied in separate passes over memory; at a 12k-token prompt those passes
-//! are most of a prefill. Here each query row walks the keys in blocks of [`KEY_BLOCK`] with
+//! are most of a prefill. Here each query row walks the keys in blocks of [`key_block`] with
 //! an online softmax (running maximum `m`, running sum `l`, output accumulator rescaled when
 //! `m` grows, as flash attention does), so a score lives in L1 from its dot product to its
 //! weight on `V`:
@@ -19,7 +19,7 @@
 //!
 //! Query rows go in tiles of [`QUERY_TILE`] that share each key block while it is in cache,
 //! and tiles run on rayon's pool. Every row's result depends only on its own query, the keys
-//! up to its position and the fixed key-block boundaries (multiples of [`KEY_BLOCK`] from
+//! up to its position and the fixed key-block boundaries (multiples of [`key_block`] from
 //! position 0), never on which tile or call it was computed in: a prompt prefilled in two
 //! parts (a prefix-cache hit) gets bit-identical rows to one prefilled whole.
 //!
@@ -31,12 +31,20 @@
 
 use rayon::prelude::*;
 
-/// Keys per block: 256 keys of a 128-wide head are 128 KiB of `Kᵀ` and `V`, within L2; at
-/// the usual 16–64 they sit in L1.
-pub const KEY_BLOCK: usize = 256;
+/// Keys per block of the forward for heads `d` wide: as many as make 64 KiB of `Kᵀ` (and as
+/// much of `V`, within L2), between 256 and 1024; four rows' scores over them (at most 16 KiB)
+/// stay in L1. Measured on a 12k-token causal prompt (4 heads of 16, 2 threads): blocks of
+/// 1024 took 0.86 of the time of blocks of 256, once four rows share each key load (fewer
+/// rescales and per-block passes). Heads of 64 and more keep blocks of 256.
+pub fn key_block(d: usize) -> usize {
+    (16_384 / d.max(1)).clamp(256, 1024)
+}
 
 /// Query rows that share each key block.
-pub const QUERY_TILE: usize = 32;
+pub const QUERY_TILE: usize = 64;
+
+/// Rows per block of the backward's key tiles.
+const ROW_BLOCK: usize = 256;
 
 /// Below this many score elements (`b · h · t · n`) the kernel runs on the calling thread: a
 /// decode step's few rows are not worth a hand-off to the pool.
@@ -403,16 +411,18 @@ fn forward_kernel<const FMA: bool>(tile: &Tile<'_>, o: &mut [f32], lse: &mut [f3
     let scale = (d as f32).powf(-0.5);
     let mut max = vec![f32::NEG_INFINITY; rows];
     let mut sum = vec![0f32; rows];
-    let mut scores = vec![0f32; ROW_GROUP * KEY_BLOCK];
-    let mut scaled = vec![0f32; d];
+    let kb = key_block(d);
+    let mut scores = vec![0f32; ROW_GROUP * kb];
+    // The group's queries times `scale`, `[ROW_GROUP, d]`.
+    let mut scaled = vec![0f32; ROW_GROUP * d];
     o.fill(0.0);
     // The keys row `r` sees in the block from `block`: up to its position, or all.
     let end = |r: usize, block: usize| match tile.positions {
-        Some(first) => (first + r + 1).min(block + KEY_BLOCK),
-        None => (block + KEY_BLOCK).min(n),
+        Some(first) => (first + r + 1).min(block + kb),
+        None => (block + kb).min(n),
     };
     let keys = tile.positions.map_or(n, |first| first + rows);
-    for block in (0..keys).step_by(KEY_BLOCK) {
+    for block in (0..keys).step_by(kb) {
         for group in (0..rows).step_by(ROW_GROUP) {
             let members = (rows - group).min(ROW_GROUP);
             // Rows are in position order, so the group's last row sees the most keys.
@@ -420,21 +430,36 @@ fn forward_kernel<const FMA: bool>(tile: &Tile<'_>, o: &mut [f32], lse: &mut [f3
             if width == 0 {
                 continue;
             }
-            for (g, s) in scores.chunks_exact_mut(KEY_BLOCK).take(members).enumerate() {
+            let scale_row = |scaled: &mut [f32], r: usize| {
+                for (x, &qc) in scaled.iter_mut().zip(&tile.q[r * d..(r + 1) * d]) {
+                    *x = qc * scale;
+                }
+            };
+            // A full group's scores over the block's `width` keys come at once, each key row of
+            // `Kᵀ` loaded once for the four queries; a row's scores are the same multiply-adds
+            // in the same order either way.
+            let full = members == ROW_GROUP;
+            if full {
+                for (g, x) in scaled.chunks_exact_mut(d).enumerate() {
+                    scale_row(x, group + g);
+                }
+                dot_group::<FMA>(&scaled, tile.kt, n, block, width, &mut scores, kb);
+            }
+            for (g, s) in scores.chunks_exact_mut(kb).take(members).enumerate() {
                 let r = group + g;
                 let s = &mut s[..width];
+                let own = end(r, block).saturating_sub(block);
+                if !full {
+                    scale_row(&mut scaled[..d], r);
+                    dot_rows::<FMA>(&scaled[..d], tile.kt, n, block, &mut s[..own]);
+                }
                 // Keys past the row's position weigh exactly 0 (a multiply-add of 0 leaves the
                 // sum as it is), so the row's result is the same in any group.
-                let own = end(r, block).saturating_sub(block);
                 s[own..].fill(0.0);
                 if own == 0 {
                     continue;
                 }
-                for (x, &qc) in scaled.iter_mut().zip(&tile.q[r * d..(r + 1) * d]) {
-                    *x = qc * scale;
-                }
                 let s = &mut s[..own];
-                dot_rows::<FMA>(&scaled, tile.kt, n, block, s);
                 let m_new = max[r].max(slice_max(s));
                 let rescale = (max[r] - m_new).exp();
                 if rescale != 1.0 {
@@ -448,7 +473,7 @@ fn forward_kernel<const FMA: bool>(tile: &Tile<'_>, o: &mut [f32], lse: &mut [f3
             }
             let acc = &mut o[group * d..(group + members) * d];
             let values = &tile.v[block * d..];
-            weigh_group::<FMA>(&scores, KEY_BLOCK, values, width, d, members, acc);
+            weigh_group::<FMA>(&scores, kb, values, width, d, members, acc);
         }
     }
     for r in 0..rows {
@@ -476,16 +501,16 @@ fn key_grad_kernel<const FMA: bool>(
     let end = offset + rows;
     let keys = dk.len() / d;
     let scale = (d as f32).powf(-0.5);
-    let mut probs = vec![0f32; ROW_GROUP * KEY_BLOCK];
-    let mut grads = vec![0f32; ROW_GROUP * KEY_BLOCK];
-    let mut dp = vec![0f32; KEY_BLOCK];
+    let mut probs = vec![0f32; ROW_GROUP * ROW_BLOCK];
+    let mut grads = vec![0f32; ROW_GROUP * ROW_BLOCK];
+    let mut dp = vec![0f32; ROW_BLOCK];
     let mut scaled = vec![0f32; d];
-    // The block's dS by row: [KEY_BLOCK rows, KEY_TILE keys].
-    let mut ds_rows = vec![0f32; KEY_BLOCK * KEY_TILE];
+    // The block's dS by row: [ROW_BLOCK rows, KEY_TILE keys].
+    let mut ds_rows = vec![0f32; ROW_BLOCK * KEY_TILE];
     dk.fill(0.0);
     dv.fill(0.0);
-    for block in (first.max(offset)..end).step_by(KEY_BLOCK) {
-        let width = (block + KEY_BLOCK).min(end) - block;
+    for block in (first.max(offset)..end).step_by(ROW_BLOCK) {
+        let width = (block + ROW_BLOCK).min(end) - block;
         let local = block - offset;
         let (lse, delta) = (
             &tile.lse[local..local + width],
@@ -494,8 +519,8 @@ fn key_grad_kernel<const FMA: bool>(
         for group in (0..keys).step_by(ROW_GROUP) {
             let members = (keys - group).min(ROW_GROUP);
             let groups = probs
-                .chunks_exact_mut(KEY_BLOCK)
-                .zip(grads.chunks_exact_mut(KEY_BLOCK));
+                .chunks_exact_mut(ROW_BLOCK)
+                .zip(grads.chunks_exact_mut(ROW_BLOCK));
             for (g, (p, ds)) in groups.take(members).enumerate() {
                 let j = group + g;
                 // Rows before the key's position do not see it.
@@ -528,8 +553,8 @@ fn key_grad_kernel<const FMA: bool>(
                 &mut dk[group * d..(group + members) * d],
             );
             let (d_o, q) = (&tile.d_o[local * d..], &tile.q[local * d..]);
-            weigh_group::<FMA>(&probs, KEY_BLOCK, d_o, width, d, members, dv_acc);
-            weigh_group::<FMA>(&grads, KEY_BLOCK, q, width, d, members, dk_acc);
+            weigh_group::<FMA>(&probs, ROW_BLOCK, d_o, width, d, members, dv_acc);
+            weigh_group::<FMA>(&grads, ROW_BLOCK, q, width, d, members, dk_acc);
         }
         // dQ of the block's rows over this tile's keys, four rows at a time.
         let dq_rows = &mut dq[local * d..(local + width) * d];
@@ -591,6 +616,53 @@ fn dot_rows<const FMA: bool>(q: &[f32], kt: &[f32], n: usize, first: usize, s: &
         let keys = &kt[c * n + first + whole..c * n + first + len];
         for (x, &kj) in tail.iter_mut().zip(keys) {
             *x = madd::<FMA>(qc, kj, *x);
+        }
+    }
+}
+
+/// [`dot_rows`] for a group of rows: `s[g · stride + j] = q_g · k_{first + j}` for
+/// `q [ROW_GROUP, d]` and `j < width`. Sixteen keys of the group's four rows stay in registers
+/// (eight sums) while the dimensions stream by, each row's sums in the order [`dot_rows`] makes
+/// them; wider, they spill (measured: 32 keys took five times as long).
+#[inline(always)]
+fn dot_group<const FMA: bool>(
+    q: &[f32],
+    kt: &[f32],
+    n: usize,
+    first: usize,
+    width: usize,
+    s: &mut [f32],
+    stride: usize,
+) {
+    const W: usize = 16;
+    let d = q.len() / ROW_GROUP;
+    let whole = width - width % W;
+    for j in (0..whole).step_by(W) {
+        let mut regs = [[0f32; W]; ROW_GROUP];
+        for c in 0..d {
+            let keys: &[f32; W] = kt[c * n + first + j..c * n + first + j + W]
+                .try_into()
+                .expect("W floats");
+            for (g, reg) in regs.iter_mut().enumerate() {
+                let qc = q[g * d + c];
+                for l in 0..W {
+                    reg[l] = madd::<FMA>(qc, keys[l], reg[l]);
+                }
+            }
+        }
+        for (g, reg) in regs.iter().enumerate() {
+            s[g * stride + j..g * stride + j + W].copy_from_slice(reg);
+        }
+    }
+    for g in 0..ROW_GROUP {
+        let tail = &mut s[g * stride + whole..g * stride + width];
+        tail.fill(0.0);
+        for c in 0..d {
+            let qc = q[g * d + c];
+            let keys = &kt[c * n + first + whole..c * n + first + width];
+            for (x, &kj) in tail.iter_mut().zip(keys) {
+                *x = madd::<FMA>(qc, kj, *x);
+            }
         }
     }
 }
@@ -681,8 +753,9 @@ fn exp_shifted<const FMA: bool>(s: &mut [f32], m: f32) -> f32 {
 
 /// `e^x` for `x ≤ 0`, within 2 ulp, in arithmetic the compiler vectorises (libm's `expf` is a
 /// call per element). `x = n ln 2 + f` with `n` rounded to nearest, so `|f| ≤ ln 2 / 2`; `e^f`
-/// is its Taylor series to the 7th power (truncation below 2⁻²⁴ there), and `2ⁿ` is built in
-/// the exponent bits. Inputs below −87 (where `2ⁿ` would leave the normal range) give
+/// is a polynomial of degree 6 there (one multiply-add fewer than the Taylor series of degree 7
+/// that the same accuracy would need: about 3% of a long prefill), and `2ⁿ` is built in the
+/// exponent bits. Inputs below −87 (where `2ⁿ` would leave the normal range) give
 /// `e^−87 ≈ 1.6e−38`, a weight no softmax row can notice against its maximum's 1.
 #[inline(always)]
 pub fn exp_nonpositive<const FMA: bool>(x: f32) -> f32 {
@@ -695,16 +768,11 @@ pub fn exp_nonpositive<const FMA: bool>(x: f32) -> f32 {
     let shifted = madd::<FMA>(x, std::f32::consts::LOG2_E, ROUND);
     let n = shifted - ROUND;
     let f = madd::<FMA>(-n, LN2_LO, madd::<FMA>(-n, LN2_HI, x));
-    let mut p = 1.0 / 5040.0;
-    for c in [
-        1.0 / 720.0,
-        1.0 / 120.0,
-        1.0 / 24.0,
-        1.0 / 6.0,
-        0.5,
-        1.0,
-        1.0,
-    ] {
+    // Degree 6, interpolating e^f at the 7 Chebyshev nodes of [−ln 2 / 2, ln 2 / 2]: 2.5e-9
+    // from e^f there in exact arithmetic (Taylor to the same degree: 1.7e-7), so the f32
+    // rounding of the evaluation is what is left.
+    let mut p = 0.001_394_110_8;
+    for c in [0.008_375_126, 0.041_666_35, 0.166_664_15, 0.5, 1.0, 1.0] {
         p = madd::<FMA>(p, f, c);
     }
     // The low bits of `shifted` hold n + 2²² · 1.5's mantissa; n + 127 is the biased exponent.
