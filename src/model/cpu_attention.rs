@@ -114,6 +114,21 @@ pub fn attention_forward(
     let kernel = Kernel::detect();
     let heads = b * h;
     let work = heads * t * n;
+    if mask_from.is_none() && t <= FEW_ROWS {
+        // A decode step: transposing every cached key would cost as much as attending to it.
+        let head = |(i, (oh, lh)): (usize, (&mut [f32], &mut [f32]))| {
+            let (rows, keys) = (i * t * d..(i + 1) * t * d, i * n * d..(i + 1) * n * d);
+            kernel.few_rows(&q[rows], &k[keys.clone()], &v[keys], d, oh, lh)
+        };
+        let outputs: Vec<(&mut [f32], &mut [f32])> =
+            o.chunks_mut(t * d).zip(lse.chunks_mut(t)).collect();
+        if work >= PARALLEL_FROM {
+            outputs.into_par_iter().enumerate().for_each(head);
+        } else {
+            outputs.into_iter().enumerate().for_each(head);
+        }
+        return (o, lse);
+    }
     // Kᵀ per head, [d, n], so that a row's dot products with the keys run along the keys.
     let kt = transpose_heads(k, n, d, work >= PARALLEL_FROM);
     let tile = |(index, (o_tile, lse_tile)): (usize, (&mut [f32], &mut [f32]))| {
@@ -150,6 +165,10 @@ pub fn attention_forward(
     }
     (o, lse)
 }
+
+/// At most this many query rows per head that see every key (a decode step: one row, or a
+/// head group's few) go through [`Kernel::few_rows`], which reads the keys as they are stored.
+const FEW_ROWS: usize = 4;
 
 /// Keys per tile of the key-side gradient pass.
 const KEY_TILE: usize = 32;
@@ -373,6 +392,15 @@ impl Kernel {
         }
     }
 
+    fn few_rows(self, q: &[f32], k: &[f32], v: &[f32], d: usize, o: &mut [f32], lse: &mut [f32]) {
+        match self {
+            Kernel::Portable => few_rows_kernel::<false>(q, k, v, d, o, lse),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as in `forward`.
+            Kernel::Avx2Fma => unsafe { avx2_fma::few_rows(q, k, v, d, o, lse) },
+        }
+    }
+
     fn key_grads(self, tile: &GradKeys<'_>, dk: &mut [f32], dv: &mut [f32], dq: &mut [f32]) {
         match self {
             Kernel::Portable => key_grad_kernel::<false>(tile, dk, dv, dq),
@@ -391,6 +419,18 @@ mod avx2_fma {
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn forward<const KB: usize>(tile: &Tile<'_>, o: &mut [f32], lse: &mut [f32]) {
         forward_kernel::<true, KB>(tile, o, lse)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn few_rows(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        d: usize,
+        o: &mut [f32],
+        lse: &mut [f32],
+    ) {
+        few_rows_kernel::<true>(q, k, v, d, o, lse)
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -506,6 +546,60 @@ fn forward_kernel<const FMA: bool, const KB: usize>(
         }
         lse[r] = (max[r] + sum[r].log2()) * std::f32::consts::LN_2;
     }
+}
+
+/// A few query rows `q [t, d]` of one head against all of its keys `k` and values `v [n, d]`,
+/// stored as they are: each score is a dot product along `d` in eight lanes, then the row's
+/// weights in base 2 as in [`forward_kernel`], all `n` of them at once (no mask, so no blocks),
+/// and their sum over `V`. Writes `o [t, d]` and `lse [t]`.
+#[inline(always)]
+fn few_rows_kernel<const FMA: bool>(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    d: usize,
+    o: &mut [f32],
+    lse: &mut [f32],
+) {
+    let n = k.len() / d;
+    let scale = (d as f32).powf(-0.5) * std::f32::consts::LOG2_E;
+    let mut scores = vec![0f32; n];
+    let mut scaled = vec![0f32; d];
+    for (r, (o_row, lse_r)) in o.chunks_exact_mut(d).zip(lse.iter_mut()).enumerate() {
+        for (x, &qc) in scaled.iter_mut().zip(&q[r * d..(r + 1) * d]) {
+            *x = qc * scale;
+        }
+        for (s, key) in scores.iter_mut().zip(k.chunks_exact(d)) {
+            *s = dot_lanes::<FMA>(&scaled, key);
+        }
+        let m = slice_max(&scores);
+        let sum = exp2_shifted::<FMA>(&mut scores, m);
+        o_row.fill(0.0);
+        weigh_values::<FMA, 1>(&scores, n, v, n, d, o_row);
+        let inv = 1.0 / sum;
+        for a in o_row.iter_mut() {
+            *a *= inv;
+        }
+        *lse_r = (m + sum.log2()) * std::f32::consts::LN_2;
+    }
+}
+
+/// `a · b` summed in eight lanes (so the compiler vectorises it), then the lanes in order.
+#[inline(always)]
+fn dot_lanes<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let mut pairs = a.chunks_exact(8).zip(b.chunks_exact(8));
+    for (x, y) in &mut pairs {
+        for l in 0..8 {
+            lanes[l] = madd::<FMA>(x[l], y[l], lanes[l]);
+        }
+    }
+    let whole = a.len() - a.len() % 8;
+    let mut total = lanes.iter().sum::<f32>();
+    for (x, y) in a[whole..].iter().zip(&b[whole..]) {
+        total = madd::<FMA>(*x, *y, total);
+    }
+    total
 }
 
 /// The gradients one key tile gives: for each block of rows that see its keys, each key's
@@ -939,6 +1033,28 @@ mod tests {
                     d: 5,
                 },
                 Some(0),
+            ),
+            // Unmasked with more rows than `FEW_ROWS`: the blocked kernel, not `few_rows`.
+            (
+                Dims {
+                    b: 1,
+                    h: 2,
+                    t: FEW_ROWS + 5,
+                    n: 1100,
+                    d: 16,
+                },
+                None,
+            ),
+            // `few_rows` with a head width that is not a multiple of its eight lanes.
+            (
+                Dims {
+                    b: 2,
+                    h: 2,
+                    t: 3,
+                    n: 77,
+                    d: 13,
+                },
+                None,
             ),
         ];
         for (i, (dims, mask_from)) in cases.into_iter().enumerate() {
