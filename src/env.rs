@@ -1,7 +1,7 @@
 //! The general-agent environments of docs/design.md §4 (terminal, SWE, tool-call) as implementations of
-//! the loops' [`Environment`] / [`Episode`] contract, plus the pure pieces they need: final-answer
-//! normalisation ([`answer`]) and the combination of step votes with episode outcomes into
-//! (group, step index)-normalised advantages ([`reward`]).
+//! the loops' [`Environment`] / [`Episode`] contract, plus the pure piece they need: final-answer
+//! normalisation ([`answer`]). Step rewards and their (group, step index) normalisation are the
+//! RL core's ([`crate::rl::stepwise`]), applied by the job's sample builder.
 //!
 //! Every command a policy issues runs through [`crate::sandbox::exec`] in a host work dir of its
 //! own (mounted at `/work` inside the sandbox), taken from a warm pool when the episode starts and
@@ -11,7 +11,6 @@
 pub mod answer;
 pub mod exec;
 pub mod gui;
-pub mod reward;
 pub mod scripted;
 pub mod shell;
 pub mod swe;

@@ -332,6 +332,17 @@ pub struct MethodSpec {
     /// Step-wise: the reward formula (`terminal`, `gui`, `swe`, `tool_call`, `general`; default
     /// from the environment kind).
     pub step_reward: Option<crate::rl::EpisodeKind>,
+    /// Step-wise: the weight of each step's process score in its reward, which becomes the
+    /// formula of `step_reward` with `w_process · prm` for `prm` (default 1; 0 trains on the
+    /// outcome alone while the judge still votes, so the votes stay in the records).
+    pub w_process: Option<f64>,
+}
+
+impl MethodSpec {
+    /// The weight of the process score ([`MethodSpec::w_process`], default 1).
+    pub fn process_weight(&self) -> f64 {
+        self.w_process.unwrap_or(1.0)
+    }
 }
 
 fn default_clip_high() -> f64 {
@@ -341,6 +352,9 @@ fn default_clip_high() -> f64 {
 fn default_true() -> bool {
     true
 }
+
+/// Checkpoints a job keeps when `optim.keep_checkpoints` is not given.
+pub const DEFAULT_KEEP_CHECKPOINTS: u32 = 3;
 
 /// What the trainer does with samples over the staleness bound.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -377,6 +391,9 @@ pub struct OptimSpec {
     pub importance_cap: Option<f32>,
     /// Checkpoint every this many steps (0 or absent: only at the end).
     pub checkpoint_every: Option<u64>,
+    /// Checkpoints kept under `<out>/checkpoints`, the newest (default
+    /// [`DEFAULT_KEEP_CHECKPOINTS`]; 0 keeps every one).
+    pub keep_checkpoints: Option<u32>,
     /// Samples of a batch that share a token prefix run it through the model once (default
     /// `true`; the loss and gradients are those of the unpacked samples).
     #[serde(default = "default_true")]
@@ -755,10 +772,21 @@ impl JobSpec {
         for (key, w) in [
             ("method.w_binary", self.method.w_binary),
             ("method.w_opd", self.method.w_opd),
+            ("method.w_process", self.method.process_weight()),
         ] {
             if !w.is_finite() || w < 0.0 {
                 return bad(key, format!("{w} must be a finite number >= 0"));
             }
+        }
+        if self.method.w_process.is_some() && self.method.kind != MethodKind::Stepwise {
+            return bad(
+                "method.w_process",
+                format!(
+                    "applies to method.kind = \"stepwise\" only (the weight of a step's process \
+                     score); method `{}` has no step rewards",
+                    self.method.kind.name()
+                ),
+            );
         }
         if self.method.kind.uses_hints() && self.policy.temperature != 1.0 {
             return bad(
@@ -1094,6 +1122,29 @@ max_steps = 100
         // The old key is gone, and says so.
         let e = err(&stepwise.replace("[method]", "[method]\ngroup_episodes = 4"));
         assert!(e.contains("group_episodes"), "{e}");
+    }
+
+    #[test]
+    fn process_weight_is_stepwise_only_and_not_negative() {
+        let stepwise = GOOD.replace(r#"kind = "combined""#, r#"kind = "stepwise""#);
+        let with =
+            |text: &str, v: &str| text.replace("[method]", &format!("[method]\nw_process = {v}"));
+        assert_eq!(
+            JobSpec::parse(&stepwise, "x.toml")
+                .unwrap()
+                .method
+                .process_weight(),
+            1.0
+        );
+        let s = JobSpec::parse(&with(&stepwise, "0.0"), "x.toml").unwrap();
+        assert_eq!(s.method.process_weight(), 0.0);
+        let e = err(&with(&stepwise, "-1.0"));
+        assert!(e.contains("method.w_process") && e.contains(">= 0"), "{e}");
+        let e = err(&with(GOOD, "0.5"));
+        assert!(
+            e.contains("method.w_process") && e.contains("stepwise"),
+            "{e}"
+        );
     }
 
     #[test]

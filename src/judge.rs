@@ -29,7 +29,9 @@ pub use config::{BackendConfig, JudgeConfig, JudgeConfigError, ModelSource, OpdC
 pub use local::{EngineGenerator, TeacherError, TeacherModel, TeacherScore, TemplateKwargs};
 pub use opd::{enhance_messages, OpdError, HINT_PREFIX};
 pub use parse::{last_boxed_digit, parse_hint, parse_vote, VoteError};
-pub use prompt::{Material, PromptKind, PromptOverrides, PromptSet, StepMaterial, TurnMaterial};
+pub use prompt::{
+    Material, PromptKind, PromptOverrides, PromptSet, StepMaterial, StepMessage, TurnMaterial,
+};
 pub use records::{RecordError, RecordWriter};
 pub use votes::{
     Judge, JudgedTurnRecord, StepJudgement, TurnJudgement, VoteKind, VoteRecord, VoteSettings,

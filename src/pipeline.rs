@@ -426,7 +426,8 @@ pub(crate) fn build_judging(
         teacher,
         step_kind,
     )
-    .map_err(RunError::Judge)?;
+    .map_err(RunError::Judge)?
+    .with_process_weight(spec.method.process_weight());
     Ok((judge, builder))
 }
 

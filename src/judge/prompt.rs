@@ -3,9 +3,11 @@
 //!
 //! Every template renders the content of one user message. Turn prompts (personal evaluation and
 //! the OPD hint judge) see `response`, `next_state` and `next_state_role`; step prompts (terminal,
-//! GUI, SWE, tool-call) see `task`, `history`, `step_index`, `step` and `result`. Undefined
-//! variables are errors, and a replacement template is validated when the set is built: it must
-//! compile, render on a sample, and show the material it is meant to judge.
+//! GUI, SWE, tool-call) see `task`, `history`, `step_index`, `step` and `result`, and the same
+//! structured: `results` (the result message by message) and `messages` (the episode before the
+//! step, whole). Undefined variables are errors, and a replacement template is validated when
+//! the set is built: it must compile, render on a sample, and show the material it is meant to
+//! judge, verbatim or as JSON strings (`tojson`, for a judge that parses what it is sent).
 
 use minijinja::{Environment, UndefinedBehavior};
 use serde::{Deserialize, Serialize};
@@ -132,6 +134,22 @@ pub struct StepMaterial {
     pub step: String,
     /// The step's result (the next state).
     pub result: String,
+    /// The step's result message by message: each next-state message's text (`result` is
+    /// these joined by blank lines).
+    #[serde(default)]
+    pub results: Vec<String>,
+    /// The episode's messages before the step, whole (`history` is their shortened summary).
+    #[serde(default)]
+    pub messages: Vec<StepMessage>,
+}
+
+/// One message of an episode as a step prompt sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepMessage {
+    /// `system`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// Its text.
+    pub content: String,
 }
 
 /// The material a prompt is rendered with.
@@ -260,13 +278,17 @@ impl PromptSet {
                     step_index: 0,
                     step: ACTION.into(),
                     result: SUBJECT.into(),
+                    results: vec![SUBJECT.into()],
+                    messages: Vec::new(),
                 }),
                 [("step", ACTION), ("result", SUBJECT)],
             )
         };
         let text = self.render(kind, &material)?;
         for (variable, value) in required {
-            if !text.contains(value) {
+            // Shown verbatim, or as a JSON string (`tojson`) for a judge that reads JSON.
+            let json = serde_json::to_string(value).expect("a string serializes");
+            if !text.contains(value) && !text.contains(&json) {
                 return Err(PromptError::MissingVariable {
                     name: kind.name(),
                     variable,
@@ -334,6 +356,8 @@ mod tests {
             step_index: 3,
             step: "wc -l a.txt".into(),
             result: "12 a.txt".into(),
+            results: vec!["12 a.txt".into()],
+            messages: Vec::new(),
         });
         for kind in [
             PromptKind::StepTerminal,
@@ -427,5 +451,46 @@ mod tests {
             "{e}"
         );
         assert!(e.to_string().contains("{{ next_state }}"), "{e}");
+    }
+
+    #[test]
+    fn a_step_template_may_send_its_material_as_json() {
+        let json = PromptOverrides {
+            step_tool_call: Some(
+                "{{ {\"step\": step, \"results\": results, \"messages\": messages}|tojson }}"
+                    .into(),
+            ),
+            ..Default::default()
+        };
+        let set = PromptSet::new(&json).unwrap();
+        let material = Material::Step(StepMaterial {
+            task: "t".into(),
+            history: String::new(),
+            step_index: 1,
+            step: "print(2+3)".into(),
+            result: "exit code: 0\nstdout:\n5\n\nexit code: 1".into(),
+            results: vec!["exit code: 0\nstdout:\n5\n".into(), "exit code: 1".into()],
+            messages: vec![StepMessage {
+                role: "tool".into(),
+                content: "<a> & 'b'".into(),
+            }],
+        });
+        let text = set.render(PromptKind::StepToolCall, &material).unwrap();
+        let back: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(back["step"], "print(2+3)");
+        assert_eq!(back["results"][1], "exit code: 1");
+        assert_eq!(back["messages"][0]["content"], "<a> & 'b'");
+        // Leaving out the result is still refused.
+        let without = PromptOverrides {
+            step_tool_call: Some("{{ step|tojson }}".into()),
+            ..Default::default()
+        };
+        assert!(matches!(
+            PromptSet::new(&without),
+            Err(PromptError::MissingVariable {
+                variable: "result",
+                ..
+            })
+        ));
     }
 }

@@ -12,7 +12,7 @@ use clawrl_actors::loops::{BoxFuture, Judgement, Turn, TurnJudge};
 use serde_json::{json, Value};
 
 use crate::job::MethodKind;
-use crate::judge::{Judge, PromptKind, StepMaterial, TurnMaterial, VoteRecord};
+use crate::judge::{Judge, PromptKind, StepMaterial, StepMessage, TurnMaterial, VoteRecord};
 
 /// Most characters of the history summary a step judge reads.
 const HISTORY_CHARS: usize = 4000;
@@ -64,15 +64,28 @@ pub fn next_state_text(next_state: &[Value]) -> (String, String) {
     (text, role)
 }
 
-fn history(turn: &Turn) -> String {
-    let mut lines: Vec<String> = turn
-        .observation
+/// The episode's messages before the step, as text.
+fn step_messages(turn: &Turn) -> Vec<StepMessage> {
+    turn.observation
         .messages
         .iter()
-        .map(|m| {
-            let role = m.get("role").and_then(Value::as_str).unwrap_or("?");
-            format!("{role}: {}", content_text(m))
+        .map(|m| StepMessage {
+            role: m
+                .get("role")
+                .and_then(Value::as_str)
+                .unwrap_or("?")
+                .to_string(),
+            content: content_text(m),
         })
+        .collect()
+}
+
+/// The history summary: `role: text` lines of `messages`, the oldest dropped until it fits
+/// [`HISTORY_CHARS`].
+fn history(messages: &[StepMessage]) -> String {
+    let mut lines: Vec<String> = messages
+        .iter()
+        .map(|m| format!("{}: {}", m.role, m.content))
         .collect();
     let mut total: usize = lines.iter().map(|l| l.len() + 1).sum();
     while total > HISTORY_CHARS && lines.len() > 1 {
@@ -90,16 +103,19 @@ impl TurnJudge for PipelineJudge {
             }
             let (next_state, role) = next_state_text(&turn.outcome.next_state);
             if self.method == MethodKind::Stepwise {
+                let messages = step_messages(turn);
                 let j = self
                     .judge
                     .judge_step(
                         self.step_prompt,
                         StepMaterial {
                             task: turn.instruction.clone(),
-                            history: history(turn),
+                            history: history(&messages),
                             step_index: turn.turn,
                             step: turn.policy.response_text.clone(),
                             result: next_state,
+                            results: turn.outcome.next_state.iter().map(content_text).collect(),
+                            messages,
                         },
                     )
                     .await;

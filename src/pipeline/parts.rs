@@ -42,9 +42,6 @@ use crate::serve::VersionWeights;
 use crate::train::learner::BurnLearner;
 use crate::CpuBackend;
 
-/// Checkpoints kept under `<out>/checkpoints`.
-const KEEP_CHECKPOINTS: usize = 3;
-
 /// The policy checkpoint of a spec, loaded: what the serving side is built from, and the
 /// learner the trainer will own.
 pub struct LoadedPolicy<AB: AutodiffBackend> {
@@ -247,7 +244,13 @@ impl JobParts {
             Trainer::new(),
             TrainerArgs {
                 config: trainer_config(spec, job_id, out),
-                learner: learner::PolicyLearner::new(policy.learner, KEEP_CHECKPOINTS),
+                learner: learner::PolicyLearner::new(
+                    policy.learner,
+                    spec.optim
+                        .keep_checkpoints
+                        .unwrap_or(crate::job::DEFAULT_KEEP_CHECKPOINTS)
+                        as usize,
+                ),
                 publisher,
                 subscribers,
             },

@@ -7,11 +7,11 @@
 //! - `combined`: the four cases of [`crate::rl::CombineCase`]: the binary term `w_binary · r`
 //!   per token plus, with an accepted hint, the OPD term.
 //! - `stepwise`: each step's reward is [`crate::rl::step_reward`] of the episode outcome and the
-//!   step's process score (0 for a step without a next state); rewards are z-scored in (group,
-//!   step index) buckets over the episodes of one GRPO group, which the job builds together
-//!   ([`crate::rl::zscore_buckets`]). Steps
-//!   without a next state are left out, except the final step of an episode that ended with an
-//!   outcome (a final answer), which is rewarded with the outcome alone.
+//!   step's process score (0 for a step without a next state) times `method.w_process`; rewards
+//!   are z-scored in (group, step index) buckets over the episodes of one GRPO group, which the
+//!   job builds together ([`crate::rl::zscore_buckets`]). Steps without a next state are left
+//!   out, except the final step of an episode that ended with an outcome (a final answer), which
+//!   is rewarded with the outcome alone.
 //!
 //! The teacher is a rollout worker over [`TeacherScorer`]: its "generation" is scoring the
 //! original response under `s_enhanced` with [`crate::judge::TeacherModel`] (the hint on the last
@@ -157,6 +157,8 @@ pub struct MethodBuilder {
     weights: AdvantageWeights,
     teacher: Option<TeacherWorker>,
     step_kind: EpisodeKind,
+    /// Step-wise: the weight of a step's process score in its reward.
+    w_process: f64,
     timeout: Duration,
 }
 
@@ -178,8 +180,16 @@ impl MethodBuilder {
             weights,
             teacher,
             step_kind,
+            w_process: 1.0,
             timeout: Duration::from_secs(600),
         })
+    }
+
+    /// Step-wise: each step's reward takes `w` times its process score (default 1; 0: the
+    /// outcome alone).
+    pub fn with_process_weight(mut self, w: f64) -> Self {
+        self.w_process = w;
+        self
     }
 }
 
@@ -367,7 +377,8 @@ impl MethodBuilder {
                         } else {
                             jt.judgement.reward
                         };
-                        let r = step_reward(self.step_kind, o, prm).map_err(|e| e.to_string())?;
+                        let r = step_reward(self.step_kind, o, self.w_process * prm)
+                            .map_err(|e| e.to_string())?;
                         // The job builds one GRPO group at a time; an episode outside a group
                         // (a job without groups) is bucketed by its task.
                         steps.push(StepSample {
@@ -404,5 +415,85 @@ impl SampleBuilder<TrainSample> for SharedBuilder {
     ) -> BoxFuture<'static, Result<Built<TrainSample>, String>> {
         let b = self.0.clone();
         Box::pin(async move { b.build_episodes(&episodes).await })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clawrl_actors::loops::{JudgedTurn, Judgement, PolicyTurn, StepOutcome, Turn};
+    use serde_json::json;
+
+    /// An episode of one judged tool step (process score `prm`) and a final answer with
+    /// outcome `outcome`, in group 0.
+    fn episode(id: &str, prm: f64, outcome: f64) -> EpisodeTurns {
+        let turn = |i: u32, next: Vec<serde_json::Value>, reward: f64| JudgedTurn {
+            turn: Turn {
+                session_id: id.into(),
+                task_id: "t".into(),
+                task_index: 0,
+                instruction: "what is 2+3 ?".into(),
+                turn: i,
+                observation: Default::default(),
+                policy: PolicyTurn {
+                    response_ids: vec![7, 8],
+                    ..Default::default()
+                },
+                outcome: StepOutcome {
+                    next_state: next,
+                    ..Default::default()
+                },
+            },
+            judgement: Judgement {
+                reward,
+                hint: None,
+                unjudged: None,
+                failed_votes: 0,
+                truncated_votes: 0,
+                record: json!({}),
+            },
+        };
+        EpisodeTurns {
+            session_id: id.into(),
+            task_id: "t".into(),
+            group: Some(0),
+            reason: EndReason::Done {
+                outcome: Some(outcome),
+            },
+            turns: vec![
+                turn(0, vec![json!({"role": "tool", "content": "5"})], prm),
+                turn(1, Vec::new(), 0.0),
+            ],
+        }
+    }
+
+    async fn step0_advantages(w_process: f64) -> Vec<f32> {
+        let kind = EpisodeKind::ToolCall;
+        let builder = MethodBuilder::new("j", MethodKind::Stepwise, Default::default(), None, kind)
+            .unwrap()
+            .with_process_weight(w_process);
+        // Same outcome, opposite process scores at step 0, and a solved third episode.
+        let eps = vec![
+            episode("a", 1.0, -1.0),
+            episode("b", -1.0, -1.0),
+            episode("c", 1.0, 1.0),
+        ];
+        let built = builder.build_episodes(&eps).await.unwrap();
+        built
+            .samples
+            .iter()
+            .filter(|s| s.turn == 0)
+            .map(|s| s.advantages[0])
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn the_process_weight_scales_the_step_score_and_zero_leaves_the_outcome_alone() {
+        let integrated = step0_advantages(1.0).await;
+        assert_eq!(integrated.len(), 3);
+        assert!(integrated[0] > integrated[1], "{integrated:?}");
+        let outcome_only = step0_advantages(0.0).await;
+        assert_eq!(outcome_only[0], outcome_only[1], "{outcome_only:?}");
+        assert!(outcome_only[2] > outcome_only[0], "{outcome_only:?}");
     }
 }

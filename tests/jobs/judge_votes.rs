@@ -29,6 +29,8 @@ fn step(result: &str) -> StepMaterial {
         step_index: 2,
         step: "cargo test".into(),
         result: result.into(),
+        results: vec![result.into()],
+        messages: Vec::new(),
     }
 }
 

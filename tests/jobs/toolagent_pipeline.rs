@@ -1,7 +1,8 @@
 //! The tool-call agent experiment end to end at a tiny size: the warm start makes the policy
-//! emit `code_interpreter` calls that the sandboxed environment parses and runs, an RL update
-//! moves the policy, and both reward arms run and are measured and plotted, all by the built
-//! binary (`clawrl run --json`). Needs the sandbox (root and user namespaces, as in CI); the
+//! emit `code_interpreter` calls that the sandboxed environment parses and runs, each reward arm
+//! is a step-wise job whose tool steps the rule-based PRM judges over HTTP and whose trainer
+//! steps and checkpoints, and both arms are measured on those checkpoints and plotted, all by
+//! the built binary (`clawrl run --json`). Needs the sandbox (root and user namespaces, as in CI); the
 //! full-size experiment is `clawrl run examples/tool_call_agent.toml`.
 
 use std::path::Path;
@@ -34,11 +35,12 @@ slip_rate = 0.0
 
 [experiment]
 arms = ["integrated", "outcome_only"]
-updates = 1
-eval_at = [0, 1]
-tasks_per_update = 2
+updates = 2
+eval_at = [0, 2]
+batch_size = 4
 group_size = 2
-max_tool_calls = 2
+parallelism = 4
+max_steps = 3
 eval_samples = 2
 temperature = 0.5
 max_new_tokens = 48
@@ -89,37 +91,42 @@ fn warm_start_calls_the_interpreter_and_both_arms_train() {
     );
     assert!(num(&base["calls_ran"]) > 0.0, "no tool call ran: {base}");
 
-    // Both arms ran their update on samples and were measured twice.
+    // Each arm's job: episodes in the tool-call environment, every tool step judged by the PRM
+    // over HTTP (one vote each, none refused or failed), the two trainer steps on step
+    // samples, a checkpoint at the measured update, and the measurement taken from it.
     let runs = report["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 2);
     for (r, name) in runs.iter().zip(["integrated", "outcome_only"]) {
         assert_eq!(r["arm"], name);
-        assert_eq!(r["measurements"].as_array().unwrap().len(), 2);
-        assert_eq!(r["measurements"][1]["updates"], 1);
-        let u = &r["updates"][0];
-        assert_eq!(u["episodes"], 4);
-        assert!(num(&u["steps"]) >= 4.0 && num(&u["trained"]) >= 1.0, "{u}");
-        // A non-finite loss or gradient norm serializes as null, which `num` refuses.
+        let job = &r["job"];
+        let (counts, trainer) = (&job["counts"], &job["trainer"]);
+        assert_eq!(job["method"], "stepwise");
+        assert_eq!(trainer["steps"], 2, "{name}: {trainer}");
+        assert!(num(&trainer["trained"]) >= 8.0, "{name}: {trainer}");
+        assert_eq!(trainer["published"], 2, "{name}: {trainer}");
+        assert!(num(&counts["turns"]) >= 4.0, "{name}: {counts}");
+        let judged = num(&counts["judged"]);
+        assert!(judged >= 1.0, "no tool step was judged: {counts}");
+        let prm = &r["prm"];
+        assert_eq!(prm["refused"], 0, "{name}: {prm}");
+        assert_eq!(counts["votes_failed"], 0, "{name}: {counts}");
         assert!(
-            num(&u["loss"]).is_finite() && num(&u["grad_norm"]).is_finite(),
-            "{u}"
+            num(&prm["positive"]) + num(&prm["negative"]) >= judged,
+            "{name}: {judged} judged steps, PRM votes {prm}"
         );
-        // The update moved the policy on what it trained on.
-        assert!(num(&u["shift"]) > 1e-6, "the policy did not move: {u}");
+        let ckpt = Path::new(job["checkpoint_dir"].as_str().unwrap()).join("step-00000002");
+        assert!(
+            ckpt.join("model.safetensors").exists(),
+            "{}",
+            ckpt.display()
+        );
+        assert_eq!(r["measurements"].as_array().unwrap().len(), 2);
+        assert_eq!(r["measurements"][1]["updates"], 2);
         let success = report["success"][name].as_array().unwrap();
         assert!(success.iter().all(|s| (0.0..=1.0).contains(&num(s))));
-    }
-    for f in ["results.json", "details.json", "success.png"] {
-        assert!(out.join(f).exists(), "{f} missing");
-    }
-    let results: Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
-    assert_eq!(results["updates"], serde_json::json!([0, 1]));
-
-    // Each arm's TensorBoard run: one event file holding the version record, the step's ten
-    // scalars and the PRM's step scores, every record's CRCs checked.
-    for name in ["integrated", "outcome_only"] {
-        let files: Vec<_> = std::fs::read_dir(out.join("tb").join(name))
+        // The job's TensorBoard run: the version record, the steps' scalars and the judged
+        // steps, every record's CRCs checked.
+        let files: Vec<_> = std::fs::read_dir(out.join(name).join("tb"))
             .unwrap()
             .map(|e| e.unwrap().path())
             .collect();
@@ -128,6 +135,17 @@ fn warm_start_calls_the_interpreter_and_both_arms_train() {
         let records = clawrl::watch::events::tfrecords(&bytes).unwrap().len();
         assert!(records > 10, "{name}: {records} records");
     }
+    for f in [
+        "results.json",
+        "details.json",
+        "success.png",
+        "train_tasks.jsonl",
+    ] {
+        assert!(out.join(f).exists(), "{f} missing");
+    }
+    let results: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    assert_eq!(results["updates"], serde_json::json!([0, 2]));
 
     // A second run reuses the cached warm start.
     let again = run(&file, &dir.path().join("run2"));

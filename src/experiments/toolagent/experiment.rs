@@ -1,63 +1,55 @@
-//! The tool-call agent experiment: warm-start a small policy to call the
-//! `code_interpreter` tool ([`super::sft`]), then continue with RL on generated math tasks in
-//! the real tool-call environment ([`clawrl::env::tool_call::ToolCallEnv`]: every call runs
-//! `python3` in the sandbox), once per reward arm — **integrated** (episode outcome plus each
-//! step's process score from [`super::prm`]) and **outcome-only** — with the same seed, task
-//! draws, sampling seeds and budget, and measure the success rate on held-out tasks after the
-//! configured numbers of updates.
+//! The tool-call agent experiment: warm-start a small policy to call the `code_interpreter`
+//! tool ([`super::sft`]), then train it with RL on generated math tasks as a step-wise
+//! `clawrl` job in the real tool-call environment (every call runs `python3` in the sandbox),
+//! once per reward arm, and measure the success rate on held-out tasks after the configured
+//! numbers of updates.
 //!
-//! **One update.** `tasks_per_update` train tasks are drawn (the same for both arms: the draw
-//! depends only on the seed and the update number) and each is rolled out `group_size` times
-//! ([`clawrl::env::reward::group_plan`]: group `r{update}-t{k}`, distinct seeds). A rollout is a
-//! multi-step episode: the policy's response is decoded and parsed into a tool call or a plain
-//! answer ([`clawrl::pipeline::policy::action_of`]), the environment runs it, and the tool's
-//! messages are appended to the transcript by token concatenation. Each tool step gets one PRM
-//! vote; the final answer step, having no next state, gets none. Step rewards and advantages
-//! come from [`clawrl::env::reward::group_advantages`] (kind `tool_call`: `outcome + prm`,
-//! z-scored within (group, step index) buckets; [`RewardMode::OutcomeOnly`] sets `prm = 0`).
-//! Every surviving step becomes one learner sample (its prompt is the transcript up to the
-//! step, its response the step's sampled ids, every token carrying the step's advantage), and
-//! the learner takes one optimizer step on all of them.
+//! **One arm is one job** ([`clawrl::pipeline::run_job`], the path `clawrl run JOB.toml` takes):
+//! `kind = "rl"`, `env.kind = "tool_call"` over the train tasks (written as the job's task
+//! file), `method.kind = "stepwise"` with `step_reward = "tool_call"` (`outcome + w_process ·
+//! prm`), groups of `group_size` episodes of one task z-scored together per step index, the
+//! rollout workers, `PrmVoter`s and `Trainer` actors of any job, and every new version installed
+//! on the rollout workers while episodes run. The process score comes from the rule-based PRM
+//! ([`super::prm`]) behind the job's `openai` judge ([`super::endpoint`]): one vote per tool
+//! step; the final answer step has no next state and gets none. The arms differ only in
+//! `method.w_process`: 1 for **integrated** (outcome plus process), 0 for **outcome-only**
+//! (the PRM still votes, so both arms report the same judge counts). Both share the warm
+//! start, the task order, the job seed and the budget (`updates` trainer steps of `batch_size`
+//! step samples).
 //!
-//! **Success rate.** Each held-out task is rolled out `eval_samples` times (temperature
-//! `temperature`, seeds fixed per task and sample, the same at every measurement and for both
-//! arms); the rate is the fraction of episodes whose outcome is a correct answer.
-//!
-//! This loop runs in-process over the generation engine and the learner, not through the job
-//! actors.
+//! **Success rate.** The job checkpoints at every measured update; each checkpoint (and the
+//! warm start, for 0 updates) rolls out every held-out task `eval_samples` times in process
+//! (temperature `temperature`, seeds fixed per task and sample, the same at every measurement
+//! and for both arms), and the rate is the fraction of episodes whose outcome is a correct
+//! answer. Measuring does not train.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use burn::module::AutodiffModule;
 use futures::future::join_all;
-use rand::seq::index::sample as sample_indices;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use super::endpoint::{PrmEndpoint, VoteCounts, MODEL, TEMPLATE};
 use super::prm::judge_step;
 use super::sft::{warm_start, SftError, SftSettings};
 use super::tasks::{task_sets, GenTask};
 use super::tokenizer::continuation_ids;
 use crate::experiments::warm_start::SftOutcome;
-use clawrl::env::reward::{
-    check_groups, group_advantages, group_plan, RewardError, RewardMode, ScoredEpisode,
-};
 use clawrl::env::{EnvBuildError, EnvOptions, ToolCallEnv};
+use clawrl::job::{JobSpec, JobSpecError};
+use clawrl::model::checkpoint::load_model_as;
 use clawrl::model::{
-    load_checkpoint, load_model, spawn_engine, Checkpoint, EngineError, EngineOptions,
-    GenerationRequest, LoadError, Qwen3, SamplingParams,
+    load_checkpoint, spawn_engine, Checkpoint, EngineError, EngineOptions, GenerationRequest,
+    LoadError, Qwen3, SamplingParams,
 };
 use clawrl::pipeline::policy::action_of;
-use clawrl::rl::{Aggregation, EpisodeKind};
-use clawrl::train::learner::{BurnLearner, StepError};
-use clawrl::train::{Sample, TrainConfig};
-use clawrl::watch::scalars::{JudgedPoint, ScalarWriter, StepPoint};
-use clawrl_actors::loops::{Environment, Episode};
+use clawrl::pipeline::{run_job, RunError, RunOptions, RunReport};
+use clawrl::train::TrainConfig;
+use clawrl_actors::loops::{Environment, Episode, JobCounts};
 
 /// The `[tasks]` table: the generated task sets.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -87,47 +79,82 @@ impl Default for TaskSettings {
     }
 }
 
+/// A reward arm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arm {
+    /// Episode outcome plus each step's process score.
+    Integrated,
+    /// Episode outcome alone.
+    OutcomeOnly,
+}
+
+impl Arm {
+    /// Its name in files and tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arm::Integrated => "integrated",
+            Arm::OutcomeOnly => "outcome_only",
+        }
+    }
+
+    /// Its job's `method.w_process`.
+    pub fn w_process(self) -> f64 {
+        match self {
+            Arm::Integrated => 1.0,
+            Arm::OutcomeOnly => 0.0,
+        }
+    }
+}
+
 /// The `[experiment]` table.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ExperimentSettings {
     /// Reward arms to run, in order.
-    pub arms: Vec<RewardMode>,
-    /// Optimizer steps per arm.
+    pub arms: Vec<Arm>,
+    /// Trainer steps per arm (the job's `stop.max_steps`).
     pub updates: usize,
     /// After how many updates to measure (0 = the warm start).
     pub eval_at: Vec<usize>,
-    /// Train tasks per update.
-    pub tasks_per_update: usize,
-    /// Episodes per task in a group.
+    /// Step samples per trainer step (`optim.batch_size`).
+    pub batch_size: usize,
+    /// Episodes of one task z-scored together (`env.group_size`).
     pub group_size: usize,
+    /// Episodes run at once (`env.parallelism`).
+    pub parallelism: usize,
+    /// Most versions a sample may lag the trainer before it is dropped (`optim.staleness`).
+    pub staleness: usize,
     /// AdamW learning rate.
     pub lr: f64,
     /// Coefficient of the k3 KL term against the warm start (0 disables it).
     pub kl_coef: f64,
-    /// Most `code_interpreter` calls of an episode.
-    pub max_tool_calls: u32,
+    /// Most steps of an episode (`env.max_steps`; a step is one response: tool calls or the
+    /// answer).
+    pub max_steps: u32,
     /// Episodes per held-out task at a measurement.
     pub eval_samples: usize,
     /// Sampling temperature of rollouts and measurements.
     pub temperature: f32,
     /// Longest response of one step.
     pub max_new_tokens: usize,
-    /// Seed of the task draws per update, the sampling and the learner.
+    /// The job's seed (its episodes' sampling) and the measurements' seed.
     pub seed: u64,
 }
 
 impl Default for ExperimentSettings {
     fn default() -> Self {
         Self {
-            arms: vec![RewardMode::Integrated, RewardMode::OutcomeOnly],
+            arms: vec![Arm::Integrated, Arm::OutcomeOnly],
             updates: 30,
             eval_at: vec![0, 15, 30],
-            tasks_per_update: 8,
+            batch_size: 64,
             group_size: 8,
+            parallelism: 16,
+            staleness: 1,
             lr: 1e-3,
             kl_coef: 0.0,
-            max_tool_calls: 3,
+            max_steps: 4,
             eval_samples: 2,
             temperature: 1.0,
             max_new_tokens: 64,
@@ -177,8 +204,8 @@ pub enum ExperimentError {
     /// The warm start failed.
     #[error(transparent)]
     Sft(#[from] SftError),
-    /// The warm-start checkpoint could not be loaded.
-    #[error("loading the warm start: {0}")]
+    /// The warm start or a job checkpoint could not be loaded.
+    #[error("loading a policy: {0}")]
     Load(#[from] LoadError),
     /// The environment could not be built.
     #[error(transparent)]
@@ -192,13 +219,30 @@ pub enum ExperimentError {
     /// Generation failed.
     #[error("generation: {0}")]
     Engine(#[from] EngineError),
-    /// Rewards could not be computed.
+    /// An arm's job spec was refused.
     #[error(transparent)]
-    Reward(#[from] RewardError),
-    /// A learner step failed.
-    #[error("learner: {0}")]
-    Step(#[from] StepError),
-    /// Writing results failed.
+    Spec(#[from] JobSpecError),
+    /// An arm's job failed.
+    #[error("the {arm} job: {source}")]
+    Job {
+        /// The arm.
+        arm: &'static str,
+        /// Why.
+        source: RunError,
+    },
+    /// An arm's job ended without training as asked.
+    #[error("the {arm} job ended after {steps} of {updates} trainer steps: {why}")]
+    Short {
+        /// The arm.
+        arm: &'static str,
+        /// Steps made.
+        steps: u64,
+        /// Steps asked for.
+        updates: usize,
+        /// What the job reported.
+        why: String,
+    },
+    /// Writing results (or serving the PRM) failed.
     #[error("writing {path}: {message}")]
     Write {
         /// The file.
@@ -231,7 +275,8 @@ impl ExperimentFile {
         Self::from_toml_str(&text, &path.display().to_string())
     }
 
-    /// Checks every value; the message names the key.
+    /// Checks every value; the message names the key. (Each arm's job spec is checked again
+    /// by the job-spec parser when it is built.)
     pub fn validate(&self) -> Result<(), String> {
         if self.kind != KIND {
             return Err(format!(
@@ -257,8 +302,10 @@ impl ExperimentFile {
         for (key, v) in [
             ("tasks.train", t.train),
             ("tasks.held_out", t.held_out),
-            ("experiment.tasks_per_update", x.tasks_per_update),
+            ("experiment.updates", x.updates),
+            ("experiment.batch_size", x.batch_size),
             ("experiment.group_size", x.group_size),
+            ("experiment.parallelism", x.parallelism),
             ("experiment.eval_samples", x.eval_samples),
             ("experiment.max_new_tokens", x.max_new_tokens),
         ] {
@@ -266,14 +313,11 @@ impl ExperimentFile {
                 return Err(format!("{key} must be at least 1"));
             }
         }
-        if x.tasks_per_update > t.train {
-            return Err("experiment.tasks_per_update exceeds tasks.train".into());
-        }
         if x.arms.is_empty() {
             return Err("experiment.arms is empty".into());
         }
-        if x.max_tool_calls == 0 {
-            return Err("experiment.max_tool_calls must be at least 1".into());
+        if x.max_steps == 0 {
+            return Err("experiment.max_steps must be at least 1".into());
         }
         if x.eval_at.is_empty() || !x.eval_at.windows(2).all(|w| w[0] < w[1]) {
             return Err("experiment.eval_at must be a non-empty, strictly increasing list".into());
@@ -308,28 +352,108 @@ impl ExperimentFile {
             .clone()
             .unwrap_or_else(|| PathBuf::from("target/clawrl-cache/toolagent"))
     }
+
+    /// The job spec of `arm`: the policy at `checkpoint`, the train tasks in `tasks`, the PRM at
+    /// `judge_url`; `origin` names the experiment file in errors.
+    pub fn job_spec(
+        &self,
+        arm: Arm,
+        checkpoint: &Path,
+        tasks: &Path,
+        judge_url: &str,
+        origin: &str,
+    ) -> Result<JobSpec, JobSpecError> {
+        let x = &self.experiment;
+        let train = TrainConfig::default();
+        let int = |v: usize| toml::Value::Integer(v as i64);
+        let float = toml::Value::Float;
+        let sub = |pairs: Vec<(&str, toml::Value)>| -> toml::Value {
+            toml::Value::Table(pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+        };
+        let mut optim = vec![
+            ("batch_size", int(x.batch_size)),
+            ("lr", float(x.lr)),
+            ("clip", float(train.eps_clip)),
+            ("clip_high", float(train.eps_clip_high)),
+            ("kl", float(x.kl_coef)),
+            ("staleness", int(x.staleness)),
+            // Every measured checkpoint stays.
+            ("keep_checkpoints", int(0)),
+        ];
+        if let Some(every) = checkpoint_every(&x.eval_at) {
+            optim.push(("checkpoint_every", int(every)));
+        }
+        let spec = sub(vec![
+            ("kind", "rl".into()),
+            ("name", format!("tool-call-{}", arm.name()).into()),
+            ("seed", toml::Value::Integer(x.seed as i64)),
+            (
+                "policy",
+                sub(vec![
+                    ("checkpoint", checkpoint.display().to_string().into()),
+                    ("temperature", float(x.temperature as f64)),
+                    ("max_new_tokens", int(x.max_new_tokens)),
+                    ("max_batch", int(x.parallelism)),
+                    ("max_context", int(self.sft.max_positions)),
+                ]),
+            ),
+            (
+                "judge",
+                sub(vec![
+                    ("backend", "openai".into()),
+                    ("endpoint", judge_url.into()),
+                    ("model", MODEL.into()),
+                    ("votes", int(1)),
+                    ("timeout_s", float(60.0)),
+                    ("prompts", sub(vec![("step_tool_call", TEMPLATE.into())])),
+                ]),
+            ),
+            (
+                "method",
+                sub(vec![
+                    ("kind", "stepwise".into()),
+                    ("step_reward", "tool_call".into()),
+                    ("w_process", float(arm.w_process())),
+                ]),
+            ),
+            ("optim", sub(optim)),
+            (
+                "env",
+                sub(vec![
+                    ("kind", "tool_call".into()),
+                    ("parallelism", int(x.parallelism)),
+                    ("tasks", tasks.display().to_string().into()),
+                    ("max_steps", int(x.max_steps as usize)),
+                    ("group_size", int(x.group_size)),
+                ]),
+            ),
+            ("stop", sub(vec![("max_steps", int(x.updates))])),
+        ]);
+        let text = toml::to_string(&spec).map_err(|e| JobSpecError {
+            file: origin.to_string(),
+            key: "experiment".into(),
+            message: e.to_string(),
+        })?;
+        JobSpec::parse(&text, &format!("{origin} ({})", arm.name()))
+    }
 }
 
-/// The name of an arm.
-pub fn arm_name(mode: RewardMode) -> &'static str {
-    match mode {
-        RewardMode::Integrated => "integrated",
-        RewardMode::OutcomeOnly => "outcome_only",
+/// The checkpoint interval that lands on every measured update: the greatest common divisor
+/// of the non-zero `eval_at` (none when only the warm start is measured).
+pub fn checkpoint_every(eval_at: &[usize]) -> Option<usize> {
+    fn gcd(a: usize, b: usize) -> usize {
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
     }
+    eval_at.iter().copied().filter(|&u| u > 0).reduce(gcd)
 }
 
 /// One step of a rolled-out episode.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StepRecord {
-    /// The prompt ids (the transcript up to this step).
-    #[serde(skip)]
-    pub prompt_ids: Vec<u32>,
-    /// The sampled ids.
-    #[serde(skip)]
-    pub response_ids: Vec<u32>,
-    /// Their rollout log-probs.
-    #[serde(skip)]
-    pub logprobs: Vec<f32>,
     /// The response text as sampled.
     pub text: String,
     /// Tool calls the response made.
@@ -380,47 +504,26 @@ pub struct Measurement {
     pub examples: Vec<(String, Vec<String>, f64)>,
 }
 
-/// What one update did.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct UpdateLog {
-    /// 1-based update number.
-    pub update: usize,
-    /// Episodes rolled out.
-    pub episodes: usize,
-    /// Of those, correct.
-    pub correct: usize,
-    /// Tool steps, and how many the PRM scored `+1`.
-    pub tool_steps: usize,
-    /// See `tool_steps`.
-    pub prm_positive: usize,
-    /// Steps rolled out, and how many survived z-scoring as samples.
-    pub steps: usize,
-    /// See `steps`.
-    pub trained: usize,
-    /// The learner's loss.
-    pub loss: f64,
-    /// Gradient norm before clipping.
-    pub grad_norm: f64,
-    /// Mean |log-prob after the step − rollout log-prob| over the batch's tokens: how far the
-    /// update moved the policy on what it trained on.
-    pub shift: f64,
-}
-
 /// One arm's run.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct ArmRun {
     /// The arm.
     pub arm: String,
     /// Measurements, in `eval_at` order.
     pub measurements: Vec<Measurement>,
-    /// Every update.
-    pub updates: Vec<UpdateLog>,
-    /// Seconds for this arm.
+    /// What its job reported: counts (turns, judged, samples, groups), the trainer's stats,
+    /// the rollout workers', where its records and checkpoints are.
+    pub job: RunReport,
+    /// The PRM's votes over the job's tool steps.
+    pub prm: VoteCounts,
+    /// Seconds for this arm (its job and its measurements).
     pub seconds: f64,
+    /// Seconds of its job alone, per trainer step.
+    pub seconds_per_update: f64,
 }
 
 /// Everything the experiment measured (`details.json`).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct Report {
     /// The measured numbers of updates.
     pub eval_at: Vec<usize>,
@@ -433,8 +536,8 @@ pub struct Report {
     /// Seconds for the whole experiment (warm start included).
     pub seconds: f64,
 }
-
-/// The policy-side helpers.
+/// The measuring side: held-out episodes rolled out in process over the generation engine
+/// (each round of steps one batch for the engine, the tool calls of a round run concurrently).
 struct World {
     ck: Checkpoint<clawrl::CpuBackend>,
     stop: Vec<u32>,
@@ -572,9 +675,6 @@ impl World {
                 let mut next = prompts[k].clone();
                 next.extend_from_slice(&gen.response_ids);
                 records[k].steps.push(StepRecord {
-                    prompt_ids: std::mem::take(&mut prompts[k]),
-                    response_ids: gen.response_ids.clone(),
-                    logprobs: gen.logprobs,
                     text,
                     calls: action.tool_calls.len(),
                     results: results.clone(),
@@ -673,51 +773,57 @@ fn summarize(eps: &[EpisodeRecord], updates: usize) -> Measurement {
     }
 }
 
-/// The learner samples of one update's episodes under `mode`.
-pub fn update_samples(
-    mode: RewardMode,
-    episodes: &[EpisodeRecord],
-    groups: &[String],
-    group_size: usize,
-) -> Result<Vec<Sample>, ExperimentError> {
-    let scored: Vec<ScoredEpisode> = episodes
-        .iter()
-        .zip(groups)
-        .map(|(e, g)| ScoredEpisode {
-            group: g.clone(),
-            outcome: e.outcome,
-            step_votes: e
-                .steps
-                .iter()
-                .map(|s| s.prm.map(|v| vec![Some(v)]).unwrap_or_default())
-                .collect(),
-        })
-        .collect();
-    check_groups(&scored, group_size)?;
-    let adv = group_advantages(EpisodeKind::ToolCall, mode, Aggregation::Mean, &scored)?;
-    Ok(adv
-        .into_iter()
-        .map(|a| {
-            let s = &episodes[a.episode].steps[a.step as usize];
-            Sample {
-                prompt_ids: s.prompt_ids.clone(),
-                response_ids: s.response_ids.clone(),
-                advantages: vec![a.advantage as f32; s.response_ids.len()],
-                old_logprobs: None,
-                ref_logprobs: None,
-                rollout_logprobs: Some(s.logprobs.clone()),
-                opd: None,
-                importance: None,
-            }
-        })
-        .collect())
+/// Writes `tasks` as a tool-call task file (JSONL: `id`, `question`, `answer`) at `path`.
+fn write_task_file(tasks: &[GenTask], path: &Path) -> std::io::Result<()> {
+    let mut text = String::new();
+    for t in tasks {
+        let m = t.math_task();
+        let line = serde_json::json!({"id": m.id, "question": m.question, "answer": m.answer});
+        text.push_str(&line.to_string());
+        text.push('\n');
+    }
+    std::fs::write(path, text)
 }
 
-/// Runs the experiment described by `file`, writing `results.json`, `details.json` and
-/// `success.png` into `run_dir`.
-pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentError> {
+/// A progress bar of one arm's trainer steps (hidden when `show` is false).
+fn arm_bar(arm: Arm, updates: usize, show: bool) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(
+        Some(updates as u64),
+        if show {
+            ProgressDrawTarget::stderr_with_hz(4)
+        } else {
+            ProgressDrawTarget::hidden()
+        },
+    );
+    bar.set_style(
+        ProgressStyle::with_template(&format!(
+            "{{elapsed_precise}} {:>12} [{{bar:30}}] {{pos}}/{{len}} updates {{msg}}",
+            arm.name()
+        ))
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    bar
+}
+
+fn progress_message(c: &JobCounts) -> String {
+    format!(
+        "· {} turns, {} judged · {} episodes · samples trained {}, stale {}",
+        c.turns, c.judged, c.sessions_finished, c.trainer.trained, c.trainer.dropped_stale
+    )
+}
+
+/// Runs the experiment described by `file` (read from `origin`), writing `results.json`,
+/// `details.json` and `success.png` into `run_dir`, each arm's job (records, checkpoints,
+/// TensorBoard scalars) under `run_dir/<arm>`; `show_progress` draws a bar per arm on stderr.
+pub fn run(
+    file: &ExperimentFile,
+    origin: &str,
+    run_dir: &Path,
+    show_progress: bool,
+) -> Result<Report, ExperimentError> {
     file.validate().map_err(|message| ExperimentError::Parse {
-        path: "<settings>".into(),
+        path: origin.into(),
         message,
     })?;
     let started = Instant::now();
@@ -726,19 +832,21 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
         message,
     };
     std::fs::create_dir_all(run_dir).map_err(|e| write_err(run_dir, e.to_string()))?;
+    let run_dir = std::path::absolute(run_dir).map_err(|e| write_err(run_dir, e.to_string()))?;
     let t = &file.tasks;
     let (train, held) = task_sets(t.seed, t.operand_min, t.operand_max, t.train, t.held_out);
     let sft = warm_start(&file.sft, &train, &file.cache_dir(), false)?;
     tracing::info!(dir = %sft.dir.display(), cached = sft.cached, secs = sft.seconds, "toolagent: warm start ready");
+    let sft_dir = std::path::absolute(&sft.dir).map_err(|e| write_err(&sft.dir, e.to_string()))?;
     let x = file.experiment.clone();
-    let ck = load_checkpoint::<clawrl::CpuBackend>(&sft.dir, &Default::default())?;
+    let ck = load_checkpoint::<clawrl::CpuBackend>(&sft_dir, &Default::default())?;
     let stop = ck.stop_token_ids();
     let max_positions = ck.config.max_position_embeddings;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(|e| write_err(run_dir, format!("starting the runtime: {e}")))?;
+        .map_err(|e| write_err(&run_dir, format!("starting the runtime: {e}")))?;
     let world = World {
         ck,
         stop,
@@ -746,18 +854,20 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
         max_positions,
         rt,
     };
-    let options = || EnvOptions {
-        max_tool_calls: x.max_tool_calls,
-        max_concurrent_commands: 8,
-        warm_workdirs: 4,
-        ..EnvOptions::default()
-    };
     clawrl::sandbox::probe().map_err(EnvBuildError::from)?;
-    let train_env = ToolCallEnv::new(train.iter().map(GenTask::math_task).collect(), options())?;
-    let eval_env = ToolCallEnv::new(held.iter().map(GenTask::math_task).collect(), options())?;
-    let initial = Arc::new(world.ck.model.clone());
+    let eval_env = ToolCallEnv::new(
+        held.iter().map(GenTask::math_task).collect(),
+        EnvOptions {
+            max_steps: Some(x.max_steps),
+            max_concurrent_commands: 8,
+            warm_workdirs: 4,
+            ..EnvOptions::default()
+        },
+    )?;
+    let tasks_file = run_dir.join("train_tasks.jsonl");
+    write_task_file(&train, &tasks_file).map_err(|e| write_err(&tasks_file, e.to_string()))?;
     let base = if x.eval_at.first() == Some(&0) {
-        let m = world.measure(initial.clone(), &eval_env, &held, 0)?;
+        let m = world.measure(Arc::new(world.ck.model.clone()), &eval_env, &held, 0)?;
         tracing::info!(
             success = m.success,
             tool_use = m.tool_use,
@@ -768,105 +878,77 @@ pub fn run(file: &ExperimentFile, run_dir: &Path) -> Result<Report, ExperimentEr
         None
     };
     let mut runs = Vec::new();
-    for &mode in &x.arms {
+    for &arm in &x.arms {
         let t0 = Instant::now();
-        let (cfg, model) = load_model::<clawrl::CpuAutodiff>(&sft.dir, &Default::default())?;
-        let train_cfg = TrainConfig {
-            lr: x.lr,
-            kl_coef: x.kl_coef,
-            batch_size: x.tasks_per_update * x.group_size,
-            ..TrainConfig::default()
+        let out = run_dir.join(arm.name());
+        let prm = world
+            .rt
+            .block_on(PrmEndpoint::start(&train))
+            .map_err(|e| write_err(&out, format!("serving the PRM: {e}")))?;
+        let spec = file.job_spec(arm, &sft_dir, &tasks_file, &prm.url(), origin)?;
+        let bar = arm_bar(arm, x.updates, show_progress);
+        let shown = bar.clone();
+        let options = RunOptions {
+            out: out.clone(),
+            job_id: format!("tool-call-{}", arm.name()),
+            progress: Some(Arc::new(move |c: &JobCounts| {
+                shown.set_position(c.trainer.steps);
+                shown.set_message(progress_message(c));
+            })),
+            poll: Duration::from_millis(200),
         };
-        let mut learner: BurnLearner =
-            BurnLearner::new(cfg, model, train_cfg, Default::default(), x.seed);
-        // Each arm's scalars are a TensorBoard run of their own: `tb/<arm>/`.
-        let tb_dir = clawrl::watch::scalars::tb_dir(run_dir).join(arm_name(mode));
-        let mut tb =
-            ScalarWriter::create(&tb_dir).map_err(|e| write_err(&tb_dir, e.to_string()))?;
+        let job = world
+            .rt
+            .block_on(run_job(&spec, origin, options))
+            .map_err(|source| ExperimentError::Job {
+                arm: arm.name(),
+                source,
+            })?;
+        bar.finish_and_clear();
+        let votes = prm.counts();
+        drop(prm);
+        if job.trainer.steps < x.updates as u64 {
+            return Err(ExperimentError::Short {
+                arm: arm.name(),
+                steps: job.trainer.steps,
+                updates: x.updates,
+                why: job
+                    .counts
+                    .gave_up
+                    .clone()
+                    .unwrap_or_else(|| "no reason given".into()),
+            });
+        }
+        let seconds_per_update = job.wall_s / x.updates as f64;
+        tracing::info!(
+            arm = arm.name(),
+            turns = job.counts.turns,
+            prm_positive = votes.positive,
+            prm_negative = votes.negative,
+            secs = job.wall_s,
+            "toolagent: job done"
+        );
         let mut measurements: Vec<Measurement> = base.iter().cloned().collect();
-        let mut logs = Vec::new();
-        for update in 1..=x.updates {
-            let policy = Arc::new(learner.policy().valid());
-            let mut rng = ChaCha8Rng::seed_from_u64(mix_seed(x.seed, update as u64));
-            let drawn = sample_indices(&mut rng, train.len(), x.tasks_per_update).into_vec();
-            let members = group_plan(drawn.len(), x.group_size, mix_seed(x.seed, update as u64))?;
-            let plan: Vec<(usize, u64)> = members.iter().map(|m| (drawn[m.task], m.seed)).collect();
-            let groups: Vec<String> = members.iter().map(|m| m.group.clone()).collect();
-            let eps = world.rollout(policy, &train_env, &train, &plan)?;
-            let batch = update_samples(mode, &eps, &groups, x.group_size)?;
-            // Each tool call's step score from the rule-based PRM is one judged step (one vote,
-            // never failed, no hint).
-            for p in eps.iter().flat_map(|e| &e.steps).filter_map(|s| s.prm) {
-                tb.log().judged(&JudgedPoint {
-                    judged: true,
-                    reward: p,
-                    hint_accepted: false,
-                    votes: 1,
-                    failed_votes: 0,
-                });
-            }
-            let tool_steps = eps
-                .iter()
-                .flat_map(|e| &e.steps)
-                .filter(|s| s.prm.is_some());
-            let mut log = UpdateLog {
-                update,
-                episodes: eps.len(),
-                correct: eps.iter().filter(|e| e.outcome > 0.0).count(),
-                tool_steps: tool_steps.clone().count(),
-                prm_positive: tool_steps.filter(|s| s.prm == Some(1)).count(),
-                steps: eps.iter().map(|e| e.steps.len()).sum(),
-                trained: batch.len(),
-                loss: f64::NAN,
-                grad_norm: f64::NAN,
-                shift: f64::NAN,
-            };
-            if !batch.is_empty() {
-                let t0 = Instant::now();
-                let m = learner.step(&batch)?;
-                let step_ms = t0.elapsed().as_secs_f64() * 1e3;
-                tb.step(&StepPoint::of_metrics(&m, batch.len(), step_ms));
-                log.loss = m.loss;
-                log.grad_norm = m.grad_norm;
-                let after = learner.logprobs(&batch)?;
-                let (mut sum, mut n) = (0f64, 0usize);
-                for (s, lp) in batch.iter().zip(&after) {
-                    for (a, b) in lp.iter().zip(s.rollout_logprobs.iter().flatten()) {
-                        sum += (a - b).abs() as f64;
-                        n += 1;
-                    }
-                }
-                log.shift = sum / n.max(1) as f64;
-            }
+        for &u in x.eval_at.iter().filter(|&&u| u > 0) {
+            let dir = job.checkpoint_dir.join(format!("step-{u:08}"));
+            let model =
+                load_model_as::<clawrl::CpuBackend>(&dir, &world.ck.config, &Default::default())?;
+            let m = world.measure(Arc::new(model), &eval_env, &held, u)?;
             tracing::info!(
-                arm = arm_name(mode),
-                update,
-                correct = log.correct,
-                episodes = log.episodes,
-                prm_positive = log.prm_positive,
-                tool_steps = log.tool_steps,
-                trained = log.trained,
-                loss = log.loss,
-                "toolagent: update"
+                arm = arm.name(),
+                updates = u,
+                success = m.success,
+                "toolagent: measured"
             );
-            logs.push(log);
-            if x.eval_at.contains(&update) {
-                let m =
-                    world.measure(Arc::new(learner.policy().valid()), &eval_env, &held, update)?;
-                tracing::info!(
-                    arm = arm_name(mode),
-                    update,
-                    success = m.success,
-                    "toolagent: measured"
-                );
-                measurements.push(m);
-            }
+            measurements.push(m);
         }
         runs.push(ArmRun {
-            arm: arm_name(mode).to_string(),
+            arm: arm.name().to_string(),
             measurements,
-            updates: logs,
+            job,
+            prm: votes,
             seconds: t0.elapsed().as_secs_f64(),
+            seconds_per_update,
         });
     }
     let success = runs
@@ -914,22 +996,25 @@ pub fn summary_table(report: &Report) -> String {
     for u in &report.eval_at {
         out.push_str(&format!(" {u} updates |"));
     }
-    out.push_str("\n| --- |");
+    out.push_str(" s / update |\n| --- |");
     for _ in &report.eval_at {
         out.push_str(" --- |");
     }
+    out.push_str(" --- |");
     for r in &report.runs {
         out.push_str(&format!("\n| {} |", r.arm));
         for m in &r.measurements {
             out.push_str(&format!(" {:.2} |", m.success));
         }
+        out.push_str(&format!(" {:.1} |", r.seconds_per_update));
     }
     out
 }
 
 /// `clawrl run <tool-call experiment file>`: runs it into `out` (default
 /// `runs/tool-call-agent-<unix time>`) and prints the success table, or the whole report as
-/// JSON with `json`. `seed` replaces the file's `experiment.seed`.
+/// JSON with `json` (which also hides the progress bars). `seed` replaces the file's
+/// `experiment.seed`.
 pub fn cli_main(
     path: &Path,
     out: Option<PathBuf>,
@@ -941,7 +1026,7 @@ pub fn cli_main(
         file.experiment.seed = s;
     }
     let run_dir = crate::experiments::run_dir(out, "tool-call-agent");
-    let report = run(&file, &run_dir)?;
+    let report = run(&file, &path.display().to_string(), &run_dir, !json)?;
     crate::experiments::print_report(
         json,
         &report,
@@ -972,10 +1057,7 @@ mod tests {
     fn the_example_parses_and_bad_values_name_the_key() {
         let text = example_text();
         let f = ExperimentFile::from_toml_str(&text, "t.toml").unwrap();
-        assert_eq!(
-            f.experiment.arms,
-            vec![RewardMode::Integrated, RewardMode::OutcomeOnly]
-        );
+        assert_eq!(f.experiment.arms, vec![Arm::Integrated, Arm::OutcomeOnly]);
         let err = |t: String| {
             ExperimentFile::from_toml_str(&t, "x.toml")
                 .unwrap_err()
@@ -996,56 +1078,46 @@ mod tests {
         assert!(e.contains("kind = \"rl\""), "{e}");
         let e = err(text.replace("kind = \"tool_call_experiment\"", ""));
         assert!(e.contains("tool_call_experiment"), "{e}");
-    }
-
-    fn record(outcome: f64, prms: &[Option<i8>]) -> EpisodeRecord {
-        EpisodeRecord {
-            task: 0,
-            question: String::new(),
-            steps: prms
-                .iter()
-                .enumerate()
-                .map(|(i, p)| StepRecord {
-                    prompt_ids: vec![1, 2],
-                    response_ids: vec![10 + i as u32; 3],
-                    logprobs: vec![-0.5; 3],
-                    text: String::new(),
-                    calls: usize::from(p.is_some()),
-                    results: Vec::new(),
-                    prm: *p,
-                })
-                .collect(),
-            outcome,
-            finish: "answer".into(),
-        }
+        let e = err(text.replace("updates = 30", "updates = 0"));
+        assert!(e.contains("experiment.updates"), "{e}");
     }
 
     #[test]
-    fn process_scores_separate_failures_only_in_the_integrated_arm() {
-        // One group of three: solved (good call), failed after a good call, failed after a bad
-        // call. Outcome-only cannot tell the two failures apart at step 0; integrated can.
-        let eps = [
-            record(1.0, &[Some(1), None]),
-            record(-1.0, &[Some(1), None]),
-            record(-1.0, &[Some(-1), None]),
-        ];
-        let groups = vec!["g".to_string(); 3];
-        let adv = |mode| {
-            update_samples(mode, &eps, &groups, 3)
-                .unwrap()
-                .iter()
-                .map(|s| s.advantages[0])
-                .collect::<Vec<f32>>()
+    fn each_arm_is_a_stepwise_tool_call_job_that_differs_only_in_the_process_weight() {
+        let f = ExperimentFile::from_toml_str(&example_text(), "t.toml").unwrap();
+        let spec = |arm| {
+            f.job_spec(
+                arm,
+                Path::new("/ck"),
+                Path::new("/tasks.jsonl"),
+                "http://127.0.0.1:9/v1",
+                "t.toml",
+            )
+            .unwrap()
         };
-        let o = adv(RewardMode::OutcomeOnly);
-        let i = adv(RewardMode::Integrated);
-        // Both arms: 3 step-0 samples and 3 step-1 samples.
-        assert_eq!((o.len(), i.len()), (6, 6));
-        // Outcome-only: the two failures get the same step-0 advantage.
-        assert_eq!(o[2], o[4]);
-        // Integrated: the good call of the failed episode is above the bad one.
-        assert!(i[2] > i[4] && i[0] > i[2], "{i:?}");
-        let err = update_samples(RewardMode::Integrated, &eps[..2], &groups[..2], 3).unwrap_err();
-        assert!(err.to_string().contains("retry"), "{err}");
+        let (i, o) = (spec(Arm::Integrated), spec(Arm::OutcomeOnly));
+        assert_eq!(i.method.kind, clawrl::job::MethodKind::Stepwise);
+        assert_eq!(i.env.kind, clawrl::env::EnvKind::ToolCall);
+        assert_eq!(i.env.group_size, Some(8));
+        assert_eq!(i.stop.max_steps, Some(30));
+        assert_eq!(i.optim.checkpoint_every, Some(15));
+        assert_eq!(i.optim.keep_checkpoints, Some(0));
+        assert_eq!(i.judge.prompts.step_tool_call.as_deref(), Some(TEMPLATE));
+        assert_eq!(
+            (i.method.process_weight(), o.method.process_weight()),
+            (1.0, 0.0)
+        );
+        let mut same = o.clone();
+        same.method.w_process = i.method.w_process;
+        same.name = i.name.clone();
+        assert_eq!(same, i);
+    }
+
+    #[test]
+    fn checkpoints_land_on_every_measured_update() {
+        assert_eq!(checkpoint_every(&[0, 15, 30]), Some(15));
+        assert_eq!(checkpoint_every(&[0, 4, 10]), Some(2));
+        assert_eq!(checkpoint_every(&[3]), Some(3));
+        assert_eq!(checkpoint_every(&[0]), None);
     }
 }

@@ -10,7 +10,11 @@
 //! task's intermediate quantity or its answer, not printed by an earlier step; `-1` otherwise
 //! (an error, a refused call, nothing useful printed, a wrong value, or a repeat). A step with
 //! no next state (the final answer) is not judged: it gets no vote, so its process score is 0
-//! (docs/design.md §1, [`clawrl::env::reward`]). One deterministic vote per step (`m = 1`).
+//! (docs/design.md §1). One deterministic vote per step (`m = 1`).
+//!
+//! In the RL job the PRM answers the job's judge over HTTP ([`super::endpoint`]), which sends
+//! it the step's tool messages and the episode's messages before the step;
+//! [`judge_transcript`] replays the earlier steps to know what was already printed.
 
 use clawrl::env::answer::{extract_answer, numbers_match, parse_number, Number};
 
@@ -78,6 +82,30 @@ pub fn judge_step(task: &GenTask, results: &[String], seen: &mut Vec<i64>) -> i8
     } else {
         -1
     }
+}
+
+/// The vote for a step whose tool messages are `results`, with `messages` the episode's messages
+/// before it (`(role, text)`): every earlier step (an assistant message and the tool messages
+/// that follow it) is judged first, in order, so that a value an earlier step printed counts as
+/// a repeat exactly as in [`judge_step`] over the whole episode.
+pub fn judge_transcript(task: &GenTask, messages: &[(&str, &str)], results: &[String]) -> i8 {
+    let mut seen = Vec::new();
+    let mut step: Vec<String> = Vec::new();
+    for (role, text) in messages {
+        match *role {
+            "tool" => step.push(text.to_string()),
+            _ => {
+                if !step.is_empty() {
+                    judge_step(task, &step, &mut seen);
+                    step.clear();
+                }
+            }
+        }
+    }
+    if !step.is_empty() {
+        judge_step(task, &step, &mut seen);
+    }
+    judge_step(task, results, &mut seen)
 }
 
 #[cfg(test)]
@@ -201,5 +229,35 @@ mod tests {
             judge_step(&t, &[out("569.0\n", "", Some(0), false)], &mut seen),
             1
         );
+    }
+
+    #[test]
+    fn a_transcript_replays_earlier_steps_before_judging_the_last() {
+        let t = task();
+        let printed = out("522\n", "", Some(0), false);
+        let failed = out("522\n", "x", Some(1), false);
+        fn before<'a>(tools: &[&'a str]) -> Vec<(&'a str, &'a str)> {
+            let mut m = vec![("system", "solve"), ("user", "what is 47+29*18 ?")];
+            for tool in tools {
+                m.push(("assistant", "<tool_call>…</tool_call>"));
+                m.push(("tool", *tool));
+            }
+            m
+        }
+        // 522 printed by an earlier step: a repeat.
+        assert_eq!(
+            judge_transcript(&t, &before(&[&printed]), std::slice::from_ref(&printed)),
+            -1
+        );
+        // The earlier step failed, so its 522 was never taken: fresh now.
+        assert_eq!(
+            judge_transcript(&t, &before(&[&failed]), std::slice::from_ref(&printed)),
+            1
+        );
+        assert_eq!(
+            judge_transcript(&t, &before(&[]), std::slice::from_ref(&printed)),
+            1
+        );
+        assert_eq!(judge_transcript(&t, &before(&[&printed]), &[]), -1);
     }
 }

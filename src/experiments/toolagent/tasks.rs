@@ -130,9 +130,16 @@ impl GenTask {
         }
     }
 
-    /// An id: the expression.
+    /// An id: the expression spelled in the characters a task id allows (`8-2*5` is
+    /// `8_minus_2_times_5`).
     pub fn id(&self) -> String {
-        self.expression()
+        let word = |op: Op| match op {
+            Op::Add => "plus",
+            Op::Sub => "minus",
+            Op::Mul => "times",
+        };
+        let [a, b, c] = self.operands;
+        format!("{a}_{}_{b}_{}_{c}", word(self.ops[0]), word(self.ops[1]))
     }
 
     /// The task as the tool-call environment reads it.
