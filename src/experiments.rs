@@ -13,8 +13,12 @@
 
 use std::path::{Path, PathBuf};
 
+use clawrl::job::{JobSpec, JobSpecError};
+use serde::de::DeserializeOwned;
 use serde::Serialize;
+use thiserror::Error;
 
+use personal::experiment::Results;
 use warm_start::SftOutcome;
 
 pub mod personal;
@@ -93,6 +97,121 @@ pub struct Done<'a> {
     pub outputs: &'a str,
     /// Where.
     pub run_dir: &'a Path,
+}
+
+/// Why an experiment file could not be read, or a run's files not written.
+#[derive(Debug, Error)]
+pub enum FileError {
+    /// The file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The file is not a valid experiment.
+    #[error("invalid experiment file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// What is wrong (names the key).
+        message: String,
+    },
+    /// Writing (or preparing) a run's files failed.
+    #[error("writing {path}: {message}")]
+    Write {
+        /// The file or directory.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+impl FileError {
+    /// A [`FileError::Parse`] of `origin`.
+    pub fn parse(origin: &str, message: impl Into<String>) -> Self {
+        Self::Parse {
+            path: origin.to_string(),
+            message: message.into(),
+        }
+    }
+
+    /// A [`FileError::Write`] of `path`.
+    pub fn write(path: &Path, message: impl ToString) -> Self {
+        Self::Write {
+            path: path.to_path_buf(),
+            message: message.to_string(),
+        }
+    }
+}
+
+/// The text of the experiment file at `path`.
+pub fn read_text(path: &Path) -> Result<String, FileError> {
+    std::fs::read_to_string(path).map_err(|source| FileError::Read {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Parses experiment TOML `text` into `T`; `origin` names it in errors.
+pub fn parse_text<T: DeserializeOwned>(text: &str, origin: &str) -> Result<T, FileError> {
+    toml::from_str(text).map_err(|e| FileError::parse(origin, e.to_string()))
+}
+
+/// `run_dir` created and made absolute.
+pub fn prepare_run_dir(run_dir: &Path) -> Result<PathBuf, FileError> {
+    std::fs::create_dir_all(run_dir).map_err(|e| FileError::write(run_dir, e))?;
+    std::path::absolute(run_dir).map_err(|e| FileError::write(run_dir, e))
+}
+
+/// A TOML table of `pairs`, for the job specs an experiment builds.
+pub fn toml_table(pairs: Vec<(&str, toml::Value)>) -> toml::Value {
+    toml::Value::Table(pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+}
+
+/// The job spec `table` describes, checked by the job-spec parser as any spec file is;
+/// `origin (label)` names it in errors.
+pub fn job_spec(table: toml::Value, origin: &str, label: &str) -> Result<JobSpec, JobSpecError> {
+    let text = toml::to_string(&table).map_err(|e| JobSpecError {
+        file: origin.to_string(),
+        key: "experiment".into(),
+        message: e.to_string(),
+    })?;
+    JobSpec::parse(&text, &format!("{origin} ({label})"))
+}
+
+/// Writes a run's outputs into `run_dir`: `results.json` (the scores), `details.json` (the
+/// whole report) and the plot of the scores as `png`.
+pub fn write_outputs<R: Serialize>(
+    run_dir: &Path,
+    results: &Results,
+    details: &R,
+    png: &str,
+) -> Result<(), FileError> {
+    let write_json = |name: &str, text: String| {
+        let p = run_dir.join(name);
+        std::fs::write(&p, text).map_err(|e| FileError::write(&p, e))
+    };
+    write_json(
+        "results.json",
+        serde_json::to_string_pretty(results).expect("results serialize"),
+    )?;
+    write_json(
+        "details.json",
+        serde_json::to_string_pretty(details).expect("report serializes"),
+    )?;
+    let png = run_dir.join(png);
+    personal::plot::plot_scores(results, &png).map_err(|e| FileError::write(&png, e.message))
+}
+
+/// The text of `examples/<name>`.
+#[cfg(test)]
+pub fn example_text(name: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("examples")
+        .join(name);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 #[cfg(test)]

@@ -104,6 +104,50 @@ impl ModelShape {
     }
 }
 
+/// Why a warm start failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SftError {
+    /// A setting is out of range.
+    #[error("sft.{key}: {reason}")]
+    Setting {
+        /// The key.
+        key: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The tokenizer could not be built.
+    #[error(transparent)]
+    Tokenizer(#[from] crate::experiments::word_tokenizer::TokenizerError),
+    /// Tokenizing or the chat template failed.
+    #[error("sft: {0}")]
+    Chat(#[from] clawrl::model::ChatError),
+    /// Training or caching failed.
+    #[error(transparent)]
+    Run(#[from] WarmStartError),
+}
+
+/// Checks what every warm start's settings hold: the policy's `shape` (at least
+/// `min_positions` positions, `why`), `batch_size` ≥ 1 and a finite `lr` > 0.
+pub fn check_recipe(
+    shape: &ModelShape,
+    min_positions: usize,
+    why: &str,
+    batch_size: usize,
+    lr: f64,
+) -> Result<(), SftError> {
+    let bad = |key, reason: String| Err(SftError::Setting { key, reason });
+    if let Err((key, reason)) = shape.validate(min_positions, why) {
+        return bad(key, reason);
+    }
+    if batch_size == 0 {
+        return bad("batch_size", "must be at least 1".into());
+    }
+    if !(lr.is_finite() && lr > 0.0) {
+        return bad("lr", "must be a finite number > 0".into());
+    }
+    Ok(())
+}
+
 /// Why a warm start's training or its cache failed (the experiment's own errors, such as its
 /// tokenizer's, come through the sample draws).
 #[derive(Debug, thiserror::Error)]

@@ -56,6 +56,9 @@ use super::sft::{warm_start, SftError, SftSettings};
 use super::style::{personalization_score, UserKind};
 use crate::experiments::personal::users::{PersonalEnv, PersonalEnvError, UserSettings};
 use crate::experiments::warm_start::SftOutcome;
+use crate::experiments::{
+    parse_text, prepare_run_dir, read_text, toml_table, write_outputs, FileError,
+};
 use clawrl::job::{JobSpec, JobSpecError, MethodKind};
 use clawrl::pipeline::gateway_job::{
     run_gateway_job, GatewayJobError, GatewayJobOptions, GatewayJobReport,
@@ -188,22 +191,9 @@ fn default_name() -> String {
 /// Why the experiment failed.
 #[derive(Debug, Error)]
 pub enum ExperimentError {
-    /// The file could not be read.
-    #[error("cannot read {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// The file is not a valid experiment.
-    #[error("invalid experiment file {path}: {message}")]
-    Parse {
-        /// The file.
-        path: String,
-        /// What is wrong (names the key).
-        message: String,
-    },
+    /// The file could not be read, or the run's files not written.
+    #[error(transparent)]
+    File(#[from] FileError),
     /// The warm start failed.
     #[error(transparent)]
     Sft(#[from] SftError),
@@ -271,24 +261,13 @@ pub enum ExperimentError {
     /// The async runtime could not start.
     #[error("starting the async runtime: {0}")]
     Runtime(std::io::Error),
-    /// Writing results failed.
-    #[error("writing {path}: {message}")]
-    Write {
-        /// The file.
-        path: PathBuf,
-        /// What went wrong.
-        message: String,
-    },
 }
 
 impl ExperimentFile {
     /// Parses and validates TOML text; `origin` names it in errors.
-    pub fn from_toml_str(text: &str, origin: &str) -> Result<Self, ExperimentError> {
-        let bad = |message: String| ExperimentError::Parse {
-            path: origin.to_string(),
-            message,
-        };
-        let file: ExperimentFile = toml::from_str(text).map_err(|e| bad(e.to_string()))?;
+    pub fn from_toml_str(text: &str, origin: &str) -> Result<Self, FileError> {
+        let bad = |message: String| FileError::parse(origin, message);
+        let file: ExperimentFile = parse_text(text, origin)?;
         if file.kind != KIND {
             return Err(bad(format!(
                 "kind = {:?}: this runner only runs kind = {KIND:?}",
@@ -362,12 +341,8 @@ impl ExperimentFile {
     }
 
     /// Reads and validates a file.
-    pub fn from_file(path: &Path) -> Result<Self, ExperimentError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ExperimentError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::from_toml_str(&text, &path.display().to_string())
+    pub fn from_file(path: &Path) -> Result<Self, FileError> {
+        Self::from_toml_str(&read_text(path)?, &path.display().to_string())
     }
 
     /// The SFT cache directory.
@@ -388,12 +363,9 @@ impl ExperimentFile {
     ) -> Result<JobSpec, JobSpecError> {
         let x = &self.experiment;
         let train = TrainConfig::default();
-        let table = |pairs: Vec<(&str, toml::Value)>| -> toml::Table {
-            pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
-        };
-        let sub = |pairs: Vec<(&str, toml::Value)>| toml::Value::Table(table(pairs));
+        let sub = toml_table;
         let int = |v: usize| toml::Value::Integer(v as i64);
-        let spec = table(vec![
+        let spec = sub(vec![
             ("kind", "personal".into()),
             ("name", format!("{}-{}", self.name, method.name()).into()),
             ("seed", toml::Value::Integer(x.seed as i64)),
@@ -446,12 +418,7 @@ impl ExperimentFile {
             // The driver stops each job; this only bounds a run that hangs.
             ("stop", sub(vec![("max_hours", toml::Value::Float(6.0))])),
         ]);
-        let text = toml::to_string(&spec).map_err(|e| JobSpecError {
-            file: origin.to_string(),
-            key: "judge".into(),
-            message: e.to_string(),
-        })?;
-        JobSpec::parse(&text, &format!("{origin} ({})", method.name()))
+        crate::experiments::job_spec(spec, origin, method.name())
     }
 }
 
@@ -1420,15 +1387,10 @@ pub fn run(
     progress: Option<Progress>,
 ) -> Result<Report, ExperimentError> {
     let started = Instant::now();
-    let write_err = |path: &Path, message: String| ExperimentError::Write {
-        path: path.to_path_buf(),
-        message,
-    };
-    std::fs::create_dir_all(run_dir).map_err(|e| write_err(run_dir, e.to_string()))?;
-    let run_dir = std::path::absolute(run_dir).map_err(|e| write_err(run_dir, e.to_string()))?;
+    let run_dir = prepare_run_dir(run_dir)?;
     let sft = warm_start(&file.sft, &file.cache_dir(), false)?;
     tracing::info!(dir = %sft.dir.display(), cached = sft.cached, "personal: warm start ready");
-    let sft_dir = std::path::absolute(&sft.dir).map_err(|e| write_err(&sft.dir, e.to_string()))?;
+    let sft_dir = std::path::absolute(&sft.dir).map_err(|e| FileError::write(&sft.dir, e))?;
     let x = &file.experiment;
     let eval = PersonalEnv::new(
         PersonalEnv::sample_tasks(Split::HeldOut, x.eval_tasks_per_user, x.seed ^ 0xe7a1),
@@ -1483,7 +1445,7 @@ pub fn run(
         runs,
         seconds: started.elapsed().as_secs_f64(),
     };
-    write_outputs(&run_dir, &report.results, &report)?;
+    write_outputs(&run_dir, &report.results, &report, "scores.png")?;
     Ok(report)
 }
 
@@ -1496,33 +1458,6 @@ pub struct SeedsReport {
     pub per_seed: BTreeMap<String, Report>,
     /// Seconds for the whole run (warm start included).
     pub seconds: f64,
-}
-
-/// Writes a run's outputs into `run_dir`: `results.json` (the scores), `details.json` (the whole
-/// report) and `scores.png`.
-fn write_outputs<R: Serialize>(
-    run_dir: &Path,
-    results: &Results,
-    details: &R,
-) -> Result<(), ExperimentError> {
-    let write_err = |path: &Path, message: String| ExperimentError::Write {
-        path: path.to_path_buf(),
-        message,
-    };
-    let write_json = |name: &str, text: String| {
-        let p = run_dir.join(name);
-        std::fs::write(&p, text).map_err(|e| write_err(&p, e.to_string()))
-    };
-    write_json(
-        "results.json",
-        serde_json::to_string_pretty(results).expect("results serialize"),
-    )?;
-    write_json(
-        "details.json",
-        serde_json::to_string_pretty(details).expect("report serializes"),
-    )?;
-    let png = run_dir.join("scores.png");
-    super::plot::plot_scores(results, &png).map_err(|e| write_err(&png, e.message))
 }
 
 /// Runs the experiment once per seed of `seeds` (each replacing `experiment.seed`: task draws,
@@ -1565,7 +1500,7 @@ pub fn run_seeds(
             .collect(),
         seconds: started.elapsed().as_secs_f64(),
     };
-    write_outputs(run_dir, &report.results, &report)?;
+    write_outputs(run_dir, &report.results, &report, "scores.png")?;
     Ok(report)
 }
 
@@ -1747,11 +1682,7 @@ mod tests {
     use super::*;
 
     fn example_text() -> String {
-        std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/examples/personal.toml"
-        ))
-        .unwrap()
+        crate::experiments::example_text("personal.toml")
     }
 
     #[test]

@@ -14,12 +14,12 @@ use std::path::Path;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use thiserror::Error;
 
 use super::corpus::{sft_example, SftExample};
-use super::tokenizer::{build_tokenizer, tokenizer_files, TokenizerError, CHAT_TEMPLATE, IM_END};
-use crate::experiments::warm_start::{ModelShape, SftOutcome, WarmStart, WarmStartError};
-use clawrl::model::{ChatError, ChatTemplate, Qwen3Config};
+use super::tokenizer::{build_tokenizer, tokenizer_files, CHAT_TEMPLATE, IM_END};
+pub use crate::experiments::warm_start::SftError;
+use crate::experiments::warm_start::{check_recipe, ModelShape, SftOutcome, WarmStart};
+use clawrl::model::{ChatTemplate, Qwen3Config};
 use clawrl::train::Sample;
 
 /// Bumped whenever the corpus, tokenizer or training recipe changes, so old caches are not
@@ -72,43 +72,22 @@ impl Default for SftSettings {
     }
 }
 
-/// Why the warm start failed.
-#[derive(Debug, Error)]
-pub enum SftError {
-    /// A setting is out of range.
-    #[error("sft.{key}: {reason}")]
-    Setting {
-        /// The key.
-        key: &'static str,
-        /// What is wrong.
-        reason: String,
-    },
-    /// The tokenizer could not be built.
-    #[error(transparent)]
-    Tokenizer(#[from] TokenizerError),
-    /// The chat template failed.
-    #[error("sft: {0}")]
-    Chat(#[from] ChatError),
-    /// Training or caching failed.
-    #[error(transparent)]
-    Run(#[from] WarmStartError),
-}
-
 impl SftSettings {
     /// Checks every value.
     pub fn validate(&self) -> Result<(), SftError> {
-        let bad = |key, reason: String| Err(SftError::Setting { key, reason });
-        if let Err((key, reason)) = self.shape().validate(64, "prompts need ~50 tokens") {
-            return bad(key, reason);
-        }
-        if self.batch_size == 0 {
-            return bad("batch_size", "must be at least 1".into());
-        }
-        if !(self.lr.is_finite() && self.lr > 0.0) {
-            return bad("lr", "must be a finite number > 0".into());
-        }
+        let shape = self.shape();
+        check_recipe(
+            &shape,
+            64,
+            "prompts need ~50 tokens",
+            self.batch_size,
+            self.lr,
+        )?;
         if !(0.0..=1.0).contains(&self.instruct_rate) {
-            return bad("instruct_rate", "must lie in [0, 1]".into());
+            return Err(SftError::Setting {
+                key: "instruct_rate",
+                reason: "must lie in [0, 1]".into(),
+            });
         }
         Ok(())
     }

@@ -39,6 +39,9 @@ use super::sft::{warm_start, SftError, SftSettings};
 use super::tasks::{task_sets, GenTask};
 use super::tokenizer::continuation_ids;
 use crate::experiments::warm_start::SftOutcome;
+use crate::experiments::{
+    parse_text, prepare_run_dir, read_text, toml_table, write_outputs, FileError,
+};
 use clawrl::env::{EnvBuildError, EnvOptions, ToolCallEnv};
 use clawrl::job::{JobSpec, JobSpecError};
 use clawrl::model::checkpoint::load_model_as;
@@ -148,7 +151,7 @@ impl Default for ExperimentSettings {
             arms: vec![Arm::Integrated, Arm::OutcomeOnly],
             updates: 30,
             eval_at: vec![0, 15, 30],
-            batch_size: 64,
+            batch_size: 128,
             group_size: 8,
             parallelism: 16,
             staleness: 1,
@@ -185,22 +188,9 @@ pub struct ExperimentFile {
 /// Why the experiment failed.
 #[derive(Debug, Error)]
 pub enum ExperimentError {
-    /// The file could not be read.
-    #[error("cannot read {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
-    /// The file is not a valid experiment.
-    #[error("invalid experiment file {path}: {message}")]
-    Parse {
-        /// The file.
-        path: String,
-        /// What is wrong (names the key).
-        message: String,
-    },
+    /// The file could not be read, or the run's files not written.
+    #[error(transparent)]
+    File(#[from] FileError),
     /// The warm start failed.
     #[error(transparent)]
     Sft(#[from] SftError),
@@ -242,37 +232,27 @@ pub enum ExperimentError {
         /// What the job reported.
         why: String,
     },
-    /// Writing results (or serving the PRM) failed.
-    #[error("writing {path}: {message}")]
-    Write {
-        /// The file.
-        path: PathBuf,
-        /// What went wrong.
-        message: String,
+    /// The runtime or the PRM's endpoint could not start.
+    #[error("starting {what}: {source}")]
+    Start {
+        /// What.
+        what: &'static str,
+        /// Why.
+        source: std::io::Error,
     },
 }
 
 impl ExperimentFile {
     /// Parses and validates TOML text; `origin` names it in errors.
-    pub fn from_toml_str(text: &str, origin: &str) -> Result<Self, ExperimentError> {
-        let file: ExperimentFile = toml::from_str(text).map_err(|e| ExperimentError::Parse {
-            path: origin.to_string(),
-            message: e.to_string(),
-        })?;
-        file.validate().map_err(|message| ExperimentError::Parse {
-            path: origin.to_string(),
-            message,
-        })?;
+    pub fn from_toml_str(text: &str, origin: &str) -> Result<Self, FileError> {
+        let file: ExperimentFile = parse_text(text, origin)?;
+        file.validate().map_err(|m| FileError::parse(origin, m))?;
         Ok(file)
     }
 
     /// Reads and validates a file.
-    pub fn from_file(path: &Path) -> Result<Self, ExperimentError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ExperimentError::Read {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::from_toml_str(&text, &path.display().to_string())
+    pub fn from_file(path: &Path) -> Result<Self, FileError> {
+        Self::from_toml_str(&read_text(path)?, &path.display().to_string())
     }
 
     /// Checks every value; the message names the key. (Each arm's job spec is checked again
@@ -367,9 +347,7 @@ impl ExperimentFile {
         let train = TrainConfig::default();
         let int = |v: usize| toml::Value::Integer(v as i64);
         let float = toml::Value::Float;
-        let sub = |pairs: Vec<(&str, toml::Value)>| -> toml::Value {
-            toml::Value::Table(pairs.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
-        };
+        let sub = toml_table;
         let mut optim = vec![
             ("batch_size", int(x.batch_size)),
             ("lr", float(x.lr)),
@@ -429,12 +407,7 @@ impl ExperimentFile {
             ),
             ("stop", sub(vec![("max_steps", int(x.updates))])),
         ]);
-        let text = toml::to_string(&spec).map_err(|e| JobSpecError {
-            file: origin.to_string(),
-            key: "experiment".into(),
-            message: e.to_string(),
-        })?;
-        JobSpec::parse(&text, &format!("{origin} ({})", arm.name()))
+        crate::experiments::job_spec(spec, origin, arm.name())
     }
 }
 
@@ -822,22 +795,14 @@ pub fn run(
     run_dir: &Path,
     show_progress: bool,
 ) -> Result<Report, ExperimentError> {
-    file.validate().map_err(|message| ExperimentError::Parse {
-        path: origin.into(),
-        message,
-    })?;
+    file.validate().map_err(|m| FileError::parse(origin, m))?;
     let started = Instant::now();
-    let write_err = |path: &Path, message: String| ExperimentError::Write {
-        path: path.to_path_buf(),
-        message,
-    };
-    std::fs::create_dir_all(run_dir).map_err(|e| write_err(run_dir, e.to_string()))?;
-    let run_dir = std::path::absolute(run_dir).map_err(|e| write_err(run_dir, e.to_string()))?;
+    let run_dir = prepare_run_dir(run_dir)?;
     let t = &file.tasks;
     let (train, held) = task_sets(t.seed, t.operand_min, t.operand_max, t.train, t.held_out);
     let sft = warm_start(&file.sft, &train, &file.cache_dir(), false)?;
     tracing::info!(dir = %sft.dir.display(), cached = sft.cached, secs = sft.seconds, "toolagent: warm start ready");
-    let sft_dir = std::path::absolute(&sft.dir).map_err(|e| write_err(&sft.dir, e.to_string()))?;
+    let sft_dir = std::path::absolute(&sft.dir).map_err(|e| FileError::write(&sft.dir, e))?;
     let x = file.experiment.clone();
     let ck = load_checkpoint::<clawrl::CpuBackend>(&sft_dir, &Default::default())?;
     let stop = ck.stop_token_ids();
@@ -846,7 +811,10 @@ pub fn run(
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(|e| write_err(&run_dir, format!("starting the runtime: {e}")))?;
+        .map_err(|source| ExperimentError::Start {
+            what: "the async runtime",
+            source,
+        })?;
     let world = World {
         ck,
         stop,
@@ -865,7 +833,7 @@ pub fn run(
         },
     )?;
     let tasks_file = run_dir.join("train_tasks.jsonl");
-    write_task_file(&train, &tasks_file).map_err(|e| write_err(&tasks_file, e.to_string()))?;
+    write_task_file(&train, &tasks_file).map_err(|e| FileError::write(&tasks_file, e))?;
     let base = if x.eval_at.first() == Some(&0) {
         let m = world.measure(Arc::new(world.ck.model.clone()), &eval_env, &held, 0)?;
         tracing::info!(
@@ -884,7 +852,10 @@ pub fn run(
         let prm = world
             .rt
             .block_on(PrmEndpoint::start(&train))
-            .map_err(|e| write_err(&out, format!("serving the PRM: {e}")))?;
+            .map_err(|source| ExperimentError::Start {
+                what: "the PRM's endpoint",
+                source,
+            })?;
         let spec = file.job_spec(arm, &sft_dir, &tasks_file, &prm.url(), origin)?;
         let bar = arm_bar(arm, x.updates, show_progress);
         let shown = bar.clone();
@@ -967,26 +938,12 @@ pub fn run(
         runs,
         seconds: started.elapsed().as_secs_f64(),
     };
-    let write_json = |name: &str, text: String| {
-        let p = run_dir.join(name);
-        std::fs::write(&p, text).map_err(|e| write_err(&p, e.to_string()))
-    };
     let results = crate::experiments::personal::experiment::Results {
         updates: report.eval_at.clone(),
         scores: report.success.clone(),
         ..Default::default()
     };
-    write_json(
-        "results.json",
-        serde_json::to_string_pretty(&results).expect("results serialize"),
-    )?;
-    write_json(
-        "details.json",
-        serde_json::to_string_pretty(&report).expect("report serializes"),
-    )?;
-    let png = run_dir.join("success.png");
-    crate::experiments::personal::plot::plot_scores(&results, &png)
-        .map_err(|e| write_err(&png, e.message))?;
+    write_outputs(&run_dir, &results, &report, "success.png")?;
     Ok(report)
 }
 
@@ -1046,11 +1003,7 @@ mod tests {
     use super::*;
 
     fn example_text() -> String {
-        std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/examples/tool_call_agent.toml"
-        ))
-        .unwrap()
+        crate::experiments::example_text("tool_call_agent.toml")
     }
 
     #[test]

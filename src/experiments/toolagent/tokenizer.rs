@@ -138,10 +138,17 @@ pub fn chat_template() -> Result<ChatTemplate, ChatError> {
 }
 
 /// The text of a `code_interpreter` call running `code`.
+///
+/// The JSON is written as the chat template writes a tool call back into the history (its
+/// `tojson` is Python's `json.dumps`: keys in order, `", "` and `": "` between them), so that a
+/// job's rollouts, which render each step's prompt from the messages, show the policy the very
+/// text it learned to write.
 pub fn call_text(code: &str) -> String {
-    let body =
-        json!({"name": clawrl::env::tool_call::INTERPRETER_TOOL, "arguments": {"code": code}});
-    format!("{TOOL_OPEN}\n{body}\n{TOOL_CLOSE}")
+    let code = serde_json::to_string(code).expect("a string serializes");
+    let name = clawrl::env::tool_call::INTERPRETER_TOOL;
+    format!(
+        "{TOOL_OPEN}\n{{\"arguments\": {{\"code\": {code}}}, \"name\": \"{name}\"}}\n{TOOL_CLOSE}"
+    )
 }
 
 /// What follows a response that ended with the stop token when the environment answered with
@@ -218,7 +225,20 @@ mod tests {
         let mut by_ids = p.ids.clone();
         by_ids.extend(clawrl::model::chat::encode_text(&tok, &call).unwrap());
         by_ids.push(tok.token_to_id(IM_END).unwrap());
-        by_ids.extend(continuation_ids(&tok, &[out]).unwrap());
+        by_ids.extend(continuation_ids(&tok, std::slice::from_ref(&out)).unwrap());
         assert_eq!(full.ids, by_ids);
+        // A job's rollout holds the call as a parsed tool call (`exec::assistant_message`) and
+        // renders it back with the template: the same ids as the text the policy wrote.
+        let action = clawrl::pipeline::policy::action_of(&call, call.clone(), "call-0");
+        assert_eq!(action.tool_calls.len(), 1, "{call}");
+        let msgs3 = json!([
+            {"role": "user", "content": "what is 2+3*4 ?"},
+            clawrl::env::exec::assistant_message(&action),
+            {"role": "tool", "content": out},
+        ]);
+        let rendered = tpl
+            .encode(&tok, &minijinja::Value::from_serialize(&msgs3), None)
+            .unwrap();
+        assert_eq!(rendered.ids, full.ids);
     }
 }
