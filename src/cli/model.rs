@@ -89,29 +89,18 @@ pub enum ModelCommand {
     },
     /// Render the chat template, tokenize, and print the logits after the prompt.
     Logits {
-        /// Checkpoint directory.
-        dir: PathBuf,
-        /// OpenAI-style message list (JSON file).
-        #[arg(long)]
-        messages: PathBuf,
-        /// Tool schemas (JSON list).
-        #[arg(long)]
-        tools: Option<PathBuf>,
+        /// The model and the prompt.
+        #[command(flatten)]
+        prompt: PromptArgs,
         /// Print `{"prompt_text","input_ids","last_logits"}`.
         #[arg(long)]
         json: bool,
-        /// Compute device: `cpu` or `cuda:N` (needs a build with `--features cuda`).
-        #[arg(long, default_value_t = Device::Cpu)]
-        device: Device,
-        /// A PEFT LoRA adapter directory to apply to the checkpoint.
-        #[arg(long)]
-        adapter: Option<PathBuf>,
     },
 }
 
-/// Arguments of `clawrl generate`.
+/// The model and the prompt of `clawrl model logits` and `clawrl generate`.
 #[derive(Args)]
-pub struct GenerateArgs {
+pub struct PromptArgs {
     /// Checkpoint directory.
     dir: PathBuf,
     /// OpenAI-style message list (JSON file).
@@ -120,6 +109,20 @@ pub struct GenerateArgs {
     /// Tool schemas (JSON list).
     #[arg(long)]
     tools: Option<PathBuf>,
+    /// Compute device: `cpu` or `cuda:N` (needs a build with `--features cuda`).
+    #[arg(long, default_value_t = Device::Cpu)]
+    device: Device,
+    /// A PEFT LoRA adapter directory to apply to the checkpoint.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
+}
+
+/// Arguments of `clawrl generate`.
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// The model and the prompt.
+    #[command(flatten)]
+    prompt: PromptArgs,
     /// Most new tokens.
     #[arg(long, default_value_t = 256)]
     max_new_tokens: usize,
@@ -141,12 +144,6 @@ pub struct GenerateArgs {
     /// Print `{"response_ids","text","logprobs","finish_reason"}`.
     #[arg(long)]
     json: bool,
-    /// Compute device: `cpu` or `cuda:N` (needs a build with `--features cuda`).
-    #[arg(long, default_value_t = Device::Cpu)]
-    device: Device,
-    /// A PEFT LoRA adapter directory to apply to the checkpoint.
-    #[arg(long)]
-    adapter: Option<PathBuf>,
 }
 
 /// Runs one subcommand of this area.
@@ -165,23 +162,12 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
                 },
         } => init(&config, &tokenizer, &out, seed),
         Commands::Model {
-            cmd:
-                ModelCommand::Logits {
-                    dir,
-                    messages,
-                    tools,
-                    json,
-                    device,
-                    adapter,
-                },
-        } => device.run_inference(LogitsTask {
-            dir: &dir,
-            messages: &messages,
-            tools: tools.as_deref(),
-            adapter: adapter.as_deref(),
+            cmd: ModelCommand::Logits { prompt, json },
+        } => prompt.device.run_inference(LogitsTask {
+            prompt: &prompt,
             json,
         })?,
-        Commands::Generate(args) => args.device.run_inference(GenerateTask(args))?,
+        Commands::Generate(args) => args.prompt.device.run_inference(GenerateTask(args))?,
         Commands::Lora {
             cmd: LoraCommand::Merge { base, adapter, out },
         } => merge(&base, &adapter, &out),
@@ -190,10 +176,7 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
 
 /// `model logits` as backend-generic work.
 struct LogitsTask<'a> {
-    dir: &'a Path,
-    messages: &'a Path,
-    tools: Option<&'a Path>,
-    adapter: Option<&'a Path>,
+    prompt: &'a PromptArgs,
     json: bool,
 }
 
@@ -312,12 +295,16 @@ fn inspect(dir: &Path, as_json: bool) -> anyhow::Result<()> {
 /// Loads the checkpoint (with the adapter of `adapter` applied) and renders + tokenizes the
 /// messages (and tools) files.
 fn load_and_encode<B: Backend>(
-    dir: &Path,
-    adapter: Option<&Path>,
-    messages: &Path,
-    tools: Option<&Path>,
+    args: &PromptArgs,
     device: &B::Device,
 ) -> anyhow::Result<(Checkpoint<B>, clawrl::model::Prompt)> {
+    let PromptArgs {
+        dir,
+        messages,
+        tools,
+        adapter,
+        ..
+    } = args;
     let mut ck =
         load_checkpoint::<B>(dir, device).with_context(|| format!("loading {}", dir.display()))?;
     if let Some(a) = adapter {
@@ -327,7 +314,7 @@ fn load_and_encode<B: Backend>(
     let text = std::fs::read_to_string(messages).with_context(|| format!("reading {what}"))?;
     let msgs = parse_json_value(&text, &what)?;
     validate_messages(&msgs, &what)?;
-    let tools = match tools {
+    let tools = match tools.as_deref() {
         Some(p) => {
             let what = p.display().to_string();
             let text = std::fs::read_to_string(p).with_context(|| format!("reading {what}"))?;
@@ -343,8 +330,7 @@ fn load_and_encode<B: Backend>(
 
 fn logits<B: Backend>(task: &LogitsTask<'_>, device: &B::Device) -> anyhow::Result<()> {
     let as_json = task.json;
-    let (ck, prompt) =
-        load_and_encode::<B>(task.dir, task.adapter, task.messages, task.tools, device)?;
+    let (ck, prompt) = load_and_encode::<B>(task.prompt, device)?;
     let n = prompt.ids.len();
     anyhow::ensure!(n > 0, "the rendered prompt is empty");
     let input = Tensor::<B, 2, Int>::from_data(
@@ -381,13 +367,7 @@ fn generate<B: Backend>(a: GenerateArgs, device: &B::Device) -> anyhow::Result<(
 where
     Qwen3<B>: Send + Sync,
 {
-    let (ck, prompt) = load_and_encode::<B>(
-        &a.dir,
-        a.adapter.as_deref(),
-        &a.messages,
-        a.tools.as_deref(),
-        device,
-    )?;
+    let (ck, prompt) = load_and_encode::<B>(&a.prompt, device)?;
     let stop_token_ids = ck.stop_token_ids();
     let tokenizer = Arc::new(ck.tokenizer);
     let max_context = ck.config.max_position_embeddings;

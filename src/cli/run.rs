@@ -461,12 +461,22 @@ fn print_personal_table(r: &GatewayJobReport, out: &Path, balanced: bool) {
         ]);
     }
     rows.push(("run dir".into(), out.display().to_string()));
-    let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    print_rows(&rows, c.last_error.as_deref());
+}
+
+/// A summary table: one `key  value` line per row, the job's last error after them, between
+/// two rules.
+fn print_rows<K: AsRef<str>>(rows: &[(K, String)], last_error: Option<&str>) {
+    let w = rows
+        .iter()
+        .map(|(k, _)| k.as_ref().len())
+        .max()
+        .unwrap_or(0);
     println!("{:-<1$}", "", w + 60);
     for (k, v) in rows {
-        println!("{k:<w$}  {v}");
+        println!("{:<w$}  {v}", k.as_ref());
     }
-    if let Some(e) = &c.last_error {
+    if let Some(e) = last_error {
         println!("{:<w$}  {e}", "last error");
     }
     println!("{:-<1$}", "", w + 60);
@@ -769,13 +779,5 @@ fn print_table(r: &RunReport, out: &Path, balanced: bool) {
         ),
         ("run dir", out.display().to_string()),
     ];
-    let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
-    println!("{:-<1$}", "", w + 60);
-    for (k, v) in rows {
-        println!("{k:<w$}  {v}");
-    }
-    if let Some(e) = &c.last_error {
-        println!("{:<w$}  {e}", "last error");
-    }
-    println!("{:-<1$}", "", w + 60);
+    print_rows(&rows, c.last_error.as_deref());
 }

@@ -365,25 +365,20 @@ mod tests {
         })
         .unwrap();
         let n = 4000;
-        let flipped: Vec<bool> = (0..n)
-            .map(|i| {
-                parse_vote(
-                    &noisy.answer(&req(PromptKind::PersonalEval, "thanks", i)),
-                    &[1, -1, 0],
-                ) == Ok(-1)
-            })
-            .collect();
+        let flips = || -> Vec<bool> {
+            (0..n)
+                .map(|i| {
+                    parse_vote(
+                        &noisy.answer(&req(PromptKind::PersonalEval, "thanks", i)),
+                        &[1, -1, 0],
+                    ) == Ok(-1)
+                })
+                .collect()
+        };
+        let flipped = flips();
         let rate = flipped.iter().filter(|f| **f).count() as f64 / n as f64;
         assert!((rate - 0.25).abs() < 0.03, "flip rate {rate}");
-        let again: Vec<bool> = (0..n)
-            .map(|i| {
-                parse_vote(
-                    &noisy.answer(&req(PromptKind::PersonalEval, "thanks", i)),
-                    &[1, -1, 0],
-                ) == Ok(-1)
-            })
-            .collect();
-        assert_eq!(flipped, again, "same seed, same flips");
+        assert_eq!(flipped, flips(), "same seed, same flips");
         let always = ScriptedBackend::new(&ScriptedConfig {
             noise_rate: 1.0,
             ..config()

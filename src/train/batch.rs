@@ -90,6 +90,22 @@ pub enum SampleError {
 }
 
 impl Sample {
+    /// A sample whose every response token carries `advantage`, with no old, reference or
+    /// rollout log-probs, no OPD term and no importance weights (supervised data is
+    /// `advantage = 1`).
+    pub fn new(prompt_ids: Vec<u32>, response_ids: Vec<u32>, advantage: f32) -> Self {
+        Sample {
+            prompt_ids,
+            advantages: vec![advantage; response_ids.len()],
+            response_ids,
+            old_logprobs: None,
+            ref_logprobs: None,
+            rollout_logprobs: None,
+            opd: None,
+            importance: None,
+        }
+    }
+
     /// The per-token float fields with their names, present ones only.
     fn float_fields(&self) -> impl Iterator<Item = (&'static str, &[f32])> {
         [
@@ -363,16 +379,7 @@ mod tests {
     use super::*;
 
     fn sample(p: &[u32], r: &[u32]) -> Sample {
-        Sample {
-            prompt_ids: p.to_vec(),
-            response_ids: r.to_vec(),
-            advantages: vec![1.0; r.len()],
-            old_logprobs: None,
-            ref_logprobs: None,
-            rollout_logprobs: None,
-            opd: None,
-            importance: None,
-        }
+        Sample::new(p.to_vec(), r.to_vec(), 1.0)
     }
 
     #[test]

@@ -228,16 +228,7 @@ mod tests {
     use super::*;
 
     fn sample(p: &[u32], r: &[u32]) -> Sample {
-        Sample {
-            prompt_ids: p.to_vec(),
-            response_ids: r.to_vec(),
-            advantages: vec![1.0; r.len()],
-            old_logprobs: None,
-            ref_logprobs: None,
-            rollout_logprobs: None,
-            opd: None,
-            importance: None,
-        }
+        Sample::new(p.to_vec(), r.to_vec(), 1.0)
     }
 
     fn shared(n: usize) -> Vec<u32> {

@@ -420,16 +420,7 @@ async fn tuned_policy(dir: &Path, tasks: &Path) -> PathBuf {
         .unwrap()
         .get_ids()
         .to_vec();
-    let sample = Sample {
-        prompt_ids: prompt.ids,
-        advantages: vec![1.0; response.len()],
-        response_ids: response,
-        old_logprobs: None,
-        ref_logprobs: None,
-        rollout_logprobs: None,
-        opd: None,
-        importance: None,
-    };
+    let sample = Sample::new(prompt.ids, response, 1.0);
     let mut l = learner(2048, 1e-2);
     let sample = std::slice::from_ref(&sample);
     let mut worst = f32::NEG_INFINITY;

@@ -910,16 +910,11 @@ fn a_lora_learners_versions_are_adapters_a_replica_attaches_to_its_base() {
     let got = rt.block_on(served.engine().generate(request())).unwrap();
     let on_base = rt.block_on(plain.engine().generate(request())).unwrap();
     let scored = learner
-        .logprobs(&[clawrl::train::Sample {
-            prompt_ids: prompt.clone(),
-            response_ids: got.response_ids.clone(),
-            advantages: vec![0.0; got.response_ids.len()],
-            old_logprobs: None,
-            ref_logprobs: None,
-            rollout_logprobs: None,
-            opd: None,
-            importance: None,
-        }])
+        .logprobs(&[clawrl::train::Sample::new(
+            prompt.clone(),
+            got.response_ids.clone(),
+            0.0,
+        )])
         .unwrap();
     let d = max_abs(&got.logprobs, &scored[0]);
     eprintln!("adapter version: served vs trained log-probs, max abs diff {d:.2e}");

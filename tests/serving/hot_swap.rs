@@ -146,16 +146,7 @@ async fn switch_versions(lora: Option<LoraConfig>) {
             .map(|i| {
                 let response: Vec<u32> = (0..8).map(|j| 40 + 7 * (i + j + v as u32)).collect();
                 let a = if v.is_multiple_of(2) { 1.0 } else { -1.0 };
-                Sample {
-                    prompt_ids: vec![1, 91, 89, 292, 205 + i],
-                    advantages: vec![a; response.len()],
-                    response_ids: response,
-                    old_logprobs: None,
-                    ref_logprobs: None,
-                    rollout_logprobs: None,
-                    opd: None,
-                    importance: None,
-                }
+                Sample::new(vec![1, 91, 89, 292, 205 + i], response, a)
             })
             .collect();
         let m = tokio::task::block_in_place(|| learner.step(&samples)).unwrap();

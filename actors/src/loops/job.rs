@@ -1310,6 +1310,31 @@ impl<'a> SessionTurnRecord<'a> {
     }
 }
 
+/// Spawns the job's voter, linked to the supervisor `myself`, which it reports each judged
+/// turn to.
+async fn spawn_voter<S: JobSample>(
+    myself: &ActorRef<JobMsg<S>>,
+    args: &JobArgs<S>,
+) -> Result<ActorRef<VoterMsg>, ractor::SpawnErr> {
+    let me = myself.clone();
+    let s = &args.settings;
+    let (voter, _) = Actor::spawn_linked(
+        None,
+        PrmVoter,
+        VoterArgs {
+            judge: args.judge.clone(),
+            timeout: s.judge_timeout,
+            max_concurrent: s.judge_concurrency.max(1),
+            report: Arc::new(move |jt| {
+                let _ = me.cast(JobMsg::Judged(Box::new(jt)));
+            }),
+        },
+        myself.get_cell(),
+    )
+    .await?;
+    Ok(voter)
+}
+
 impl<S: JobSample> Actor for JobSupervisor<S> {
     type Msg = JobMsg<S>;
     type State = SupervisorState<S>;
@@ -1344,21 +1369,7 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
         };
         let groups = s.group_size.map(Groups::new);
         let offered = matches!(args.source, TurnSource::Offered);
-        let me = myself.clone();
-        let (voter, _) = Actor::spawn_linked(
-            None,
-            PrmVoter,
-            VoterArgs {
-                judge: args.judge.clone(),
-                timeout: s.judge_timeout,
-                max_concurrent: s.judge_concurrency.max(1),
-                report: Arc::new(move |jt| {
-                    let _ = me.cast(JobMsg::Judged(Box::new(jt)));
-                }),
-            },
-            myself.get_cell(),
-        )
-        .await?;
+        let voter = spawn_voter(&myself, &args).await?;
         Ok(SupervisorState {
             args,
             started: Instant::now(),
@@ -1499,23 +1510,7 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
                 if cell.get_id() == state.voter.get_id() {
                     // The voter died (a bug): restart it so the loops go on.
                     tracing::error!(job = %state.args.job, "the voter failed: {err}; restarting it");
-                    let me = myself.clone();
-                    let s = &state.args.settings;
-                    let (voter, _) = Actor::spawn_linked(
-                        None,
-                        PrmVoter,
-                        VoterArgs {
-                            judge: state.args.judge.clone(),
-                            timeout: s.judge_timeout,
-                            max_concurrent: s.judge_concurrency.max(1),
-                            report: Arc::new(move |jt| {
-                                let _ = me.cast(JobMsg::Judged(Box::new(jt)));
-                            }),
-                        },
-                        myself.get_cell(),
-                    )
-                    .await?;
-                    state.voter = voter;
+                    state.voter = spawn_voter(&myself, &state.args).await?;
                 } else if let Some((_, slot)) = state.live.get(&cell.get_id()) {
                     // A session panicked: it sent no `Ended`. Queue one behind the turns it
                     // already sent, so its episode is assembled from what arrived.

@@ -350,22 +350,28 @@ impl RecorderHandle {
     ) -> Result<(), RecordError> {
         let item = Self::line(version, kind, record)?;
         match self.tx.try_send(item) {
-            Ok(()) => {
-                self.counters.accepted.fetch_add(1, Ordering::AcqRel);
-                Ok(())
-            }
+            Ok(()) => self.count_handed(true),
             Err(mpsc::error::TrySendError::Full(_)) => {
                 self.counters.rejected_full.fetch_add(1, Ordering::Relaxed);
                 Err(RecordError::Full {
                     capacity: self.capacity,
                 })
             }
-            Err(mpsc::error::TrySendError::Closed(_)) => {
-                self.counters
-                    .rejected_closed
-                    .fetch_add(1, Ordering::Relaxed);
-                Err(RecordError::Closed)
-            }
+            Err(mpsc::error::TrySendError::Closed(_)) => self.count_handed(false),
+        }
+    }
+
+    /// Counts a record handed to the queue: accepted when `taken`, else refused because the
+    /// recorder is gone.
+    fn count_handed(&self, taken: bool) -> Result<(), RecordError> {
+        if taken {
+            self.counters.accepted.fetch_add(1, Ordering::AcqRel);
+            Ok(())
+        } else {
+            self.counters
+                .rejected_closed
+                .fetch_add(1, Ordering::Relaxed);
+            Err(RecordError::Closed)
         }
     }
 
@@ -378,33 +384,15 @@ impl RecorderHandle {
     ) -> Result<(), RecordError> {
         let item = Self::line(version, kind, record)?;
         let item = match self.tx.try_send(item) {
-            Ok(()) => {
-                self.counters.accepted.fetch_add(1, Ordering::AcqRel);
-                return Ok(());
-            }
+            Ok(()) => return self.count_handed(true),
             Err(mpsc::error::TrySendError::Full(item)) => {
                 self.counters.waited_full.fetch_add(1, Ordering::Relaxed);
                 item
             }
-            Err(mpsc::error::TrySendError::Closed(_)) => {
-                self.counters
-                    .rejected_closed
-                    .fetch_add(1, Ordering::Relaxed);
-                return Err(RecordError::Closed);
-            }
+            Err(mpsc::error::TrySendError::Closed(_)) => return self.count_handed(false),
         };
-        match self.tx.send(item).await {
-            Ok(()) => {
-                self.counters.accepted.fetch_add(1, Ordering::AcqRel);
-                Ok(())
-            }
-            Err(_) => {
-                self.counters
-                    .rejected_closed
-                    .fetch_add(1, Ordering::Relaxed);
-                Err(RecordError::Closed)
-            }
-        }
+        let taken = self.tx.send(item).await.is_ok();
+        self.count_handed(taken)
     }
 
     /// Waits until every record accepted before this call is written and flushed to its file.

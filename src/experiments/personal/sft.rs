@@ -148,16 +148,7 @@ impl Encoder {
         let prompt = self.template.encode(&self.tokenizer, &messages, None)?;
         let mut response = clawrl::model::chat::encode_text(&self.tokenizer, &ex.response)?;
         response.push(self.stop);
-        Ok(Sample {
-            prompt_ids: prompt.ids,
-            advantages: vec![1.0; response.len()],
-            response_ids: response,
-            old_logprobs: None,
-            ref_logprobs: None,
-            rollout_logprobs: None,
-            opd: None,
-            importance: None,
-        })
+        Ok(Sample::new(prompt.ids, response, 1.0))
     }
 }
 
