@@ -11,18 +11,8 @@
 # scripts/bench_model.sh). THREADS (default: nproc) sets both sides' threads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-THREADS="${THREADS:-$(nproc)}"
-ROUNDS="${ROUNDS:-3}"
-VENV=target/bench-venv
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import torch, transformers" 2>/dev/null; then
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip
-  "$VENV/bin/pip" install -q torch transformers
-fi
-cargo build -q --release --locked --bin clawrl
-MODEL=target/bench-cache/qwen3-20m
-[ -s "$MODEL/model.safetensors" ] ||
-  "$VENV/bin/python" scripts/bench_reference.py make-model --config benches/shapes/qwen3-20m/config.json --out "$MODEL" >/dev/null
+# shellcheck source=scripts/bench_setup.sh
+. scripts/bench_setup.sh
 
 echo "threads: $THREADS"
 exec python3 scripts/bench_interleaved.py --rounds "$ROUNDS" \

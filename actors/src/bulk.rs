@@ -647,6 +647,22 @@ impl<C: PeerConnector> BulkPlane<C> {
         Ok(())
     }
 
+    /// Tells `peer` its push is refused for `why` (best effort: the refusal stands whether or
+    /// not the ack arrives), closes the stream, and gives `why` back.
+    async fn refuse_push(
+        &self,
+        peer: &str,
+        send: &mut SendStream,
+        why: TransferError,
+    ) -> TransferError {
+        let ack = PushAck::Refused(wire::clip_reason(why.to_string()));
+        let _ = self
+            .stall(peer, "sending ack", wire::write_frame(send, &ack))
+            .await;
+        let _ = send.finish();
+        why
+    }
+
     async fn serve_push(
         &self,
         peer: &str,
@@ -669,12 +685,7 @@ impl<C: PeerConnector> BulkPlane<C> {
             })
             .and_then(|()| wire::validate_names(forward.iter()).map_err(wire_err));
         if let Err(e) = checked {
-            let ack = PushAck::Refused(wire::clip_reason(e.to_string()));
-            let _ = self
-                .stall(peer, "sending ack", wire::write_frame(send, &ack))
-                .await;
-            let _ = send.finish();
-            return Err(e);
+            return Err(self.refuse_push(peer, send, e).await);
         }
         let manifest = Arc::new(manifest);
         let forward = plan::normalize(&forward, &self.inner.config.local_name);
@@ -691,14 +702,7 @@ impl<C: PeerConnector> BulkPlane<C> {
             None => {
                 let reservation = match self.reserve(id, manifest.total_len, Some(peer)) {
                     Ok(r) => r,
-                    Err(e) => {
-                        let ack = PushAck::Refused(wire::clip_reason(e.to_string()));
-                        let _ = self
-                            .stall(peer, "sending ack", wire::write_frame(send, &ack))
-                            .await;
-                        let _ = send.finish();
-                        return Err(e);
-                    }
+                    Err(e) => return Err(self.refuse_push(peer, send, e).await),
                 };
                 self.stall(peer, "sending ack", wire::write_frame(send, &PushAck::Send))
                     .await?

@@ -410,22 +410,7 @@ fn print_personal_table(r: &GatewayJobReport, out: &Path, balanced: bool) {
                     c.votes_truncated
                 ),
             ),
-            (
-                key("samples"),
-                format!(
-                    "{} produced = {} trained + {} dropped stale + {} failed + {} pending ({})",
-                    t.produced,
-                    t.trained,
-                    t.dropped_stale,
-                    t.failed,
-                    t.pending,
-                    if agent_balanced && balanced {
-                        "balanced"
-                    } else {
-                        "NOT BALANCED"
-                    }
-                ),
-            ),
+            (key("samples"), samples_line(t, agent_balanced && balanced)),
             (
                 key("trainer"),
                 format!(
@@ -462,6 +447,19 @@ fn print_personal_table(r: &GatewayJobReport, out: &Path, balanced: bool) {
     }
     rows.push(("run dir".into(), out.display().to_string()));
     print_rows(&rows, c.last_error.as_deref());
+}
+
+/// The trainer's sample books: produced = trained + dropped stale + failed + pending.
+fn samples_line(t: &TrainerStats, balanced: bool) -> String {
+    format!(
+        "{} produced = {} trained + {} dropped stale + {} failed + {} pending ({})",
+        t.produced,
+        t.trained,
+        t.dropped_stale,
+        t.failed,
+        t.pending,
+        if balanced { "balanced" } else { "NOT BALANCED" }
+    )
 }
 
 /// A summary table: one `key  value` line per row, the job's last error after them, between
@@ -721,18 +719,7 @@ fn print_table(r: &RunReport, out: &Path, balanced: bool) {
                 ),
             },
         ),
-        (
-            "samples",
-            format!(
-                "{} produced = {} trained + {} dropped stale + {} failed + {} pending ({})",
-                t.produced,
-                t.trained,
-                t.dropped_stale,
-                t.failed,
-                t.pending,
-                if balanced { "balanced" } else { "NOT BALANCED" }
-            ),
-        ),
+        ("samples", samples_line(t, balanced)),
         (
             "trainer",
             format!(
