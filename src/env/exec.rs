@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clawrl_actors::loops::{Action, ToolCallAction};
+use clawrl_actors::loops::{Action, StepOutcome, ToolCallAction};
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 
@@ -192,6 +192,17 @@ pub fn render_output(out: &ExecOutput, max_bytes: usize) -> (String, bool) {
     text.push_str("stderr:\n");
     text.push_str(&stderr);
     (text, cut_out || cut_err || out.truncated)
+}
+
+/// The answer to a step taken once the episode's deadline has passed: the episode ends with
+/// outcome −1 and no next state, and `info` says why.
+pub fn past_deadline(step: u32) -> StepOutcome {
+    StepOutcome {
+        next_state: vec![],
+        done: true,
+        outcome: Some(-1.0),
+        info: json!({"step": step, "finish": "deadline", "deadline_exceeded": true}),
+    }
 }
 
 /// A command's facts for a step's `info`.

@@ -44,7 +44,7 @@ use self::axtree::RenderedTree;
 use self::cdp::CdpError;
 use self::page::{known_key, TaskPage, KEY_NAMES};
 use self::pool::{BrowserPool, Leased, PoolStats};
-use super::exec::{assistant_message, no_arg_tool, tool_message};
+use super::exec::{assistant_message, no_arg_tool, past_deadline, tool_message};
 use super::shell::SUBMIT_TOOL;
 use super::tasks::{check_id, check_nonblank, check_relative_path, read_jsonl, TaskError};
 use super::workdir::{WorkDir, WorkDirPool};
@@ -664,12 +664,7 @@ impl GuiEpisode {
         self.messages.push(assistant_message(action));
         if Instant::now() >= self.deadline {
             self.done = true;
-            return Ok(StepOutcome {
-                next_state: vec![],
-                done: true,
-                outcome: Some(-1.0),
-                info: json!({"step": step, "finish": "deadline", "deadline_exceeded": true}),
-            });
+            return Ok(past_deadline(step));
         }
         let mut next_state = Vec::new();
         let mut actions = Vec::new();
@@ -757,11 +752,7 @@ impl Episode for GuiEpisode {
             if let Some(page) = page {
                 page.close().await;
             }
-            if let Some(wd) = wd {
-                if let Err(e) = wd.remove().await {
-                    tracing::warn!("removing a GUI episode's work dir: {e}");
-                }
-            }
+            super::workdir::release(wd).await;
             let browsers = Arc::clone(&self.browsers);
             // Frees the episode's place under the browser limit, which a refill may now take.
             drop(self);

@@ -10,7 +10,8 @@ use clawrl_actors::loops::{Action, BoxFuture, EnvError, Episode, Observation, St
 use serde_json::{json, Value};
 
 use super::exec::{
-    assistant_message, output_info, render_output, string_argument, tool_message, Runner,
+    assistant_message, output_info, past_deadline, render_output, string_argument, tool_message,
+    Runner,
 };
 use super::workdir::WorkDir;
 
@@ -187,12 +188,7 @@ impl ShellEpisode {
         let step = self.steps;
         if Instant::now() >= self.deadline {
             self.done = true;
-            return Ok(StepOutcome {
-                next_state: vec![],
-                done: true,
-                outcome: Some(-1.0),
-                info: json!({"step": step, "finish": "deadline", "deadline_exceeded": true}),
-            });
+            return Ok(past_deadline(step));
         }
         let mut next_state = Vec::new();
         let mut commands = Vec::new();
@@ -285,13 +281,6 @@ impl Episode for ShellEpisode {
     }
 
     fn close(mut self: Box<Self>) -> BoxFuture<'static, ()> {
-        let wd = self.workdir.take();
-        Box::pin(async move {
-            if let Some(wd) = wd {
-                if let Err(e) = wd.remove().await {
-                    tracing::warn!("removing an episode's work dir: {e}");
-                }
-            }
-        })
+        Box::pin(super::workdir::release(self.workdir.take()))
     }
 }

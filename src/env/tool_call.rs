@@ -22,8 +22,8 @@ use serde_json::{json, Value};
 
 use super::answer::{answer_matches, extract_answer, parse_number};
 use super::exec::{
-    assistant_message, output_info, render_output, string_argument, string_tool, tool_message,
-    CommandLimits, Runner,
+    assistant_message, output_info, past_deadline, render_output, string_argument, string_tool,
+    tool_message, CommandLimits, Runner,
 };
 use super::tasks::{check_id, check_nonblank, read_jsonl, TaskError};
 use super::workdir::{WorkDir, WorkDirPool};
@@ -226,12 +226,7 @@ impl ToolCallEpisode {
         self.messages.push(assistant_message(action));
         if Instant::now() >= self.deadline {
             self.done = true;
-            return Ok(StepOutcome {
-                next_state: vec![],
-                done: true,
-                outcome: Some(-1.0),
-                info: json!({"step": step, "finish": "deadline", "deadline_exceeded": true}),
-            });
+            return Ok(past_deadline(step));
         }
         if action.tool_calls.is_empty() {
             self.done = true;
@@ -337,14 +332,7 @@ impl Episode for ToolCallEpisode {
     }
 
     fn close(mut self: Box<Self>) -> BoxFuture<'static, ()> {
-        let wd = self.workdir.take();
-        Box::pin(async move {
-            if let Some(wd) = wd {
-                if let Err(e) = wd.remove().await {
-                    tracing::warn!("removing an episode's work dir: {e}");
-                }
-            }
-        })
+        Box::pin(super::workdir::release(self.workdir.take()))
     }
 }
 

@@ -186,6 +186,16 @@ impl WorkDir {
     }
 }
 
+/// Removes an episode's work dir, if it still has one, when the episode closes; a failure is
+/// logged (closing cannot fail) and the dir is then removed on drop as far as it can be.
+pub async fn release(workdir: Option<WorkDir>) {
+    if let Some(wd) = workdir {
+        if let Err(e) = wd.remove().await {
+            tracing::warn!("removing an episode's work dir: {e}");
+        }
+    }
+}
+
 impl Drop for WorkDir {
     fn drop(&mut self) {
         if let Some(p) = self.path.take() {
