@@ -332,9 +332,9 @@ pub struct MethodSpec {
     /// Step-wise: the reward formula (`terminal`, `gui`, `swe`, `tool_call`, `general`; default
     /// from the environment kind).
     pub step_reward: Option<crate::rl::EpisodeKind>,
-    /// Step-wise: the weight of each step's process score in its reward, which becomes the
-    /// formula of `step_reward` with `w_process · prm` for `prm` (default 1; 0 trains on the
-    /// outcome alone while the judge still votes, so the votes stay in the records).
+    /// Step-wise: the weight of each step's process score: a step's reward is the
+    /// `step_reward` formula with `w_process · prm` in place of `prm` (default 1; 0 trains on
+    /// the outcome alone while the judge still votes, so the votes stay in the records).
     pub w_process: Option<f64>,
 }
 
