@@ -118,6 +118,16 @@ pub enum FileError {
         /// What is wrong (names the key).
         message: String,
     },
+    /// The run directory already holds files: an earlier run's jobs there would resume from
+    /// their checkpoints, while an experiment measures jobs that start from its warm start.
+    #[error(
+        "{path} is not empty: an experiment starts its jobs fresh, and jobs resume from what \
+         their directory holds; give another --out, or remove it"
+    )]
+    RunDirInUse {
+        /// The directory.
+        path: PathBuf,
+    },
     /// Writing (or preparing) a run's files failed.
     #[error("writing {path}: {message}")]
     Write {
@@ -159,9 +169,15 @@ pub fn parse_text<T: DeserializeOwned>(text: &str, origin: &str) -> Result<T, Fi
     toml::from_str(text).map_err(|e| FileError::parse(origin, e.to_string()))
 }
 
-/// `run_dir` created and made absolute.
+/// `run_dir` created and made absolute; refused when it already holds anything.
 pub fn prepare_run_dir(run_dir: &Path) -> Result<PathBuf, FileError> {
     std::fs::create_dir_all(run_dir).map_err(|e| FileError::write(run_dir, e))?;
+    let mut entries = std::fs::read_dir(run_dir).map_err(|e| FileError::write(run_dir, e))?;
+    if entries.next().is_some() {
+        return Err(FileError::RunDirInUse {
+            path: run_dir.to_path_buf(),
+        });
+    }
     std::path::absolute(run_dir).map_err(|e| FileError::write(run_dir, e))
 }
 
@@ -251,5 +267,21 @@ mod tests {
             ExperimentKind::of_file(&root.join("examples/tool_call_agent.toml")),
             Some(ExperimentKind::ToolCall)
         );
+    }
+
+    #[test]
+    fn a_run_dir_must_be_new_or_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        let fresh = dir.path().join("a/b");
+        assert!(prepare_run_dir(&fresh).unwrap().is_absolute());
+        // Empty still: a second preparation (or an empty `--out`) is fine.
+        prepare_run_dir(&fresh).unwrap();
+        std::fs::write(fresh.join("results.json"), "{}").unwrap();
+        let err = prepare_run_dir(&fresh).unwrap_err();
+        assert!(
+            matches!(&err, FileError::RunDirInUse { path } if path == &fresh),
+            "{err}"
+        );
+        assert!(err.to_string().contains("--out"), "{err}");
     }
 }

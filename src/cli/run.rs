@@ -296,18 +296,10 @@ impl Bars {
     }
 }
 
-/// The run directory: `--out`, else `runs/<name>-<unix time>`; created, absolute.
+/// The run directory ([`crate::experiments::run_dir`]), created and made absolute. A job's
+/// directory may hold an earlier run of it, which the job resumes.
 fn run_dir(out: Option<PathBuf>, name: &str) -> anyhow::Result<PathBuf> {
-    let out = match out {
-        Some(o) => o,
-        None => {
-            let unix = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0);
-            PathBuf::from("runs").join(format!("{name}-{unix}"))
-        }
-    };
+    let out = crate::experiments::run_dir(out, name);
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     std::path::absolute(&out).with_context(|| format!("resolving {}", out.display()))
 }
