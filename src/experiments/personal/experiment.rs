@@ -430,7 +430,7 @@ const MODEL: &str = "personal";
 const IDLE_TIMEOUT_SECS: f64 = 20.0;
 
 /// How often the job's counts are polled (and the driver sees them).
-const POLL: Duration = Duration::from_millis(100);
+const POLL: Duration = Duration::from_millis(10);
 
 /// How long the driver waits for a version with no count moving before it gives up.
 const STALL: Duration = Duration::from_secs(300);
@@ -734,6 +734,8 @@ struct Ask<'a> {
     side: bool,
     /// The weight version that must answer it.
     version: Option<u64>,
+    /// The most tokens to answer with, when not the experiment's `max_new_tokens`.
+    max_tokens: Option<usize>,
 }
 
 /// A chat completion's answer: the assistant's text and the version that served it.
@@ -758,7 +760,7 @@ impl Gateway {
                 "messages": ask.messages,
                 "temperature": self.temperature,
                 "top_p": 1.0,
-                "max_tokens": self.max_tokens,
+                "max_tokens": ask.max_tokens.unwrap_or(self.max_tokens),
                 "seed": ask.seed,
                 "stream": ask.stream,
             }));
@@ -956,6 +958,7 @@ impl Users {
                 stream,
                 side: false,
                 version: None,
+                max_tokens: None,
             };
             request += 1;
             let answer = match self.gateway.chat(&ask).await {
@@ -981,6 +984,8 @@ impl Users {
             // request. The user answers what follows only if it stays and the budget allows.
             let stays = !outcome.done && self.budget.reserve(false).await;
             if !stays {
+                // A user who leaves reads none of the answer to its reply, so it asks for one
+                // token: the request is there to deliver the next state.
                 let ask = Ask {
                     what: "a user's last reply",
                     messages: &messages,
@@ -988,6 +993,7 @@ impl Users {
                     stream,
                     side: false,
                     version: None,
+                    max_tokens: Some(1),
                 };
                 let answer = self.gateway.chat(&ask).await?;
                 *self
@@ -1042,6 +1048,7 @@ async fn measure(
                     stream: n % 2 == 1,
                     side: true,
                     version: Some(version),
+                    max_tokens: None,
                 })
                 .await?;
             Ok::<_, ExperimentError>((a.content, user, id))

@@ -64,7 +64,7 @@ impl Default for SftSettings {
             kv_heads: 2,
             intermediate: 192,
             max_positions: 128,
-            steps: 800,
+            steps: 1000,
             batch_size: 32,
             lr: 3e-3,
             instruct_rate: 0.5,
