@@ -49,8 +49,8 @@ pub use rollout::{
     Generated, RolloutArgs, RolloutError, RolloutMsg, RolloutStats, RolloutWorker, UpdateOutcome,
 };
 pub use session::{
-    EndReason, EnvSession, PolicyError, PolicyTurn, SessionArgs, SessionEvent, SessionMsg,
-    SessionReport, Turn, TurnPolicy,
+    keeps_history, EndReason, EnvSession, PolicyError, PolicyTurn, SessionArgs, SessionEvent,
+    SessionMsg, SessionReport, Turn, TurnPolicy,
 };
 pub use swap::{LoadFinished, LoadOutcome, Offer, SwapError, VersionSwap};
 pub use trainer::{

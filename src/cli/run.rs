@@ -392,14 +392,15 @@ fn print_personal_table(r: &GatewayJobReport, out: &Path, balanced: bool) {
                 key("main turns"),
                 format!(
                     "{} in {} sessions ({} with a next state; {} judged, {} unjudged; \
-                     {} votes failed, {} of them cut off at max_tokens)",
+                     {} votes failed, {} of them cut off at max_tokens){}",
                     c.turns,
                     c.sessions_started,
                     a.turns_with_next_state,
                     c.judged,
                     c.unjudged,
                     c.votes_failed,
-                    c.votes_truncated
+                    c.votes_truncated,
+                    history_note(c)
                 ),
             ),
             (key("samples"), samples_line(t, agent_balanced && balanced)),
@@ -456,6 +457,20 @@ fn samples_line(t: &TrainerStats, balanced: bool) -> String {
 
 /// A summary table: one `key  value` line per row, the job's last error after them, between
 /// two rules.
+/// What a summary says of the turns whose prompt rewrote the previous step's prompt and
+/// response (`JobCounts::history_rewritten`); nothing when none did.
+fn history_note(c: &JobCounts) -> String {
+    if c.history_rewritten == 0 {
+        String::new()
+    } else {
+        format!(
+            "; {} whose prompt rewrote the history the policy wrote (the chat template renders \
+             it differently)",
+            c.history_rewritten
+        )
+    }
+}
+
 fn print_rows<K: AsRef<str>>(rows: &[(K, String)], last_error: Option<&str>) {
     let w = rows
         .iter()
@@ -678,8 +693,13 @@ fn print_table(r: &RunReport, out: &Path, balanced: bool) {
         (
             "turns",
             format!(
-                "{} ({} judged, {} unjudged; {} votes failed, {} of them cut off at max_tokens)",
-                c.turns, c.judged, c.unjudged, c.votes_failed, c.votes_truncated
+                "{} ({} judged, {} unjudged; {} votes failed, {} of them cut off at max_tokens){}",
+                c.turns,
+                c.judged,
+                c.unjudged,
+                c.votes_failed,
+                c.votes_truncated,
+                history_note(c)
             ),
         ),
         (

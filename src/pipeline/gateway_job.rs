@@ -36,9 +36,9 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use clawrl_actors::loops::{
-    Action, JobCounts, JobMsg, JobPhase, LocalPublisher, Observation, PolicyTurn, ProgressReport,
-    RecorderStats, StepOutcome, StopCause, ToolCallAction, TrainSample, TrainerStats, Turn,
-    TurnSource,
+    keeps_history, Action, JobCounts, JobMsg, JobPhase, LocalPublisher, Observation, PolicyTurn,
+    ProgressReport, RecorderStats, StepOutcome, StopCause, ToolCallAction, TrainSample,
+    TrainerStats, Turn, TurnSource,
 };
 use ractor::ActorRef;
 use serde::Serialize;
@@ -253,6 +253,7 @@ pub fn turn_of(rec: &TurnRecord, index: u32, tokenizer: &tokenizers::Tokenizer) 
             outcome: None,
             info: serde_json::json!({ "end": rec.end, "finish_reason": rec.finish_reason }),
         },
+        history_kept: None,
     }
 }
 
@@ -555,7 +556,9 @@ where
             .collect();
         let single = routes.len() == 1 && names.is_empty();
         tokio::spawn(async move {
-            let mut index: HashMap<(usize, String), u32> = HashMap::new();
+            // Per session: the next turn's index, and the last turn's prompt and response ids
+            // (what the next prompt should start with); dropped when the session ends.
+            let mut sessions: HashMap<(usize, String), (u32, Vec<u32>)> = HashMap::new();
             while let Some(rec) = tap.recv().await {
                 let Some(a) = (if single {
                     Some(0)
@@ -572,9 +575,19 @@ where
                 if rec.next_state.is_some() {
                     with_next_state.fetch_add(1, Ordering::Relaxed);
                 }
-                let i = index.entry((a, rec.session_id.clone())).or_insert(0);
-                let turn = turn_of(&rec, *i, &tokenizer);
+                let key = (a, rec.session_id.clone());
+                let (i, history) = sessions.entry(key.clone()).or_default();
+                let mut turn = turn_of(&rec, *i, &tokenizer);
+                if *i > 0 {
+                    turn.history_kept = Some(keeps_history(&rec.prompt_ids, history));
+                }
                 *i += 1;
+                history.clear();
+                history.extend_from_slice(&rec.prompt_ids);
+                history.extend_from_slice(&rec.response_ids);
+                if turn.outcome.done {
+                    sessions.remove(&key);
+                }
                 if let Err(e) = job.cast(JobMsg::Offer(Box::new(turn))) {
                     tracing::error!("personal job: a served turn could not reach the job: {e}");
                 }

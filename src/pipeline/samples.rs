@@ -443,6 +443,7 @@ mod tests {
                     next_state: next,
                     ..Default::default()
                 },
+                history_kept: None,
             },
             judgement: Judgement {
                 reward,

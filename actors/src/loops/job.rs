@@ -333,6 +333,10 @@ pub struct JobCounts {
     pub sessions_lost: u64,
     /// Turns produced.
     pub turns: u64,
+    /// Session turns whose prompt did not start with the previous step's prompt and sampled
+    /// response ([`super::session::Turn::history_kept`]): the chat template rewrote the history.
+    #[serde(default)]
+    pub history_rewritten: u64,
     /// Turns judged.
     pub judged: u64,
     /// Turns left unjudged (the reason is in the judge records).
@@ -403,6 +407,7 @@ impl JobCounts {
                 sessions_restarted,
                 sessions_lost,
                 turns,
+                history_rewritten,
                 judged,
                 unjudged,
                 votes_failed,
@@ -432,6 +437,7 @@ impl JobCounts {
             t.sessions_restarted += sessions_restarted;
             t.sessions_lost += sessions_lost;
             t.turns += turns;
+            t.history_rewritten += history_rewritten;
             t.judged += judged;
             t.unjudged += unjudged;
             t.votes_failed += votes_failed;
@@ -830,7 +836,7 @@ impl<S: JobSample> SupervisorState<S> {
     ) -> Result<(), ActorProcessingErr> {
         match ev {
             SessionEvent::Turn(turn) => {
-                self.counts.turns += 1;
+                self.count_turn(&turn);
                 let session_id = turn.session_id.clone();
                 if let Some(a) = self.assemblies.get_mut(&turn.session_id) {
                     a.task_id = turn.task_id.clone();
@@ -936,6 +942,25 @@ impl<S: JobSample> SupervisorState<S> {
 
     /// A turn offered from outside: counted, its session noted, and sent to the voter (the
     /// judged turn then becomes a one-turn episode). A finished job takes no more.
+    /// Counts a turn produced (by a session or offered), and one whose prompt rewrote the
+    /// history its producer saw and wrote.
+    fn count_turn(&mut self, turn: &Turn) {
+        self.counts.turns += 1;
+        if turn.history_kept == Some(false) {
+            if self.counts.history_rewritten == 0 {
+                tracing::warn!(
+                    job = %self.args.job,
+                    session = %turn.session_id,
+                    step = turn.turn,
+                    "a turn's prompt does not start with the previous turn's prompt and sampled \
+                     response: the chat template rewrote the history the policy wrote (counted \
+                     as history_rewritten; warned once)"
+                );
+            }
+            self.counts.history_rewritten += 1;
+        }
+    }
+
     async fn on_offered(&mut self, myself: &ActorRef<JobMsg<S>>, turn: Box<Turn>) {
         if self.counts.phase == JobPhase::Finished || self.args.source.sessions().is_some() {
             tracing::warn!(
@@ -945,7 +970,7 @@ impl<S: JobSample> SupervisorState<S> {
             self.counts.last_error = Some("a turn was offered to a job that takes none".into());
             return;
         }
-        self.counts.turns += 1;
+        self.count_turn(&turn);
         if self.offered_sessions.insert(turn.session_id.clone()) {
             self.counts.sessions_started += 1;
         }

@@ -76,6 +76,20 @@ pub struct Turn {
     pub policy: PolicyTurn,
     /// What the environment answered (`s_{t+1}`, done, outcome, info).
     pub outcome: StepOutcome,
+    /// From the second step of a session on: whether this step's prompt ids start with the
+    /// previous step's prompt ids followed by its sampled response ids. `false` means the chat
+    /// template rendered the history differently from what the policy saw and wrote (a tool call
+    /// written back in another JSON spacing, dropped reasoning): the policy is then trained on
+    /// histories it never produced. `None` for a session's first step and for turns that did not
+    /// come from an `EnvSession`.
+    #[serde(default)]
+    pub history_kept: Option<bool>,
+}
+
+/// Whether `prompt` keeps `history` (the previous step's prompt ids followed by its response
+/// ids): it starts with it, token for token.
+pub fn keeps_history(prompt: &[u32], history: &[u32]) -> bool {
+    prompt.starts_with(history)
 }
 
 /// Why a session ended.
@@ -168,6 +182,8 @@ pub struct SessionState {
     task_id: String,
     turns: u32,
     ended: bool,
+    /// The previous step's prompt ids followed by its response ids (empty before the first).
+    history: Vec<u32>,
 }
 
 impl SessionState {
@@ -243,6 +259,10 @@ impl SessionState {
         let done = outcome.done;
         let final_outcome = outcome.outcome;
         let instruction = ep.instruction().to_string();
+        let history_kept = (self.turns > 0).then(|| keeps_history(&turn.prompt_ids, &self.history));
+        self.history.clear();
+        self.history.extend_from_slice(&turn.prompt_ids);
+        self.history.extend_from_slice(&turn.response_ids);
         (self.args.report)(SessionEvent::Turn(Box::new(Turn {
             session_id: self.args.session_id.clone(),
             task_id: self.task_id.clone(),
@@ -252,6 +272,7 @@ impl SessionState {
             observation,
             policy: turn,
             outcome,
+            history_kept,
         })));
         self.turns += 1;
         if done {
@@ -283,6 +304,7 @@ impl Actor for EnvSession {
             task_id: String::new(),
             turns: 0,
             ended: false,
+            history: Vec::new(),
         })
     }
 

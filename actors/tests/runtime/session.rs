@@ -125,10 +125,14 @@ impl Episode for Ep {
     }
 }
 
-/// Answers with the number of messages seen; version = a settable counter.
+/// Answers with the number of messages seen; version = a settable counter. Its prompt ids
+/// grow by the previous exchange each step (`[1, 2, 3]`, then `[4, 5, 9]` per earlier step: its
+/// response `[4, 5]` and a next-state token), so each step keeps the history; with `rewrite`,
+/// the earlier responses come back as `[4, 6]`, as a template that re-renders them would.
 struct Policy {
     delay: Duration,
     version: AtomicU64,
+    rewrite: bool,
 }
 
 impl TurnPolicy for Policy {
@@ -136,13 +140,18 @@ impl TurnPolicy for Policy {
         Box::pin(async move {
             tokio::time::sleep(self.delay).await;
             let text = format!("seen {}", o.messages.len());
+            let earlier = if self.rewrite { [4, 6, 9] } else { [4, 5, 9] };
+            let mut prompt_ids = vec![1, 2, 3];
+            for _ in 0..o.messages.len() / 2 {
+                prompt_ids.extend(earlier);
+            }
             Ok(PolicyTurn {
                 action: Action {
                     content: text.clone(),
                     tool_calls: vec![],
                     raw: text.clone(),
                 },
-                prompt_ids: vec![1, 2, 3],
+                prompt_ids,
                 response_ids: vec![4, 5],
                 logprobs: vec![-0.5, -0.25],
                 version: self.version.load(Ordering::SeqCst),
@@ -157,6 +166,7 @@ fn policy(delay_ms: u64) -> Arc<Policy> {
     Arc::new(Policy {
         delay: Duration::from_millis(delay_ms),
         version: AtomicU64::new(0),
+        rewrite: false,
     })
 }
 
@@ -240,9 +250,24 @@ async fn a_session_runs_its_episode_to_done_and_closes_it_once() {
             turn.outcome.next_state[0]["content"],
             format!("reply {}", i + 1)
         );
+        // Each step's prompt starts with the previous prompt and response.
+        assert_eq!(turn.history_kept, (i > 0).then_some(true), "step {i}");
     }
     assert_eq!(ended(&ev), (3, EndReason::Done { outcome: Some(1.0) }));
     assert_eq!(env.closed.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_step_whose_prompt_rewrites_the_history_is_marked() {
+    let env = Arc::new(Env::new(vec![3]));
+    let rewriting = Arc::new(Policy {
+        delay: Duration::ZERO,
+        version: AtomicU64::new(0),
+        rewrite: true,
+    });
+    let ev = run_session(env, 0, rewriting, Duration::from_secs(10), None).await;
+    let kept: Vec<_> = turns(&ev).iter().map(|t| t.history_kept).collect();
+    assert_eq!(kept, vec![None, Some(false), Some(false)]);
 }
 
 #[tokio::test]
@@ -502,6 +527,7 @@ async fn a_job_restarts_failed_sessions_counts_lost_ones_and_balances() {
     assert!(c.trainer.steps >= 3, "{c:?}");
     assert!(c.balanced());
     assert_eq!(c.turns, c.judged + c.unjudged, "{c:?}");
+    assert_eq!(c.history_rewritten, 0, "{c:?}");
     assert_eq!(c.sessions_running, 0);
     // Every started session ended one way or the other.
     assert_eq!(
@@ -523,6 +549,58 @@ async fn a_job_restarts_failed_sessions_counts_lost_ones_and_balances() {
     assert_eq!(
         env.closed.load(Ordering::SeqCst),
         env.started.load(Ordering::SeqCst)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_counts_the_turns_whose_prompt_rewrote_the_history() {
+    let env = Arc::new(Env::new(vec![3, 3]));
+    let p = Arc::new(Policy {
+        delay: Duration::from_millis(1),
+        version: AtomicU64::new(0),
+        rewrite: true,
+    });
+    let trainer = Arc::new(Trainer {
+        counts: Mutex::new(TrainerCounts::default()),
+        policy: p.clone(),
+        seen: Mutex::new(Vec::new()),
+    });
+    let (_job, done) = spawn_job(JobArgs {
+        job: "rewritten".into(),
+        source: TurnSource::Sessions {
+            env,
+            policy: p.clone(),
+        },
+        judge: Arc::new(Judge),
+        builder: Arc::new(Builder),
+        trainer,
+        recorder: None,
+        settings: JobSettings {
+            parallelism: 2,
+            episode_deadline: Duration::from_secs(10),
+            judge_timeout: Duration::from_millis(100),
+            stop: StopCondition {
+                max_trainer_steps: Some(2),
+                ..StopCondition::default()
+            },
+            poll: Duration::from_millis(20),
+            ..JobSettings::default()
+        },
+        progress: None,
+        done: None,
+    })
+    .await
+    .unwrap();
+    let c = tokio::time::timeout(Duration::from_secs(60), done)
+        .await
+        .expect("the job stops")
+        .unwrap();
+    // Every turn but a session's first rewrote the history; a session stopped before its first
+    // turn has none.
+    assert!(c.turns > c.sessions_started, "{c:?}");
+    assert!(
+        c.history_rewritten >= c.turns - c.sessions_started && c.history_rewritten < c.turns,
+        "{c:?}"
     );
 }
 
