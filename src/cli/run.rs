@@ -455,8 +455,6 @@ fn samples_line(t: &TrainerStats, balanced: bool) -> String {
     )
 }
 
-/// A summary table: one `key  value` line per row, the job's last error after them, between
-/// two rules.
 /// What a summary says of the turns whose prompt rewrote the previous step's prompt and
 /// response (`JobCounts::history_rewritten`); nothing when none did.
 fn history_note(c: &JobCounts) -> String {
@@ -471,6 +469,8 @@ fn history_note(c: &JobCounts) -> String {
     }
 }
 
+/// A summary table: one `key  value` line per row, the job's last error after them, between
+/// two rules.
 fn print_rows<K: AsRef<str>>(rows: &[(K, String)], last_error: Option<&str>) {
     let w = rows
         .iter()

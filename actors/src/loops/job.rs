@@ -333,8 +333,8 @@ pub struct JobCounts {
     pub sessions_lost: u64,
     /// Turns produced.
     pub turns: u64,
-    /// Session turns whose prompt did not start with the previous step's prompt and sampled
-    /// response ([`super::session::Turn::history_kept`]): the chat template rewrote the history.
+    /// Turns whose prompt did not start with the previous turn's prompt and sampled response
+    /// ([`super::session::Turn::history_kept`]): the chat template rewrote the history.
     #[serde(default)]
     pub history_rewritten: u64,
     /// Turns judged.
@@ -940,8 +940,6 @@ impl<S: JobSample> SupervisorState<S> {
         Ok(())
     }
 
-    /// A turn offered from outside: counted, its session noted, and sent to the voter (the
-    /// judged turn then becomes a one-turn episode). A finished job takes no more.
     /// Counts a turn produced (by a session or offered), and one whose prompt rewrote the
     /// history its producer saw and wrote.
     fn count_turn(&mut self, turn: &Turn) {
@@ -961,6 +959,8 @@ impl<S: JobSample> SupervisorState<S> {
         }
     }
 
+    /// A turn offered from outside: counted, its session noted, and sent to the voter (the
+    /// judged turn then becomes a one-turn episode). A finished job takes no more.
     async fn on_offered(&mut self, myself: &ActorRef<JobMsg<S>>, turn: Box<Turn>) {
         if self.counts.phase == JobPhase::Finished || self.args.source.sessions().is_some() {
             tracing::warn!(

@@ -80,8 +80,9 @@ pub struct Turn {
     /// previous step's prompt ids followed by its sampled response ids. `false` means the chat
     /// template rendered the history differently from what the policy saw and wrote (a tool call
     /// written back in another JSON spacing, dropped reasoning): the policy is then trained on
-    /// histories it never produced. `None` for a session's first step and for turns that did not
-    /// come from an `EnvSession`.
+    /// histories it never produced. An `EnvSession` sets it, and so does a `personal` job for
+    /// each gateway turn after its session's first; `None` for a first step, and where nothing
+    /// checked.
     #[serde(default)]
     pub history_kept: Option<bool>,
 }
