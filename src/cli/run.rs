@@ -462,8 +462,8 @@ fn history_note(c: &JobCounts) -> String {
         String::new()
     } else {
         format!(
-            "; {} whose prompt rewrote the history the policy wrote (the chat template renders \
-             it differently)",
+            "; {} whose prompt rewrote the history the policy saw and wrote (the chat \
+             template or the client)",
             c.history_rewritten
         )
     }

@@ -81,17 +81,19 @@ async fn client(i: usize, base: String, end: Instant, leaves: bool, seen: Arc<Mu
     for k in 0.. {
         let session = format!("load-c{i}-{k}");
         let mut messages = vec![json!({"role": "user", "content": format!("Question {i}.{k}?")})];
+        // A long answer can also come whole (the client read it late, or the model stopped
+        // early): then it stays in the history. Decoded text can take several times its tokens
+        // when encoded again (one run's history of three reached 537 tokens), so a conversation
+        // holds at most one, and the prompt stays inside the fixture's 512 positions.
+        let mut long_kept = false;
         for t in 0..4 {
-            let text = loop {
+            let (text, long) = loop {
                 if Instant::now() >= end {
                     return;
                 }
-                let leave_after =
-                    (leaves && rng.random_ratio(1, 3)).then(|| rng.random_range(1..=3));
+                let leave_after = (leaves && !long_kept && rng.random_ratio(1, 3))
+                    .then(|| rng.random_range(1..=3));
                 let stream = leave_after.is_some() || (i + t) % 2 == 1;
-                // A long answer can also come whole (the client read it late): then it stays in
-                // the history, and three of them must still leave the prompt inside the fixture's
-                // 512 positions (decoded text can take more tokens when encoded again).
                 let max_tokens = if leave_after.is_some() {
                     LONG_ANSWER
                 } else {
@@ -128,10 +130,8 @@ async fn client(i: usize, base: String, end: Instant, leaves: bool, seen: Arc<Mu
                     };
                     let mut s = seen.lock().unwrap();
                     s.newest_version = s.newest_version.max(v["version"].as_u64().unwrap_or(0));
-                    break v["choices"][0]["message"]["content"]
-                        .as_str()
-                        .unwrap_or("")
-                        .to_string();
+                    let text = v["choices"][0]["message"]["content"].as_str();
+                    break (text.unwrap_or("").to_string(), false);
                 }
                 // Streamed: read chunk by chunk, leaving after `leave_after` content chunks.
                 let mut body = String::new();
@@ -158,8 +158,9 @@ async fn client(i: usize, base: String, end: Instant, leaves: bool, seen: Arc<Mu
                     drop(s);
                     return fail(format!("a stream ended without [DONE]: {body}"));
                 }
-                break pieces.concat();
+                break (pieces.concat(), leave_after.is_some());
             };
+            long_kept |= long;
             {
                 let mut s = seen.lock().unwrap();
                 s.whole += 1;

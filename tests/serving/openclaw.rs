@@ -259,6 +259,10 @@ fn stock_openclaw_trains_a_personal_job_by_talking_to_it() {
     assert_eq!(c["turns"], 4, "{s}");
     assert_eq!(s["turns_with_next_state"], 3, "all but the last turn: {s}");
     assert_eq!(c["judged"], 3, "{s}");
+    // OpenClaw 2026.9.6 ends every request with a user message of its internal context (active
+    // exec sessions and subagents) and leaves it out of the history it sends next: each turn
+    // after the first drops a message the policy saw before it answered.
+    assert_eq!(c["history_rewritten"], 3, "{s}");
     assert_eq!(s["balanced"], true, "{s}");
     assert!(
         s["agents"][0]["trainer"]["steps"].as_u64().unwrap() >= 1,

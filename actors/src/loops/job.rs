@@ -334,7 +334,8 @@ pub struct JobCounts {
     /// Turns produced.
     pub turns: u64,
     /// Turns whose prompt did not start with the previous turn's prompt and sampled response
-    /// ([`super::session::Turn::history_kept`]): the chat template rewrote the history.
+    /// ([`super::session::Turn::history_kept`]): the chat template or the client rewrote the
+    /// history.
     #[serde(default)]
     pub history_rewritten: u64,
     /// Turns judged.
@@ -951,8 +952,9 @@ impl<S: JobSample> SupervisorState<S> {
                     session = %turn.session_id,
                     step = turn.turn,
                     "a turn's prompt does not start with the previous turn's prompt and sampled \
-                     response: the chat template rewrote the history the policy wrote (counted \
-                     as history_rewritten; warned once)"
+                     response: the history was rendered (chat template) or sent back (client) \
+                     otherwise than the policy saw and wrote it (counted as history_rewritten; \
+                     warned once)"
                 );
             }
             self.counts.history_rewritten += 1;

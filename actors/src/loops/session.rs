@@ -77,10 +77,10 @@ pub struct Turn {
     /// What the environment answered (`s_{t+1}`, done, outcome, info).
     pub outcome: StepOutcome,
     /// From the second step of a session on: whether this step's prompt ids start with the
-    /// previous step's prompt ids followed by its sampled response ids. `false` means the chat
-    /// template rendered the history differently from what the policy saw and wrote (a tool call
-    /// written back in another JSON spacing, dropped reasoning): the policy is then trained on
-    /// histories it never produced. An `EnvSession` sets it, and so does a `personal` job for
+    /// previous step's prompt ids followed by its sampled response ids. `false` means the history
+    /// differs from what the policy saw and wrote: the chat template rendered it otherwise (a
+    /// tool call written back in another JSON spacing, dropped reasoning), or a client sent it
+    /// back otherwise (a message left out). The policy then learns from histories it never had. An `EnvSession` sets it, and so does a `personal` job for
     /// each gateway turn after its session's first; `None` for a first step, and where nothing
     /// checked.
     #[serde(default)]
