@@ -10,10 +10,10 @@ use std::time::Duration;
 
 use clawrl_actors::loops::{
     spawn_job, Action, BoxFuture, Built, EndReason, EnvError, EnvSession, Environment, Episode,
-    EpisodeTurns, JobArgs, JobMsg, JobPhase, JobSample, JobSettings, JudgedTurn, Judgement,
-    Observation, PolicyError, PolicyTurn, PrmVoter, SampleBuilder, SessionArgs, SessionEvent,
-    StepOutcome, StopCause, StopCondition, TrainerCounts, TrainerLink, Turn, TurnJudge, TurnPolicy,
-    TurnSource, VoterArgs, VoterMsg,
+    EpisodeTurns, JobArgs, JobCounts, JobMsg, JobPhase, JobSample, JobSettings, JudgedTurn,
+    Judgement, Observation, PolicyError, PolicyTurn, PrmVoter, SampleBuilder, SessionArgs,
+    SessionEvent, StepOutcome, StopCause, StopCondition, TrainerCounts, TrainerLink, Turn,
+    TurnJudge, TurnPolicy, TurnSource, VoterArgs, VoterMsg,
 };
 use ractor::Actor;
 use serde_json::json;
@@ -480,36 +480,36 @@ impl TrainerLink<Sample> for Trainer {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_job_restarts_failed_sessions_counts_lost_ones_and_balances() {
-    // Task 1 never starts; task 2 fails at its second step; 0 and 3 run 3 steps.
-    let mut e = Env::new(vec![3, 3, 3, 3]);
-    e.fail_start = vec![1];
-    e.fail_step = vec![2];
-    let env = Arc::new(e);
-    let p = policy(2);
+/// Runs a job of `env`'s sessions acted on by `policy`, with the test judge and builder and a
+/// trainer that counts: `parallelism` sessions at once, a failed session restarted up to
+/// `max_restarts` times, until `steps` trainer steps (or until it stops on its own). The
+/// trainer and the job's final counts; the job must stop within a minute.
+async fn run_job(
+    env: Arc<Env>,
+    policy: Arc<Policy>,
+    parallelism: usize,
+    max_restarts: u32,
+    steps: u64,
+) -> (Arc<Trainer>, JobCounts) {
     let trainer = Arc::new(Trainer {
         counts: Mutex::new(TrainerCounts::default()),
-        policy: p.clone(),
+        policy: policy.clone(),
         seen: Mutex::new(Vec::new()),
     });
     let (_job, done) = spawn_job(JobArgs {
         job: "j".into(),
-        source: TurnSource::Sessions {
-            env: env.clone(),
-            policy: p.clone(),
-        },
+        source: TurnSource::Sessions { env, policy },
         judge: Arc::new(Judge),
         builder: Arc::new(Builder),
         trainer: trainer.clone(),
         recorder: None,
         settings: JobSettings {
-            parallelism: 3,
+            parallelism,
             episode_deadline: Duration::from_secs(10),
             judge_timeout: Duration::from_millis(100),
-            max_restarts: 2,
+            max_restarts,
             stop: StopCondition {
-                max_trainer_steps: Some(3),
+                max_trainer_steps: Some(steps),
                 ..StopCondition::default()
             },
             poll: Duration::from_millis(20),
@@ -524,6 +524,17 @@ async fn a_job_restarts_failed_sessions_counts_lost_ones_and_balances() {
         .await
         .expect("the job stops")
         .unwrap();
+    (trainer, c)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_restarts_failed_sessions_counts_lost_ones_and_balances() {
+    // Task 1 never starts; task 2 fails at its second step; 0 and 3 run 3 steps.
+    let mut e = Env::new(vec![3, 3, 3, 3]);
+    e.fail_start = vec![1];
+    e.fail_step = vec![2];
+    let env = Arc::new(e);
+    let (trainer, c) = run_job(env.clone(), policy(2), 3, 2, 3).await;
     assert!(c.trainer.steps >= 3, "{c:?}");
     assert!(c.balanced());
     assert_eq!(c.turns, c.judged + c.unjudged, "{c:?}");
@@ -555,46 +566,12 @@ async fn a_job_restarts_failed_sessions_counts_lost_ones_and_balances() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_counts_the_turns_whose_prompt_rewrote_the_history() {
     let env = Arc::new(Env::new(vec![3, 3]));
-    let p = Arc::new(Policy {
+    let rewriting = Arc::new(Policy {
         delay: Duration::from_millis(1),
         version: AtomicU64::new(0),
         rewrite: true,
     });
-    let trainer = Arc::new(Trainer {
-        counts: Mutex::new(TrainerCounts::default()),
-        policy: p.clone(),
-        seen: Mutex::new(Vec::new()),
-    });
-    let (_job, done) = spawn_job(JobArgs {
-        job: "rewritten".into(),
-        source: TurnSource::Sessions {
-            env,
-            policy: p.clone(),
-        },
-        judge: Arc::new(Judge),
-        builder: Arc::new(Builder),
-        trainer,
-        recorder: None,
-        settings: JobSettings {
-            parallelism: 2,
-            episode_deadline: Duration::from_secs(10),
-            judge_timeout: Duration::from_millis(100),
-            stop: StopCondition {
-                max_trainer_steps: Some(2),
-                ..StopCondition::default()
-            },
-            poll: Duration::from_millis(20),
-            ..JobSettings::default()
-        },
-        progress: None,
-        done: None,
-    })
-    .await
-    .unwrap();
-    let c = tokio::time::timeout(Duration::from_secs(60), done)
-        .await
-        .expect("the job stops")
-        .unwrap();
+    let (_, c) = run_job(env, rewriting, 2, 0, 2).await;
     // Every turn but a session's first rewrote the history; a session stopped before its first
     // turn has none.
     assert!(c.turns > c.sessions_started, "{c:?}");
@@ -611,43 +588,7 @@ async fn a_job_whose_sessions_all_fail_stops_with_the_error() {
     let mut e = Env::new(vec![3, 3]);
     e.fail_start = vec![0, 1];
     let env = Arc::new(e);
-    let p = policy(1);
-    let trainer = Arc::new(Trainer {
-        counts: Mutex::new(TrainerCounts::default()),
-        policy: p.clone(),
-        seen: Mutex::new(Vec::new()),
-    });
-    let (_job, done) = spawn_job(JobArgs {
-        job: "j".into(),
-        source: TurnSource::Sessions {
-            env: env.clone(),
-            policy: p.clone(),
-        },
-        judge: Arc::new(Judge),
-        builder: Arc::new(Builder),
-        trainer: trainer.clone(),
-        recorder: None,
-        settings: JobSettings {
-            parallelism: 2,
-            episode_deadline: Duration::from_secs(10),
-            judge_timeout: Duration::from_millis(100),
-            max_restarts: 1,
-            stop: StopCondition {
-                max_trainer_steps: Some(1),
-                ..StopCondition::default()
-            },
-            poll: Duration::from_millis(20),
-            ..JobSettings::default()
-        },
-        progress: None,
-        done: None,
-    })
-    .await
-    .unwrap();
-    let c = tokio::time::timeout(Duration::from_secs(30), done)
-        .await
-        .expect("a job whose sessions all fail stops")
-        .unwrap();
+    let (_, c) = run_job(env.clone(), policy(1), 2, 1, 1).await;
     let why = c.gave_up.as_deref().expect("the job says it gave up");
     assert!(why.contains("every session failed"), "{why}");
     assert!(
