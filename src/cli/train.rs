@@ -210,20 +210,9 @@ fn train_offline_on<B: AutodiffBackend>(
     r: OfflineRun<'_>,
     device: B::Device,
 ) -> anyhow::Result<()> {
-    let OfflineRun {
-        model_dir,
-        samples_path,
-        out,
-        epochs,
-        shuffle,
-        seed,
-        json,
-        train,
-        adapter,
-    } = r;
-    let mut ckpt = load_checkpoint::<B>(model_dir, &device)
-        .with_context(|| format!("loading model {}", model_dir.display()))?;
-    let lora = match adapter {
+    let mut ckpt = load_checkpoint::<B>(r.model_dir, &device)
+        .with_context(|| format!("loading model {}", r.model_dir.display()))?;
+    let lora = match r.adapter {
         None => None,
         Some(AdapterSource::Dir(dir)) => {
             let peft = load_adapter(&dir, &ckpt.config)?;
@@ -239,32 +228,32 @@ fn train_offline_on<B: AutodiffBackend>(
             }
             Some(peft.weights)
         }
-        Some(AdapterSource::Fresh(cfg)) => Some(LoraWeights::fresh(&cfg, &ckpt.config, seed)),
+        Some(AdapterSource::Fresh(cfg)) => Some(LoraWeights::fresh(&cfg, &ckpt.config, r.seed)),
     };
     if let Some(w) = &lora {
         ckpt.model = ckpt.model.with_lora(w)?;
     }
-    let mut samples = read_samples(samples_path, Some(ckpt.config.vocab_size))?;
+    let mut samples = read_samples(r.samples_path, Some(ckpt.config.vocab_size))?;
     let max = ckpt.config.max_position_embeddings;
     if let Some((i, s)) = samples.iter().enumerate().find(|(_, s)| s.len() > max) {
         bail!(
             "{}: sample {} has {} tokens, more than the model's {max} positions",
-            samples_path.display(),
+            r.samples_path.display(),
             i + 1,
             s.len()
         );
     }
     tracing::info!(
         samples = samples.len(),
-        batch_size = train.batch_size,
-        epochs,
+        batch_size = r.train.batch_size,
+        epochs = r.epochs,
         "training offline"
     );
-    let batch_size = train.batch_size;
-    let mut learner = BurnLearner::new(ckpt.config.clone(), ckpt.model, train, device, seed);
+    let batch_size = r.train.batch_size;
+    let mut learner = BurnLearner::new(ckpt.config.clone(), ckpt.model, r.train, device, r.seed);
     let mut skipped = 0usize;
-    for _ in 0..epochs {
-        if shuffle {
+    for _ in 0..r.epochs {
+        if r.shuffle {
             samples.shuffle(learner.rng());
         }
         for batch in samples.chunks(batch_size) {
@@ -273,11 +262,11 @@ fn train_offline_on<B: AutodiffBackend>(
                 skipped += 1;
                 tracing::warn!(reason = m.skipped.as_deref().unwrap_or(""), "step skipped");
             }
-            print_step(&m, json)?;
+            print_step(&m, r.json)?;
         }
     }
     match &lora {
-        None => write_atomically(out, |tmp| {
+        None => write_atomically(r.out, |tmp| {
             save_checkpoint_dir(
                 tmp,
                 learner.model_config(),
@@ -286,14 +275,14 @@ fn train_offline_on<B: AutodiffBackend>(
             )
             .with_context(|| format!("writing checkpoint to {}", tmp.display()))
         })?,
-        Some(w) => write_atomically(out, |tmp| {
+        Some(w) => write_atomically(r.out, |tmp| {
             let trained = learner.policy().valid().lora_weights(&w.config)?;
-            save_adapter(tmp, &trained, &model_dir.display().to_string())
+            save_adapter(tmp, &trained, &r.model_dir.display().to_string())
                 .with_context(|| format!("writing the adapter to {}", tmp.display()))
         })?,
     }
     tracing::info!(
-        out = %out.display(),
+        out = %r.out.display(),
         steps = learner.steps(),
         skipped,
         version = learner.version(),
