@@ -19,6 +19,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod cpu_attention;
 pub mod engine;
+pub mod fused;
 pub mod kv_cache;
 pub mod lora;
 pub mod matmul;

@@ -313,7 +313,7 @@ fn backward_on_cpu<B: Backend>(
 }
 
 /// A float tensor's elements as `f32`, row-major.
-pub(super) fn floats<B: Backend>(x: Tensor<B, 4>) -> Vec<f32> {
+pub(super) fn floats<B: Backend, const D: usize>(x: Tensor<B, D>) -> Vec<f32> {
     x.into_data()
         .convert::<f32>()
         .into_vec::<f32>()

@@ -16,13 +16,13 @@
 //! every row shares the base product, and each row adds its own adapter's.
 
 use burn::module::{Module, Param};
-use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::module::embedding;
 use burn::tensor::{Int, Tensor, TensorData};
 
-use super::attention::{cached_attention, causal_attention, floats, prefixed_attention};
+use super::attention::{cached_attention, causal_attention, prefixed_attention};
 use super::config::Qwen3Config;
+use super::fused::{rms_norm, rope_heads_first, swiglu};
 use super::kv_cache::{KvCache, KvCacheError};
 use super::lora::Lora;
 use super::matmul::matmul;
@@ -39,9 +39,7 @@ pub struct RmsNorm<B: Backend> {
 impl<B: Backend> RmsNorm<B> {
     /// `[..., dim]` → `[..., dim]`: `x / sqrt(mean(x²) + eps) * weight`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let var = x.clone().powi_scalar(2).mean_dim(D - 1);
-        let inv = (var + self.eps).sqrt().recip();
-        x * inv * self.weight.val().unsqueeze::<D>()
+        rms_norm(x, self.weight.val(), self.eps)
     }
 }
 
@@ -165,64 +163,6 @@ pub fn rope_tables(positions: &[usize], inv_freq: &[f32]) -> (Vec<f32>, Vec<f32>
         }
     }
     (cos, sin)
-}
-
-/// Puts the heads before the positions and applies RoPE: `x [b, s, h, d]`, `cos`/`sin`
-/// `[b or 1, 1, s, d]` → `[b, h, s, d]`, each head's `x · cos + rotate(x) · sin`, where
-/// `rotate(x) = [−x₂, x₁]` for the halves `x₁`, `x₂` of its `d` dimensions.
-fn rope_heads_first<B: Backend>(
-    x: Tensor<B, 4>,
-    cos: Tensor<B, 4>,
-    sin: Tensor<B, 4>,
-) -> Tensor<B, 4> {
-    if std::any::TypeId::of::<B>() == std::any::TypeId::of::<crate::CpuBackend>() {
-        return rope_heads_first_cpu(x, cos, sin);
-    }
-    let x = x.swap_dims(1, 2);
-    let d = x.dims()[3];
-    let x1 = x.clone().narrow(3, 0, d / 2);
-    let x2 = x.clone().narrow(3, d / 2, d / 2);
-    let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-    x * cos + rotated * sin
-}
-
-/// [`rope_heads_first`] on the CPU backend in one pass over the raw floats. As tensor ops it
-/// is a transposed view, two halves, a negation, a concatenation, two broadcast products and a
-/// sum, each its own pass over memory, most of them strided (8% of a 12k-token prefill of a
-/// small model). The arithmetic is the same: each product rounded, then their sum.
-fn rope_heads_first_cpu<B: Backend>(
-    x: Tensor<B, 4>,
-    cos: Tensor<B, 4>,
-    sin: Tensor<B, 4>,
-) -> Tensor<B, 4> {
-    let [b, s, h, d] = x.dims();
-    let rows = cos.dims()[0];
-    assert!(
-        cos.dims() == [rows, 1, s, d] && sin.dims() == cos.dims() && (rows == 1 || rows == b),
-        "rope: cos/sin {:?} do not fit x {:?}",
-        cos.dims(),
-        [b, s, h, d]
-    );
-    let device = x.device();
-    let (x, cos, sin) = (floats(x), floats(cos), floats(sin));
-    let half = d / 2;
-    let mut out = vec![0f32; x.len()];
-    for bi in 0..b {
-        let table = if rows == 1 { 0 } else { bi };
-        for hi in 0..h {
-            for si in 0..s {
-                let src = &x[((bi * s + si) * h + hi) * d..][..d];
-                let at = (table * s + si) * d;
-                let (c, sn) = (&cos[at..at + d], &sin[at..at + d]);
-                let dst = &mut out[((bi * h + hi) * s + si) * d..][..d];
-                for i in 0..half {
-                    dst[i] = src[i] * c[i] + (-src[i + half]) * sn[i];
-                    dst[i + half] = src[i + half] * c[i + half] + src[i] * sn[i + half];
-                }
-            }
-        }
-    }
-    Tensor::from_data(TensorData::new(out, [b, h, s, d]), &device)
 }
 
 /// Grouped-query self-attention with per-head q/k RMSNorm.
@@ -375,7 +315,7 @@ impl<B: Backend> Mlp<B> {
             l.mlp.up_lora.as_ref()
         });
         adapted(
-            silu(gate) * up,
+            swiglu(gate, up),
             &self.down_proj,
             self.down_lora.as_ref(),
             mix,
