@@ -36,6 +36,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, Tensor, TensorData, TensorPrimitive};
 
 use super::cpu_attention::{attention_backward, attention_forward, Dims};
+use super::cpu_tensor::floats;
 use super::matmul::{cast, matmul};
 
 /// The most score elements (`b · h · t · keys`) one tile holds: 2 Mi f32 is 8 MiB, and the
@@ -310,14 +311,6 @@ fn backward_on_cpu<B: Backend>(
     let tensor =
         |x: Vec<f32>, rows: usize| Tensor::from_data(TensorData::new(x, [b, h, rows, d]), &device);
     (tensor(dq, t), tensor(dk, n), tensor(dv, n))
-}
-
-/// A float tensor's elements as `f32`, row-major.
-pub(super) fn floats<B: Backend, const D: usize>(x: Tensor<B, D>) -> Vec<f32> {
-    x.into_data()
-        .convert::<f32>()
-        .into_vec::<f32>()
-        .expect("a float tensor converted to f32 reads as f32")
 }
 
 /// The autodiff node: forward on the inner backend, gradients by [`backward`].

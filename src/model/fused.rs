@@ -34,8 +34,8 @@ use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn::tensor::{Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 use rayon::prelude::*;
 
-use super::attention::floats;
 use super::cpu_attention::exp_nonpositive;
+use super::cpu_tensor::{floats, primitive_floats as host};
 use super::matmul::cast;
 use crate::{CpuAutodiff, CpuBackend};
 
@@ -71,14 +71,6 @@ fn tensor<B: Backend, const D: usize>(
     device: &B::Device,
 ) -> Tensor<B, D> {
     Tensor::from_data(TensorData::new(x, shape), device)
-}
-
-/// A CPU tensor's elements, row-major.
-fn host(p: FloatTensor<CpuBackend>) -> Vec<f32> {
-    let n = p.shape().num_elements();
-    floats(Tensor::<CpuBackend, 1>::from_primitive(
-        TensorPrimitive::Float(CpuBackend::float_reshape(p, Shape::from([n]))),
-    ))
 }
 
 /// A CPU tensor of `shape` from row-major elements.
@@ -397,13 +389,13 @@ fn rope_grads(dy: &[f32], cos: &[f32], sin: &[f32], dims: RopeDims) -> Vec<f32> 
 struct RopeNode;
 
 impl Backward<CpuBackend, 1> for RopeNode {
-    /// The tables' elements and the layout.
-    type State = (Vec<f32>, Vec<f32>, RopeDims);
+    /// The tables and the layout.
+    type State = (FloatTensor<CpuBackend>, FloatTensor<CpuBackend>, RopeDims);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let dy = grads.consume::<CpuBackend>(&ops.node);
         let (cos, sin, dims) = ops.state;
-        let dx = rope_grads(&host(dy), &cos, &sin, dims);
+        let dx = rope_grads(&host(dy), &host(cos), &host(sin), dims);
         let shape = Shape::from([dims.b, dims.s, dims.h, dims.d]);
         register(grads, ops.parents.map(|p| p.map(|n| n.id)), [(dx, shape)]);
     }
@@ -415,9 +407,15 @@ fn rope_tracked(
     sin: Tensor<CpuAutodiff, 4>,
 ) -> Tensor<CpuAutodiff, 4> {
     let dims = RopeDims::of(x.dims(), cos.dims(), sin.dims());
-    let (cos, sin) = (floats(cos), floats(sin));
+    let table = |t: Tensor<CpuAutodiff, 4>| t.into_primitive().tensor().primitive;
+    let (cos, sin) = (table(cos), table(sin));
     let x = x.into_primitive().tensor();
-    let y = rope_rows(&host(x.primitive), &cos, &sin, dims);
+    let y = rope_rows(
+        &host(x.primitive),
+        &host(cos.clone()),
+        &host(sin.clone()),
+        dims,
+    );
     let y = primitive(y, Shape::from([dims.b, dims.h, dims.s, dims.d]));
     let node = match RopeNode
         .prepare::<NoCheckpointing>([x.node])
@@ -567,7 +565,7 @@ mod tests {
         assert_eq!(a.len(), b.len());
         let diff = a
             .iter()
-            .zip(&b)
+            .zip(b.iter())
             .map(|(x, y)| (x - y).abs())
             .fold(0f32, f32::max);
         diff / b.iter().map(|y| y.abs()).fold(f32::MIN_POSITIVE, f32::max)
@@ -648,7 +646,7 @@ mod tests {
             let x = random::<CpuBackend, 4>([b, s, h, d], 1.0);
             let fused = rope_heads_first(x.clone(), cos.clone(), sin.clone());
             let ops = rope_ops(x.clone(), cos.clone(), sin.clone());
-            assert_eq!(floats(fused), floats(ops.clone()));
+            assert_eq!(floats(fused).to_vec(), floats(ops.clone()).to_vec());
 
             let r = random::<CpuBackend, 4>(ops.dims(), 1.0);
             let (ca, sa) = (leaf(&cos).detach(), leaf(&sin).detach());
@@ -657,7 +655,10 @@ mod tests {
                 weigh(rope_heads_first(xa.clone(), ca.clone(), sa.clone()), &r).backward();
             let xb = leaf(&x);
             let g_ops = weigh(rope_ops(xb.clone(), ca, sa), &r).backward();
-            assert_eq!(floats(grad(&xa, &g_fused)), floats(grad(&xb, &g_ops)));
+            assert_eq!(
+                floats(grad(&xa, &g_fused)).to_vec(),
+                floats(grad(&xb, &g_ops)).to_vec()
+            );
         }
     }
 

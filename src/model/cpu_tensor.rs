@@ -1,0 +1,47 @@
+//! The CPU backend's tensors as plain `f32` slices, for the kernels that work on raw floats
+//! ([`super::cpu_attention`], [`super::fused`]).
+//!
+//! Reading a tensor through `into_data` copies its buffer whenever another handle shares it
+//! (a residual kept for the backward, a cached key), and copies again to realign it. A
+//! contiguous `f32` tensor of the CPU backend already is a row-major slice: [`floats`] lends
+//! that buffer and copies only a strided view or another element type.
+
+use std::ops::Deref;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Tensor};
+use burn_flex::FlexTensor;
+
+use super::matmul::cast;
+use crate::CpuBackend;
+
+/// A CPU tensor's elements, row-major, read as `&[f32]`.
+pub struct Floats(FlexTensor);
+
+impl Deref for Floats {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        self.0
+            .as_slice::<f32>()
+            .expect("Floats holds a contiguous f32 tensor")
+    }
+}
+
+/// The elements of `x`, which must be a tensor of the CPU backend ([`crate::CpuBackend`]; the
+/// caller routes by type, and another backend is a bug that panics).
+pub fn floats<B: Backend, const D: usize>(x: Tensor<B, D>) -> Floats {
+    let x: Tensor<CpuBackend, D> = cast(x);
+    primitive_floats(x.into_primitive().tensor())
+}
+
+/// [`floats`] of a primitive (an autodiff node's saved input or incoming gradient).
+pub fn primitive_floats(p: FloatTensor<CpuBackend>) -> Floats {
+    if p.dtype() == DType::F32 {
+        // No copy when the tensor is contiguous from the start of its own buffer.
+        Floats(p.to_contiguous())
+    } else {
+        Floats(FlexTensor::from_data(p.into_data().convert::<f32>()))
+    }
+}
