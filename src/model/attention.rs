@@ -123,7 +123,9 @@ fn tracked<B: Backend, I: Backend>(
 }
 
 /// Attention of queries against cached keys and values, for generation (forward only):
-/// `q [b, h, t, d]`, `k, v [b, h, n, d]` → `[b, h, t, d]`. With `Some(offset)` query row `r` is
+/// `q [b, h, t, d]`, `k, v [b, kv, n, d]` → `[b, h, t, d]`, where `kv` divides `h` (each key
+/// head shared by `h / kv` query heads; the CPU kernel reads shared heads in place, other
+/// backends repeat them first). With `Some(offset)` query row `r` is
 /// position `offset + r` and sees keys `0..=offset + r` (a prefill, `n = offset + t`); with
 /// `None` every row sees all `n` keys (a decode step whose rows are one token's query heads).
 /// Every backend's prefill and decode take it: Burn's own attention materialises the score
@@ -137,9 +139,26 @@ pub fn cached_attention<B: Backend>(
     forward(q, k, v, offset, tile_budget::<B>()).0
 }
 
-/// The tiled forward of queries `q [b, h, t, d]` against `k, v [b, h, n, d]`, causal from
-/// position `mask_from` when given (see [`cached_attention`]): `(o [b, h, t, d],
-/// lse [b, h, t, 1])`.
+/// Repeats each key/value head to the query heads it serves: `[b, kv, n, d]` →
+/// `[b, heads, n, d]`, head `i` a copy of head `i / (heads / kv)`.
+pub fn repeat_kv<B: Backend>(x: Tensor<B, 4>, heads: usize) -> Tensor<B, 4> {
+    let [b, kv, n, d] = x.dims();
+    assert!(
+        kv > 0 && heads.is_multiple_of(kv),
+        "repeat_kv: {kv} key heads do not divide {heads}"
+    );
+    let groups = heads / kv;
+    if groups == 1 {
+        return x;
+    }
+    x.unsqueeze_dim::<5>(2)
+        .expand([b, kv, groups, n, d])
+        .reshape([b, heads, n, d])
+}
+
+/// The tiled forward of queries `q [b, h, t, d]` against `k, v [b, kv, n, d]` (`kv` dividing
+/// `h`), causal from position `mask_from` when given (see [`cached_attention`]):
+/// `(o [b, h, t, d], lse [b, h, t, 1])`.
 fn forward<B: Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -150,7 +169,14 @@ fn forward<B: Backend>(
     if TypeId::of::<B>() == TypeId::of::<crate::CpuBackend>() {
         return on_cpu(q, k, v, mask_from);
     }
-    forward_ops(q, k, v, mask_from, budget)
+    let heads = q.dims()[1];
+    forward_ops(
+        q,
+        repeat_kv(k, heads),
+        repeat_kv(v, heads),
+        mask_from,
+        budget,
+    )
 }
 
 /// [`forward`] built from tensor ops (every backend but the CPU one).

@@ -63,7 +63,8 @@ const PARALLEL_FROM: usize = 1 << 16;
 pub struct Dims {
     /// Batch.
     pub b: usize,
-    /// Heads (keys and values already repeated to the query heads).
+    /// Query heads. The backward takes keys and values repeated to them; the forward also
+    /// takes fewer, shared key heads ([`attention_forward`]).
     pub h: usize,
     /// Query rows.
     pub t: usize,
@@ -74,6 +75,10 @@ pub struct Dims {
 }
 
 /// `softmax(Q Kᵀ / √d) V` with its per-row log-sum-exp: `(o [b, h, t, d], lse [b, h, t])`.
+///
+/// Keys and values may have fewer heads than the queries, `[b, kv, n, d]` with `kv` dividing
+/// `h` (grouped-query attention): query head `i` of a batch row reads key head
+/// `i / (h / kv)`, so the shared heads are never copied out to every query head.
 ///
 /// With `Some(offset)`, query row `r` is position `offset + r` and sees keys `0..=offset + r`
 /// (needs `offset + t <= n`); with `None` every row sees all `n` keys.
@@ -93,12 +98,14 @@ pub fn attention_forward(
         b * h * t * d,
         "attention_forward: q is not [b, h, t, d]"
     );
-    assert_eq!(
-        k.len(),
-        b * h * n * d,
-        "attention_forward: k is not [b, h, n, d]"
+    let kv = k.len().checked_div(b * n * d).unwrap_or(h);
+    assert!(
+        kv > 0 && h.is_multiple_of(kv) && k.len() == b * kv * n * d,
+        "attention_forward: k is not [b, kv, n, d] with kv dividing h"
     );
-    assert_eq!(v.len(), k.len(), "attention_forward: v is not [b, h, n, d]");
+    assert_eq!(v.len(), k.len(), "attention_forward: v is not shaped as k");
+    // The key head of query head `i` (counted over the batch rows' heads).
+    let key_head = |i: usize| (i / h) * kv + (i % h) / (h / kv);
     if let Some(offset) = mask_from {
         assert!(
             offset + t <= n,
@@ -117,7 +124,8 @@ pub fn attention_forward(
     if mask_from.is_none() && t <= FEW_ROWS {
         // A decode step: transposing every cached key would cost as much as attending to it.
         let head = |(i, (oh, lh)): (usize, (&mut [f32], &mut [f32]))| {
-            let (rows, keys) = (i * t * d..(i + 1) * t * d, i * n * d..(i + 1) * n * d);
+            let j = key_head(i);
+            let (rows, keys) = (i * t * d..(i + 1) * t * d, j * n * d..(j + 1) * n * d);
             kernel.few_rows(&q[rows], &k[keys.clone()], &v[keys], d, oh, lh)
         };
         let outputs: Vec<(&mut [f32], &mut [f32])> =
@@ -138,10 +146,11 @@ pub fn attention_forward(
             (index % tiles_per_head) * QUERY_TILE,
         );
         let rows = lse_tile.len();
+        let j = key_head(head);
         let job = Tile {
             q: &q[(head * t + first) * d..(head * t + first + rows) * d],
-            kt: &kt[head * n * d..(head + 1) * n * d],
-            v: &v[head * n * d..(head + 1) * n * d],
+            kt: &kt[j * n * d..(j + 1) * n * d],
+            v: &v[j * n * d..(j + 1) * n * d],
             n,
             d,
             positions: mask_from.map(|offset| offset + first),
@@ -1074,6 +1083,31 @@ mod tests {
                 "case {i}: lse off by {}",
                 worst_error(&lse, &want_lse)
             );
+        }
+    }
+
+    /// Shared key heads (grouped-query attention) give exactly what the same keys repeated to
+    /// every query head give, causal and unmasked, over two batch rows.
+    #[test]
+    fn shared_key_heads_equal_repeated_ones() {
+        let (b, h, kv, n, d) = (2, 6, 2, 140, 16);
+        let k = pseudo_random(b * kv * n * d, 21);
+        let v = pseudo_random(b * kv * n * d, 22);
+        // Head i of each batch row is a copy of key head i / (h / kv).
+        let repeat = |x: &[f32]| -> Vec<f32> {
+            (0..b * h)
+                .flat_map(|i| {
+                    let j = (i / h) * kv + (i % h) / (h / kv);
+                    x[j * n * d..(j + 1) * n * d].to_vec()
+                })
+                .collect()
+        };
+        for (t, mask_from) in [(100, Some(40)), (2, None), (20, None)] {
+            let dims = Dims { b, h, t, n, d };
+            let q = pseudo_random(b * h * t * d, 23 + t as u64);
+            let shared = attention_forward(&q, &k, &v, dims, mask_from);
+            let repeated = attention_forward(&q, &repeat(&k), &repeat(&v), dims, mask_from);
+            assert_eq!(shared, repeated, "{t} rows, mask {mask_from:?}");
         }
     }
 

@@ -20,7 +20,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::module::embedding;
 use burn::tensor::{Int, Tensor, TensorData};
 
-use super::attention::{cached_attention, causal_attention, prefixed_attention};
+use super::attention::{cached_attention, causal_attention, prefixed_attention, repeat_kv};
 use super::config::Qwen3Config;
 use super::fused::{rms_norm, rope_heads_first, swiglu};
 use super::kv_cache::{KvCache, KvCacheError};
@@ -230,14 +230,7 @@ impl<B: Backend> Attention<B> {
 
     /// Repeats each key/value head `heads / kv_heads` times: `[b, kv, s, d]` → `[b, heads, s, d]`.
     fn repeat_kv(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
-        let groups = self.num_heads / self.num_kv_heads;
-        if groups == 1 {
-            return x;
-        }
-        let [b, kv, s, d] = x.dims();
-        x.unsqueeze_dim::<5>(2)
-            .expand([b, kv, groups, s, d])
-            .reshape([b, kv * groups, s, d])
+        repeat_kv(x, self.num_heads)
     }
 
     /// `[b, heads, s, d]` → `[b, s, hidden]` through `o_proj`.
@@ -670,7 +663,6 @@ impl<B: Backend> Qwen3<B> {
                 Mix::Own,
             );
             let (k_all, v_all) = cache.append(l, k, v);
-            let (k_all, v_all) = (attn.repeat_kv(k_all), attn.repeat_kv(v_all));
             let o = cached_attention(q, k_all, v_all, Some(start));
             let h = x + attn.output(o, Mix::Own);
             x = layer.feed_forward(h, Mix::Own);
