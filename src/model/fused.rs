@@ -1,6 +1,6 @@
 //! The decoder's elementwise chains, each as one op: RMSNorm ([`rms_norm`]), RoPE with the heads
-//! moved before the positions ([`rope_heads_first`]), and SwiGLU's `silu(gate) · up`
-//! ([`swiglu`]).
+//! moved before the positions ([`rope_heads_first`]), SwiGLU's `silu(gate) · up` ([`swiglu`]),
+//! and the move of heads before positions or back ([`swap_heads`]).
 //!
 //! Built from Burn tensor ops, each chain is several passes over memory (RMSNorm: a square, a
 //! mean, a square root, a reciprocal and two broadcast products; RoPE: a transposed view, two
@@ -549,6 +549,79 @@ fn swiglu_tracked<const D: usize>(
     Tensor::from_primitive(TensorPrimitive::Float(node))
 }
 
+// ---------------------------------------------------------------------------------------------
+// Heads and positions swapped
+
+/// `x [b, p, q, d]` → `[b, q, p, d]`, stored contiguously: a sequence's heads moved before its
+/// positions (`p` positions, `q` heads) or back after them. As a Burn view the swap is free, but
+/// the op that reads it next walks it element by element through a generic strided iterator;
+/// here each run of `d` floats is one copy. Its own gradient is the same swap, back.
+pub fn swap_heads<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
+    match route::<B>() {
+        Route::Ops => x.swap_dims(1, 2),
+        Route::Cpu => {
+            let [b, p, q, d] = x.dims();
+            let device = x.device();
+            tensor(swap_rows(&floats(x), [b, p, q, d]), [b, q, p, d], &device)
+        }
+        Route::CpuAutodiff => cast(swap_heads_tracked(cast(x))),
+    }
+}
+
+/// The copy of [`swap_heads`] over raw floats.
+fn swap_rows(x: &[f32], [_, p, q, d]: [usize; 4]) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    if x.is_empty() {
+        return out;
+    }
+    // One chunk per (batch row, index along `q`): its `p` runs of `d`.
+    for_chunks(&mut out, p * d, |bq, dst| {
+        let (bi, qi) = (bq / q, bq % q);
+        for (pi, run) in dst.chunks_exact_mut(d).enumerate() {
+            run.copy_from_slice(&x[((bi * p + pi) * q + qi) * d..][..d]);
+        }
+    });
+    out
+}
+
+/// The autodiff node of [`swap_heads`] on the CPU backend.
+#[derive(Debug)]
+struct SwapNode;
+
+impl Backward<CpuBackend, 1> for SwapNode {
+    /// The input's shape `[b, p, q, d]`.
+    type State = [usize; 4];
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<CpuBackend>(&ops.node);
+        let [b, p, q, d] = ops.state;
+        let dx = swap_rows(&host(dy), [b, q, p, d]);
+        register(
+            grads,
+            ops.parents.map(|p| p.map(|n| n.id)),
+            [(dx, Shape::from(ops.state))],
+        );
+    }
+}
+
+fn swap_heads_tracked(x: Tensor<CpuAutodiff, 4>) -> Tensor<CpuAutodiff, 4> {
+    let [b, p, q, d] = x.dims();
+    let x = x.into_primitive().tensor();
+    let y = primitive(
+        swap_rows(&host(x.primitive), [b, p, q, d]),
+        Shape::from([b, q, p, d]),
+    );
+    let node = match SwapNode
+        .prepare::<NoCheckpointing>([x.node])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish([b, p, q, d], y),
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    };
+    Tensor::from_primitive(TensorPrimitive::Float(node))
+}
+
 #[cfg(test)]
 mod tests {
     use burn::tensor::Distribution;
@@ -660,6 +733,25 @@ mod tests {
                 floats(grad(&xb, &g_ops)).to_vec()
             );
         }
+    }
+
+    #[test]
+    fn swap_heads_is_the_swapped_view_forward_and_backward() {
+        let x = random::<CpuBackend, 4>([2, 37, 3, 16], 1.0);
+        let fused = swap_heads(x.clone());
+        let view = x.clone().swap_dims(1, 2);
+        assert_eq!(fused.dims(), [2, 3, 37, 16]);
+        assert_eq!(floats(fused).to_vec(), floats(view.clone()).to_vec());
+
+        let r = random::<CpuBackend, 4>(view.dims(), 1.0);
+        let xa = leaf(&x);
+        let g_fused = weigh(swap_heads(xa.clone()), &r).backward();
+        let xb = leaf(&x);
+        let g_ops = weigh(xb.clone().swap_dims(1, 2), &r).backward();
+        assert_eq!(
+            floats(grad(&xa, &g_fused)).to_vec(),
+            floats(grad(&xb, &g_ops)).to_vec()
+        );
     }
 
     #[test]

@@ -22,7 +22,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 
 use super::attention::{cached_attention, causal_attention, prefixed_attention, repeat_kv};
 use super::config::Qwen3Config;
-use super::fused::{rms_norm, rope_heads_first, swiglu};
+use super::fused::{rms_norm, rope_heads_first, swap_heads, swiglu};
 use super::kv_cache::{KvCache, KvCacheError};
 use super::lora::Lora;
 use super::matmul::matmul;
@@ -225,7 +225,7 @@ impl<B: Backend> Attention<B> {
         );
         let q = rope_heads_first(self.q_norm.forward(q), cos.clone(), sin.clone());
         let k = rope_heads_first(self.k_norm.forward(k), cos, sin);
-        (q, k, v.swap_dims(1, 2))
+        (q, k, swap_heads(v))
     }
 
     /// Repeats each key/value head `heads / kv_heads` times: `[b, kv, s, d]` → `[b, heads, s, d]`.
@@ -237,7 +237,7 @@ impl<B: Backend> Attention<B> {
     fn output(&self, o: Tensor<B, 4>, mix: Mix<'_, B>) -> Tensor<B, 3> {
         let [b, h, s, d] = o.dims();
         adapted(
-            o.swap_dims(1, 2).reshape([b, s, h * d]),
+            swap_heads(o).reshape([b, s, h * d]),
             &self.o_proj,
             self.o_lora.as_ref(),
             mix,
