@@ -27,9 +27,8 @@
 use std::any::TypeId;
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
-use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
@@ -37,6 +36,7 @@ use burn::tensor::{Bool, Tensor, TensorData, TensorPrimitive};
 
 use super::cpu_attention::{attention_backward, attention_forward, Dims};
 use super::cpu_tensor::floats;
+use super::fused::record;
 use super::matmul::{cast, matmul};
 
 /// The most score elements (`b · h · t · keys`) one tile holds: 2 Mi f32 is 8 MiB, and the
@@ -387,24 +387,12 @@ fn autodiff_op<I: Backend>(
         budget,
     );
     let o = o.into_primitive().tensor();
-    let node = match TiledCausal
-        .prepare::<NoCheckpointing>([q.node.clone(), k.node.clone(), v.node.clone()])
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(prep) => {
-            let state = [
-                q.primitive,
-                k.primitive,
-                v.primitive,
-                o.clone(),
-                lse.into_primitive().tensor(),
-            ];
-            prep.finish((state, budget), o)
-        }
-        OpsKind::UnTracked(prep) => prep.finish(o),
+    let lse = lse.into_primitive().tensor();
+    let state = || {
+        let [q, k, v] = [&q, &k, &v].map(|t| t.primitive.clone());
+        ([q, k, v, o.clone(), lse], budget)
     };
-    Tensor::from_primitive(TensorPrimitive::Float(node))
+    record(TiledCausal, [&q, &k, &v], state, o.clone())
 }
 
 /// Attention of rows that continue one shared prefix (a packed batch, see
@@ -673,22 +661,13 @@ fn prefixed_tracked<B: Backend, I: Backend>(
     let args = args.map(|t| cast::<B, Autodiff<I>, 4>(t).into_primitive().tensor());
     let (o, lse) = prefixed_forward(args.clone().map(|t| inner::<I>(t.primitive)), budget);
     let o = o.into_primitive().tensor();
-    let nodes = args.clone().map(|t| t.node);
-    let node = match PrefixedRows
-        .prepare::<NoCheckpointing>(nodes)
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(prep) => {
-            let [q, pk, pv, ok, ov] = args.map(|t| t.primitive);
-            let state = [q, pk, pv, ok, ov, o.clone(), lse.into_primitive().tensor()];
-            prep.finish((state, budget), o)
-        }
-        OpsKind::UnTracked(prep) => prep.finish(o),
+    let lse = lse.into_primitive().tensor();
+    let state = || {
+        let [q, pk, pv, ok, ov] = args.each_ref().map(|t| t.primitive.clone());
+        ([q, pk, pv, ok, ov, o.clone(), lse], budget)
     };
-    Ok(cast(Tensor::<Autodiff<I>, 4>::from_primitive(
-        TensorPrimitive::Float(node),
-    )))
+    let out: Tensor<Autodiff<I>, 4> = record(PrefixedRows, args.each_ref(), state, o.clone());
+    Ok(cast(out))
 }
 
 /// The autodiff node of [`prefixed_attention`]: forward row by row on the inner backend,

@@ -28,6 +28,7 @@ use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::autodiff::NodeId;
+use burn::backend::Autodiff;
 use burn::tensor::activation::silu;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
@@ -101,6 +102,30 @@ fn for_chunks(out: &mut [f32], chunk: usize, f: impl Fn(usize, &mut [f32]) + Syn
     } else {
         out.chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i, c));
     }
+}
+
+/// Records `y`, computed on the inner backend from `inputs`, as the output of one autodiff node
+/// `op`; `state` (what its backward needs) is built only when some input is tracked.
+pub(super) fn record<I, O, const N: usize, const D: usize>(
+    op: O,
+    inputs: [&FloatTensor<Autodiff<I>>; N],
+    state: impl FnOnce() -> O::State,
+    y: FloatTensor<I>,
+) -> Tensor<Autodiff<I>, D>
+where
+    I: Backend,
+    O: Backward<I, N>,
+{
+    let nodes = inputs.map(|t| t.node.clone());
+    let node = match op
+        .prepare::<NoCheckpointing>(nodes)
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(state(), y),
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    };
+    Tensor::from_primitive(TensorPrimitive::Float(node))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -262,15 +287,12 @@ fn rms_norm_tracked<const D: usize>(
     let shape = x.primitive.shape();
     let y = rms_norm_rows(&host(x.primitive.clone()), &host(w.primitive.clone()), eps);
     let y = primitive(y, shape);
-    let node = match RmsNormNode
-        .prepare::<NoCheckpointing>([x.node, w.node])
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(prep) => prep.finish((x.primitive, w.primitive, eps), y),
-        OpsKind::UnTracked(prep) => prep.finish(y),
-    };
-    Tensor::from_primitive(TensorPrimitive::Float(node))
+    record(
+        RmsNormNode,
+        [&x, &w],
+        || (x.primitive.clone(), w.primitive.clone(), eps),
+        y,
+    )
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -411,21 +433,13 @@ fn rope_tracked(
     let (cos, sin) = (table(cos), table(sin));
     let x = x.into_primitive().tensor();
     let y = rope_rows(
-        &host(x.primitive),
+        &host(x.primitive.clone()),
         &host(cos.clone()),
         &host(sin.clone()),
         dims,
     );
     let y = primitive(y, Shape::from([dims.b, dims.h, dims.s, dims.d]));
-    let node = match RopeNode
-        .prepare::<NoCheckpointing>([x.node])
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(prep) => prep.finish((cos, sin, dims), y),
-        OpsKind::UnTracked(prep) => prep.finish(y),
-    };
-    Tensor::from_primitive(TensorPrimitive::Float(node))
+    record(RopeNode, [&x], || (cos, sin, dims), y)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -538,15 +552,12 @@ fn swiglu_tracked<const D: usize>(
         swiglu_rows(&host(g.primitive.clone()), &host(u.primitive.clone())),
         shape,
     );
-    let node = match SwigluNode
-        .prepare::<NoCheckpointing>([g.node, u.node])
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(prep) => prep.finish((g.primitive, u.primitive), y),
-        OpsKind::UnTracked(prep) => prep.finish(y),
-    };
-    Tensor::from_primitive(TensorPrimitive::Float(node))
+    record(
+        SwigluNode,
+        [&g, &u],
+        || (g.primitive.clone(), u.primitive.clone()),
+        y,
+    )
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -608,18 +619,10 @@ fn swap_heads_tracked(x: Tensor<CpuAutodiff, 4>) -> Tensor<CpuAutodiff, 4> {
     let [b, p, q, d] = x.dims();
     let x = x.into_primitive().tensor();
     let y = primitive(
-        swap_rows(&host(x.primitive), [b, p, q, d]),
+        swap_rows(&host(x.primitive.clone()), [b, p, q, d]),
         Shape::from([b, q, p, d]),
     );
-    let node = match SwapNode
-        .prepare::<NoCheckpointing>([x.node])
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(prep) => prep.finish([b, p, q, d], y),
-        OpsKind::UnTracked(prep) => prep.finish(y),
-    };
-    Tensor::from_primitive(TensorPrimitive::Float(node))
+    record(SwapNode, [&x], || [b, p, q, d], y)
 }
 
 #[cfg(test)]
