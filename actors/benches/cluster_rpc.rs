@@ -1,8 +1,11 @@
 //! Remote request/reply round trips per second: the same `ractor_cluster` call messages carried
 //! over clawrl's QUIC transport (mutual TLS, one bidirectional stream per node session) versus
 //! `ractor_cluster`'s own TCP transport, plain and with TLS. Loopback, one process, two node
-//! servers per transport; prints the rates and the ratios. Run with
-//! `cargo bench -p clawrl-actors --bench cluster_rpc`.
+//! servers per transport. The transports run interleaved (QUIC, TCP, TCP + TLS, then again) for
+//! `CLUSTER_BENCH_ROUNDS` rounds (default 3) of `CLUSTER_BENCH_SECS` seconds a measure (default
+//! 2); the medians of each and the medians of the per-round ratios are printed, with the load
+//! average before and after (a ratio taken while other work shares the machine is not a
+//! result). Run with `cargo bench -p clawrl-actors --bench cluster_rpc`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -11,28 +14,86 @@ use std::time::{Duration, Instant};
 use clawrl_actors::pki::{self, Identity, NODE_SERVER_NAME};
 use clawrl_actors::rpc::Rpc;
 use clawrl_actors::transport::{self, QuicBidi, StreamTag};
-use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef};
+use ractor::message::{BoxedDowncastErr, SerializedMessage};
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort};
 use ractor_cluster::node::NodeConnectionMode;
 use ractor_cluster::{IncomingEncryptionMode, NodeServer, NodeServerMessage};
 
-/// Replies with the request bytes.
-struct Echo;
+/// A request whose reply is its own bytes.
+trait Request: ractor::Message + Sync {
+    fn new(body: Vec<u8>, reply: RpcReplyPort<Vec<u8>>) -> Self;
+    fn parts(self) -> (Vec<u8>, RpcReplyPort<Vec<u8>>);
+}
 
-impl Actor for Echo {
-    type Msg = Rpc;
+/// Over QUIC: clawrl's own request, which the receiving node stamps with its caller and the
+/// receiver refuses unstamped (part of what our transport costs).
+impl Request for Rpc {
+    fn new(body: Vec<u8>, reply: RpcReplyPort<Vec<u8>>) -> Self {
+        Rpc::local(body, reply)
+    }
+    fn parts(self) -> (Vec<u8>, RpcReplyPort<Vec<u8>>) {
+        (self.request, self.reply)
+    }
+}
+
+/// Over ractor's TCP transports, which carry no caller stamp: the same call frame as [`Rpc`]'s
+/// (variant, body and reply port), with no stamp required.
+struct Ping(Vec<u8>, RpcReplyPort<Vec<u8>>);
+
+const PING: &str = "bench.ping";
+
+impl ractor::Message for Ping {
+    fn serializable() -> bool {
+        true
+    }
+    fn serialize(self) -> Result<SerializedMessage, BoxedDowncastErr> {
+        Ok(SerializedMessage::Call {
+            variant: PING.to_string(),
+            args: self.0,
+            reply: self.1,
+            metadata: None,
+        })
+    }
+    fn deserialize(bytes: SerializedMessage) -> Result<Self, BoxedDowncastErr> {
+        match bytes {
+            SerializedMessage::Call {
+                variant,
+                args,
+                reply,
+                ..
+            } if variant == PING => Ok(Ping(args, reply)),
+            _ => Err(BoxedDowncastErr),
+        }
+    }
+}
+
+impl Request for Ping {
+    fn new(body: Vec<u8>, reply: RpcReplyPort<Vec<u8>>) -> Self {
+        Ping(body, reply)
+    }
+    fn parts(self) -> (Vec<u8>, RpcReplyPort<Vec<u8>>) {
+        (self.0, self.1)
+    }
+}
+
+/// Replies with the request bytes.
+struct Echo<M>(std::marker::PhantomData<M>);
+
+fn echo_actor<M>() -> Echo<M> {
+    Echo(std::marker::PhantomData)
+}
+
+impl<M: Request> Actor for Echo<M> {
+    type Msg = M;
     type State = ();
     type Arguments = String;
-    async fn pre_start(&self, me: ActorRef<Rpc>, group: String) -> Result<(), ActorProcessingErr> {
+    async fn pre_start(&self, me: ActorRef<M>, group: String) -> Result<(), ActorProcessingErr> {
         ractor::pg::join(group, vec![me.get_cell()]);
         Ok(())
     }
-    async fn handle(
-        &self,
-        _: ActorRef<Rpc>,
-        msg: Rpc,
-        _: &mut (),
-    ) -> Result<(), ActorProcessingErr> {
-        let _ = msg.reply.send(msg.request);
+    async fn handle(&self, _: ActorRef<M>, msg: M, _: &mut ()) -> Result<(), ActorProcessingErr> {
+        let (body, reply) = msg.parts();
+        let _ = reply.send(body);
         Ok(())
     }
 }
@@ -81,8 +142,13 @@ async fn remote_member(group: &str) -> ActorCell {
 }
 
 /// (sequential round trips/s, pipelined round trips/s with `width` callers).
-async fn measure(target: &ActorCell, payload: usize, width: usize, dur: Duration) -> (f64, f64) {
-    let actor: ActorRef<Rpc> = target.clone().into();
+async fn measure<M: Request>(
+    target: &ActorCell,
+    payload: usize,
+    width: usize,
+    dur: Duration,
+) -> (f64, f64) {
+    let actor: ActorRef<M> = target.clone().into();
     let body = vec![7u8; payload];
     // Warm-up.
     for _ in 0..200 {
@@ -116,13 +182,10 @@ async fn measure(target: &ActorCell, payload: usize, width: usize, dur: Duration
     (seq, total as f64 / start.elapsed().as_secs_f64())
 }
 
-async fn call(actor: &ActorRef<Rpc>, body: &[u8]) {
+async fn call<M: Request>(actor: &ActorRef<M>, body: &[u8]) {
     let request = body.to_vec();
     match actor
-        .call(
-            |reply| Rpc::local(request, reply),
-            Some(Duration::from_secs(5)),
-        )
+        .call(|reply| M::new(request, reply), Some(Duration::from_secs(5)))
         .await
         .unwrap()
     {
@@ -140,6 +203,9 @@ struct Setup {
 }
 
 impl Setup {
+    /// Stops this transport's actors and waits until its sessions are gone: every actor
+    /// stopped and no remote proxy left in any group (a live session of this transport would
+    /// otherwise also carry the next transport's groups, and a call could take it).
     async fn teardown(self) {
         for a in &self.actors {
             a.stop(None);
@@ -148,8 +214,26 @@ impl Setup {
             conn.close(0u32.into(), b"done");
             ep.close(0u32.into(), b"done");
         }
-        // Let sessions end and their proxies leave the groups.
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        let start = Instant::now();
+        loop {
+            let stopped = self
+                .actors
+                .iter()
+                .all(|a| a.get_status() == ractor::ActorStatus::Stopped);
+            let proxies = ractor::pg::which_groups().into_iter().any(|g| {
+                ractor::pg::get_members(&g)
+                    .iter()
+                    .any(|m| !m.get_id().is_local())
+            });
+            if stopped && !proxies {
+                return;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "sessions still up 30 s after teardown"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 }
 
@@ -172,7 +256,9 @@ async fn setup_tcp(tls: Option<(Identity, Identity)>, tag: &str) -> Setup {
     let a = node_server(&format!("{tag}-a"), port, enc).await;
     let b = node_server(&format!("{tag}-b"), 0, None).await;
     let group = format!("bench.{tag}");
-    let (echo, _) = Actor::spawn(None, Echo, group.clone()).await.unwrap();
+    let (echo, _) = Actor::spawn(None, echo_actor::<Ping>(), group.clone())
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(100)).await;
     let addr = format!("127.0.0.1:{port}");
     match tls {
@@ -222,7 +308,9 @@ async fn setup_quic(dir: &std::path::Path) -> Setup {
         conn.closed().await;
     });
     let group = "bench.quic".to_string();
-    let (echo, _) = Actor::spawn(None, Echo, group.clone()).await.unwrap();
+    let (echo, _) = Actor::spawn(None, echo_actor::<Rpc>(), group.clone())
+        .await
+        .unwrap();
     let conn = client_ep
         .connect(addr, NODE_SERVER_NAME)
         .unwrap()
@@ -247,7 +335,9 @@ async fn setup_quic(dir: &std::path::Path) -> Setup {
     // session (the session is up, so this is pure propagation).
     let late = "bench.quic.late".to_string();
     let t = Instant::now();
-    let (late_echo, _) = Actor::spawn(None, Echo, late.clone()).await.unwrap();
+    let (late_echo, _) = Actor::spawn(None, echo_actor::<Rpc>(), late.clone())
+        .await
+        .unwrap();
     remote_member(&late).await;
     println!(
         "group join visible through the QUIC session after {:?}",
@@ -261,6 +351,40 @@ async fn setup_quic(dir: &std::path::Path) -> Setup {
     }
 }
 
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The one-minute load average (Linux `/proc/loadavg`).
+fn print_load(when: &str) {
+    let load: f64 = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(f64::NAN);
+    let warn = if load > 0.5 {
+        "  WARNING: above 0.5, other work shares this machine and the ratios are not results"
+    } else {
+        ""
+    };
+    println!("load average {when}: {load:.2}{warn}");
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+const TRANSPORTS: [&str; 3] = ["quic+tls", "tcp", "tcp+tls"];
+const PAYLOADS: [usize; 2] = [64, 16 << 10];
+
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -269,48 +393,75 @@ fn main() {
     rt.block_on(async {
         let dir = tempfile::tempdir().unwrap();
         pki::init_cluster(dir.path(), &["a".into(), "b".into()]).unwrap();
-        let dur = Duration::from_secs(2);
+        let dur = Duration::from_secs(env("CLUSTER_BENCH_SECS", 2));
+        let rounds = env("CLUSTER_BENCH_ROUNDS", 3).max(1) as usize;
         let width = 32;
-        println!("remote request/reply over ractor_cluster sessions, loopback, {dur:?} per measure");
         println!(
-            "{:<10} {:>8} {:>16} {:>22}",
+            "remote request/reply over ractor_cluster sessions, loopback, {dur:?} per measure, \
+             {rounds} interleaved rounds"
+        );
+        print_load("before");
+        println!(
+            "{:<6} {:<10} {:>8} {:>16} {:>22}",
+            "round",
             "transport",
             "payload",
             "sequential rt/s",
             format!("{width} concurrent rt/s")
         );
-        let payloads = [64usize, 16 << 10];
-        let mut results: Vec<(&str, Vec<(f64, f64)>)> = Vec::new();
-        for name in ["quic+tls", "tcp", "tcp+tls"] {
-            let setup = match name {
-                "quic+tls" => setup_quic(dir.path()).await,
-                "tcp" => setup_tcp(None, "tcp").await,
-                _ => {
-                    setup_tcp(
-                        Some((identity(dir.path(), "a"), identity(dir.path(), "b"))),
-                        "tls",
-                    )
-                    .await
+        // rates[transport][payload] = one (sequential, concurrent) pair per round.
+        let mut rates = vec![vec![Vec::new(); PAYLOADS.len()]; TRANSPORTS.len()];
+        for round in 1..=rounds {
+            for (t, name) in TRANSPORTS.iter().enumerate() {
+                let setup = match *name {
+                    "quic+tls" => setup_quic(dir.path()).await,
+                    "tcp" => setup_tcp(None, "tcp").await,
+                    _ => {
+                        setup_tcp(
+                            Some((identity(dir.path(), "a"), identity(dir.path(), "b"))),
+                            "tls",
+                        )
+                        .await
+                    }
+                };
+                for (p, payload) in PAYLOADS.iter().enumerate() {
+                    let m = if t == 0 {
+                        measure::<Rpc>(&setup.target, *payload, width, dur).await
+                    } else {
+                        measure::<Ping>(&setup.target, *payload, width, dur).await
+                    };
+                    println!("{round:<6} {name:<10} {payload:>8} {:>16.0} {:>22.0}", m.0, m.1);
+                    rates[t][p].push(m);
                 }
-            };
-            let mut r = Vec::new();
-            for payload in payloads {
-                let m = measure(&setup.target, payload, width, dur).await;
-                println!("{name:<10} {payload:>8} {:>16.0} {:>22.0}", m.0, m.1);
-                r.push(m);
+                setup.teardown().await;
             }
-            results.push((name, r));
-            setup.teardown().await;
         }
-        let q = &results[0].1;
-        for (name, r) in &results[1..] {
-            for (i, payload) in payloads.iter().enumerate() {
+        println!("medians over {rounds} rounds:");
+        for (t, name) in TRANSPORTS.iter().enumerate() {
+            for (p, payload) in PAYLOADS.iter().enumerate() {
+                let r = &rates[t][p];
                 println!(
-                    "ratio quic+tls / {name:<8} payload {payload:>6}: sequential {:.2}, concurrent {:.2}",
-                    q[i].0 / r[i].0,
-                    q[i].1 / r[i].1
+                    "{:<6} {name:<10} {payload:>8} {:>16.0} {:>22.0}",
+                    "",
+                    median(r.iter().map(|m| m.0).collect()),
+                    median(r.iter().map(|m| m.1).collect())
                 );
             }
         }
+        for (t, name) in TRANSPORTS.iter().enumerate().skip(1) {
+            for (p, payload) in PAYLOADS.iter().enumerate() {
+                let (q, r) = (&rates[0][p], &rates[t][p]);
+                let ratio = |f: fn(&(f64, f64)) -> f64| {
+                    median(q.iter().zip(r).map(|(a, b)| f(a) / f(b)).collect())
+                };
+                println!(
+                    "ratio quic+tls / {name:<8} payload {payload:>6}: sequential {:.2}, concurrent {:.2} \
+                     (medians of per-round ratios)",
+                    ratio(|m| m.0),
+                    ratio(|m| m.1)
+                );
+            }
+        }
+        print_load("after");
     });
 }

@@ -13,7 +13,10 @@
 //! private): `prost` drops fields it does not know when it re-encodes, so a frame is re-encoded
 //! only when it is a node `Cast` or `Call`, whose every field is modelled.
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use tokio::io::{AsyncRead, ReadBuf};
 
 /// The largest node-session frame accepted from a peer. The stamped frame may grow by a node
 /// name and its field header, and must stay within the limit of `ractor_cluster`'s own reader.
@@ -134,77 +137,165 @@ pub fn stamp_frame(payload: &[u8], node: &str) -> Result<Option<Vec<u8>>, StampE
     Ok(Some(msg.encode_to_vec()))
 }
 
-/// Reads one frame (`u64` big-endian length and payload) from `src`; `None` at a clean end of
-/// the stream before a frame starts.
-pub async fn read_session_frame<R: AsyncRead + Unpin>(
-    src: &mut R,
-) -> Result<Option<Vec<u8>>, std::io::Error> {
-    let mut len = [0u8; 8];
-    let mut got = 0;
-    while got < len.len() {
-        match src.read(&mut len[got..]).await? {
-            0 if got == 0 => return Ok(None),
-            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            n => got += n,
+/// Most bytes a frame's payload buffer grows by per read: a length alone reserves nothing, so a
+/// peer announcing a large frame and sending nothing costs no memory.
+const GROW_STEP: usize = 64 * 1024;
+
+/// Bytes the reader buffers from the stream, so that a small frame's length and payload come
+/// out of one read of the transport.
+const READ_BUFFER: usize = 64 * 1024;
+
+/// Where a [`StampedReader`] is in the frame it is reading.
+enum Frame {
+    /// Gathering the 8-byte length; this many bytes of it are in.
+    Length([u8; 8], usize),
+    /// Gathering a payload of this many bytes.
+    Payload(usize),
+}
+
+/// The read half of a node session from peer `node`, stamped as it is read: frames are read
+/// from the stream, each node `Cast` and `Call` re-encoded by [`stamp_frame`], and handed to
+/// the session's reader with their new length. Reading happens in the session reader's own
+/// task (no task or pipe in between). A frame over [`MAX_SESSION_FRAME`], a malformed frame
+/// or a stream ending inside a frame is an error, which ends the session.
+pub struct StampedReader<R> {
+    src: tokio::io::BufReader<R>,
+    node: String,
+    frame: Frame,
+    payload: Vec<u8>,
+    /// The stamped frame being handed out, and how much of it has been.
+    out: Vec<u8>,
+    out_pos: usize,
+}
+
+impl<R: AsyncRead + Unpin> StampedReader<R> {
+    /// Stamps the frames read from `src` with peer `node`.
+    pub fn new(src: R, node: String) -> Self {
+        StampedReader {
+            src: tokio::io::BufReader::with_capacity(READ_BUFFER, src),
+            node,
+            frame: Frame::Length([0; 8], 0),
+            payload: Vec::new(),
+            out: Vec::new(),
+            out_pos: 0,
         }
     }
-    let len = u64::from_be_bytes(len);
-    if len > MAX_SESSION_FRAME {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            StampError::TooLarge(len),
-        ));
+
+    /// Reads until one whole frame is stamped into `out`; `Ready(Ok(false))` at a clean end of
+    /// the stream before a frame starts.
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<bool>> {
+        loop {
+            match &mut self.frame {
+                Frame::Length(bytes, got) => {
+                    let mut buf = ReadBuf::new(&mut bytes[*got..]);
+                    ready!(Pin::new(&mut self.src).poll_read(cx, &mut buf))?;
+                    let n = buf.filled().len();
+                    if n == 0 {
+                        return if *got == 0 {
+                            Poll::Ready(Ok(false))
+                        } else {
+                            Poll::Ready(Err(std::io::ErrorKind::UnexpectedEof.into()))
+                        };
+                    }
+                    *got += n;
+                    if *got < 8 {
+                        continue;
+                    }
+                    let len = u64::from_be_bytes(*bytes);
+                    if len > MAX_SESSION_FRAME {
+                        return Poll::Ready(Err(self.refuse(StampError::TooLarge(len))));
+                    }
+                    self.payload.clear();
+                    self.frame = Frame::Payload(len as usize);
+                }
+                Frame::Payload(len) => {
+                    let len = *len;
+                    let have = self.payload.len();
+                    if have < len {
+                        self.payload.reserve((len - have).min(GROW_STEP));
+                        let spare = self.payload.spare_capacity_mut();
+                        let room = spare.len().min(len - have);
+                        let mut buf = ReadBuf::uninit(&mut spare[..room]);
+                        ready!(Pin::new(&mut self.src).poll_read(cx, &mut buf))?;
+                        let n = buf.filled().len();
+                        if n == 0 {
+                            return Poll::Ready(Err(std::io::ErrorKind::UnexpectedEof.into()));
+                        }
+                        // SAFETY: `poll_read` initialised the first `n` spare bytes.
+                        unsafe { self.payload.set_len(have + n) };
+                        continue;
+                    }
+                    let stamped = match stamp_frame(&self.payload, &self.node) {
+                        Ok(stamped) => stamped,
+                        Err(e) => return Poll::Ready(Err(self.refuse(e))),
+                    };
+                    let body = stamped.as_deref().unwrap_or(&self.payload);
+                    self.out.clear();
+                    self.out
+                        .extend_from_slice(&(body.len() as u64).to_be_bytes());
+                    self.out.extend_from_slice(body);
+                    self.out_pos = 0;
+                    self.frame = Frame::Length([0; 8], 0);
+                    return Poll::Ready(Ok(true));
+                }
+            }
+        }
     }
-    // Grown as bytes arrive: a length alone reserves nothing.
-    let mut payload = Vec::new();
-    src.take(len).read_to_end(&mut payload).await?;
-    if payload.len() as u64 != len {
-        return Err(std::io::ErrorKind::UnexpectedEof.into());
+
+    fn refuse(&self, e: StampError) -> std::io::Error {
+        tracing::warn!("node session from `{}` closed: {e}", self.node);
+        std::io::Error::new(std::io::ErrorKind::InvalidData, e)
     }
-    Ok(Some(payload))
 }
 
-/// Copies node-session frames from `src` to `dst`, stamping each from peer `node`, until `src`
-/// ends, `dst` is dropped, or a frame is refused (then `dst` is closed: the session ends).
-pub async fn stamp_session<R, W>(mut src: R, mut dst: W, node: &str) -> Result<(), std::io::Error>
-where
-    R: AsyncRead + Unpin,
-    W: tokio::io::AsyncWrite + Unpin,
-{
-    while let Some(payload) = read_session_frame(&mut src).await? {
-        let stamped = stamp_frame(&payload, node)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-        let out = stamped.as_deref().unwrap_or(&payload);
-        dst.write_all(&(out.len() as u64).to_be_bytes()).await?;
-        dst.write_all(out).await?;
+impl<R: AsyncRead + Unpin> AsyncRead for StampedReader<R> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if this.out_pos == this.out.len() && !ready!(this.poll_frame(cx))? {
+            return Poll::Ready(Ok(()));
+        }
+        let n = buf.remaining().min(this.out.len() - this.out_pos);
+        buf.put_slice(&this.out[this.out_pos..this.out_pos + n]);
+        this.out_pos += n;
+        Poll::Ready(Ok(()))
     }
-    dst.shutdown().await
 }
 
-/// Bytes buffered between the stamping task and the session's reader.
-const PIPE_BYTES: usize = 256 * 1024;
-
-/// The read half of a node session from peer `node`, stamped: a task reads `src` and feeds the
-/// returned reader with the stamped frames.
+/// The read half of a node session from peer `node`, stamped ([`StampedReader`]).
 pub fn stamped_reader<R>(src: R, node: String) -> ractor_cluster::BoxRead
 where
     R: AsyncRead + Unpin + Send + 'static,
 {
-    let (reader, writer) = tokio::io::duplex(PIPE_BYTES);
-    tokio::spawn(async move {
-        if let Err(e) = stamp_session(src, writer, &node).await {
-            if e.kind() != std::io::ErrorKind::BrokenPipe {
-                tracing::warn!("node session from `{node}` closed: {e}");
-            }
-        }
-    });
-    Box::new(reader)
+    Box::new(StampedReader::new(src, node))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use prost::Message as _;
+    use tokio::io::AsyncReadExt;
+
+    /// Reads one frame (`u64` big-endian length and payload); `None` at the end.
+    async fn read_session_frame(src: &mut &[u8]) -> Option<Vec<u8>> {
+        if src.is_empty() {
+            return None;
+        }
+        let len = src.read_u64().await.unwrap() as usize;
+        let mut payload = vec![0u8; len];
+        src.read_exact(&mut payload).await.unwrap();
+        Some(payload)
+    }
+
+    /// Everything the stamped reader gives for `input` from peer `peer`.
+    async fn stamp_session(input: &[u8], out: &mut Vec<u8>, peer: &str) -> std::io::Result<usize> {
+        StampedReader::new(input, peer.to_string())
+            .read_to_end(out)
+            .await
+    }
 
     fn call(metadata: Option<&[u8]>) -> Vec<u8> {
         NetworkMessage {
@@ -331,14 +422,74 @@ mod tests {
             .await
             .unwrap();
         let mut rest = out.as_slice();
-        let first = read_session_frame(&mut rest).await.unwrap().unwrap();
+        let first = read_session_frame(&mut rest).await.unwrap();
         assert_eq!(first, auth, "passed byte for byte");
-        let second = read_session_frame(&mut rest).await.unwrap().unwrap();
+        let second = read_session_frame(&mut rest).await.unwrap();
         assert_eq!(
             read_stamp(&metadata_of(&second).unwrap()).as_deref(),
             Some("peer")
         );
-        assert_eq!(read_session_frame(&mut rest).await.unwrap(), None);
+        assert_eq!(read_session_frame(&mut rest).await, None);
+    }
+
+    /// A stream that gives one byte a read, returning `Pending` (and waking) every other poll.
+    struct Trickle<'a>(&'a [u8], bool);
+
+    impl AsyncRead for Trickle<'_> {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<std::io::Result<()>> {
+            self.1 = !self.1;
+            if self.1 {
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            if let Some((first, rest)) = self.0.split_first() {
+                buf.put_slice(&[*first]);
+                self.0 = rest;
+            }
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn frames_split_anywhere_come_out_whole_and_read_in_small_pieces() {
+        // A reply larger than the payload buffer's growth step, between two calls.
+        let reply = NetworkMessage {
+            message: Some(Network::Node(NodeMessage {
+                msg: Some(Node::Reply(vec![7; 3 * GROW_STEP + 5])),
+            })),
+        }
+        .encode_to_vec();
+        let input = [
+            framed(&call(None)),
+            framed(&reply),
+            framed(&call(Some(b"forged"))),
+        ]
+        .concat();
+        let mut reader = StampedReader::new(Trickle(&input, false), "peer".into());
+        let mut out = Vec::new();
+        let mut piece = [0u8; 5];
+        loop {
+            let n = reader.read(&mut piece).await.unwrap();
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&piece[..n]);
+        }
+        let mut rest = out.as_slice();
+        for expect_stamp in [true, false, true] {
+            let frame = read_session_frame(&mut rest).await.unwrap();
+            if expect_stamp {
+                let stamp = metadata_of(&frame).unwrap();
+                assert_eq!(read_stamp(&stamp).as_deref(), Some("peer"));
+            } else {
+                assert_eq!(frame, reply);
+            }
+        }
+        assert_eq!(read_session_frame(&mut rest).await, None);
     }
 
     #[tokio::test]

@@ -68,9 +68,10 @@ pub fn endpoint(ca: &TestCa, name: &str) -> quinn::Endpoint {
     endpoint_capped(ca, name, None)
 }
 
-/// Like [`endpoint`], with the node's outgoing bytes capped at `uplink` bytes/s when given
-/// (emulates each node having its own network link instead of one shared loopback).
-pub fn endpoint_capped(ca: &TestCa, name: &str, uplink: Option<f64>) -> quinn::Endpoint {
+/// The rustls server and client configs of node `name` (TLS 1.3 only, mutual authentication
+/// against `ca`, ALPN `clawrl/1`): what its QUIC endpoint uses, and what a TLS-over-TCP
+/// reference stream uses in the bulk benchmark.
+pub fn tls_configs(ca: &TestCa, name: &str) -> (rustls::ServerConfig, rustls::ClientConfig) {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(ca.der()).unwrap();
     let roots = Arc::new(roots);
@@ -87,10 +88,6 @@ pub fn endpoint_capped(ca: &TestCa, name: &str, uplink: Option<f64>) -> quinn::E
         .with_single_cert(chain.clone(), key.clone_key())
         .unwrap();
     server.alpn_protocols = vec![ALPN.to_vec()];
-    let server = quinn::crypto::rustls::QuicServerConfig::try_from(server).unwrap();
-    let mut server = quinn::ServerConfig::with_crypto(Arc::new(server));
-    server.transport_config(transport());
-
     let mut client = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .unwrap()
@@ -98,6 +95,16 @@ pub fn endpoint_capped(ca: &TestCa, name: &str, uplink: Option<f64>) -> quinn::E
         .with_client_auth_cert(chain, key)
         .unwrap();
     client.alpn_protocols = vec![ALPN.to_vec()];
+    (server, client)
+}
+
+/// Like [`endpoint`], with the node's outgoing bytes capped at `uplink` bytes/s when given
+/// (emulates each node having its own network link instead of one shared loopback).
+pub fn endpoint_capped(ca: &TestCa, name: &str, uplink: Option<f64>) -> quinn::Endpoint {
+    let (server, client) = tls_configs(ca, name);
+    let server = quinn::crypto::rustls::QuicServerConfig::try_from(server).unwrap();
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(server));
+    server.transport_config(transport());
     let client = quinn::crypto::rustls::QuicClientConfig::try_from(client).unwrap();
     let mut client = quinn::ClientConfig::new(Arc::new(client));
     client.transport_config(transport());
