@@ -937,7 +937,9 @@ impl<C: PeerConnector> BulkPlane<C> {
         })
     }
 
-    /// Reads every chunk into `writer`, verifying each; then checks the stream ends.
+    /// Reads every chunk into `writer`, verifying each; then checks the stream ends. A chunk's
+    /// hash is checked on a blocking thread while the next chunk is read off the stream, and
+    /// chunks commit in order as their checks pass.
     async fn receive(
         &self,
         id: BlobId,
@@ -953,23 +955,39 @@ impl<C: PeerConnector> BulkPlane<C> {
         fn io<E: std::error::Error + Send + Sync + 'static>(e: E) -> std::io::Error {
             std::io::Error::other(e)
         }
-        while let Some(region) = writer.next_region() {
-            let n = region.len();
-            self.stall(peer, "chunk data", recv.read_exact(region))
-                .await?
-                .map_err(|e| wire_err(io(e)))?;
-            c.bytes_received.fetch_add(n as u64, Ordering::Relaxed);
-            if !writer.verify_and_commit() {
-                c.corrupt_chunks.fetch_add(1, Ordering::Relaxed);
-                let chunk = writer.next_index();
-                tracing::warn!(blob = %id.short(), chunk, peer, "bulk chunk failed verification");
-                return Err(TransferError::CorruptChunk {
-                    blob: id,
-                    chunk,
-                    peer: peer.to_owned(),
-                });
+        let mut checking: Option<tokio::task::JoinHandle<bool>> = None;
+        loop {
+            let filled = match writer.next_region() {
+                Some(region) => {
+                    let n = region.len();
+                    self.stall(peer, "chunk data", recv.read_exact(region))
+                        .await?
+                        .map_err(|e| wire_err(io(e)))?;
+                    c.bytes_received.fetch_add(n as u64, Ordering::Relaxed);
+                    let chunk = writer.fill();
+                    Some(tokio::task::spawn_blocking(move || chunk.verify()))
+                }
+                None => None,
+            };
+            let done = filled.is_none();
+            if let Some(check) = std::mem::replace(&mut checking, filled) {
+                // A check that panicked counts as a failed one.
+                let verified = check.await.unwrap_or(false);
+                if !writer.commit(verified) {
+                    c.corrupt_chunks.fetch_add(1, Ordering::Relaxed);
+                    let chunk = writer.next_index();
+                    tracing::warn!(blob = %id.short(), chunk, peer, "bulk chunk failed verification");
+                    return Err(TransferError::CorruptChunk {
+                        blob: id,
+                        chunk,
+                        peer: peer.to_owned(),
+                    });
+                }
+                c.chunks_verified.fetch_add(1, Ordering::Relaxed);
             }
-            c.chunks_verified.fetch_add(1, Ordering::Relaxed);
+            if done {
+                break;
+            }
         }
         let mut probe = [0u8; 1];
         let extra = self

@@ -1,6 +1,7 @@
 //! The buffer a blob is received into while it may already be relayed onward. One
-//! [`BlobWriter`] fills the blob's single allocation chunk by chunk, in order; after each chunk
-//! is verified it is committed, and any number of [`BlobReader`]s (the relay's forwarders) may
+//! [`BlobWriter`] fills the blob's single allocation chunk by chunk, in order; a filled chunk
+//! is verified (on any thread, through its [`FilledChunk`], while the writer fills the next)
+//! and then committed, in order, and any number of [`BlobReader`]s (the relay's forwarders) may
 //! then read it while later chunks are still arriving. No chunk is copied per forwarder, so a
 //! slow child costs no memory beyond the blob itself. When every chunk is in, the writer turns
 //! the allocation into a [`Bytes`] without copying.
@@ -14,8 +15,9 @@ use tokio::sync::watch;
 
 use super::manifest::Manifest;
 
-/// The shared allocation. Bytes `[0, ready)` are immutable; only the unique writer touches
-/// bytes at or after `ready`.
+/// The shared allocation. Bytes `[0, ready)` are immutable; only the unique writer writes bytes
+/// at or after its `filled` chunk, and the filled, unverified chunks between are only read (by
+/// their verification).
 struct Shared {
     data: Box<[UnsafeCell<u8>]>,
     /// Number of leading bytes that are committed (verified) and will never change again.
@@ -53,8 +55,31 @@ enum Progress {
 pub(crate) struct BlobWriter {
     shared: Arc<Shared>,
     manifest: Arc<Manifest>,
+    /// The chunk to commit next (chunks before it are committed).
     next: usize,
+    /// The chunk to fill next (chunks from `next` up to it are filled, awaiting verification).
+    filled: usize,
     progress: watch::Sender<Progress>,
+}
+
+/// A filled chunk awaiting verification, which may run on another thread while the writer
+/// fills later chunks; [`BlobWriter::commit`] then commits it given the verdict.
+pub(crate) struct FilledChunk {
+    shared: Arc<Shared>,
+    manifest: Arc<Manifest>,
+    index: usize,
+}
+
+impl FilledChunk {
+    /// Whether the chunk's bytes match the manifest's hash.
+    pub(crate) fn verify(&self) -> bool {
+        let range = self.manifest.chunk_range(self.index);
+        // SAFETY: the chunk is filled and not committed: the writer writes only at later
+        // chunks, readers read only committed bytes, so nothing writes these bytes now.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(self.shared.ptr().add(range.start), range.len()) };
+        self.manifest.chunk_matches(self.index, bytes)
+    }
 }
 
 /// A reader of a blob being received (cheap to clone).
@@ -89,6 +114,7 @@ pub(crate) fn incoming(manifest: Arc<Manifest>) -> (BlobWriter, BlobReader) {
             shared: shared.clone(),
             manifest: manifest.clone(),
             next: 0,
+            filled: 0,
             progress: tx,
         },
         BlobReader {
@@ -100,45 +126,66 @@ pub(crate) fn incoming(manifest: Arc<Manifest>) -> (BlobWriter, BlobReader) {
 }
 
 impl BlobWriter {
-    /// Index of the chunk the writer fills next (`== chunk_count()` when all are in).
+    /// Index of the chunk the writer commits next (`== chunk_count()` when all are in).
     pub(crate) fn next_index(&self) -> usize {
         self.next
     }
 
-    /// The uncommitted region of the next chunk, to read the wire into. `None` when complete.
+    /// The region of the next chunk to fill, to read the wire into. `None` when every chunk is
+    /// filled.
     pub(crate) fn next_region(&mut self) -> Option<&mut [u8]> {
-        if self.next >= self.manifest.chunk_count() {
+        if self.filled >= self.manifest.chunk_count() {
             return None;
         }
-        let range = self.manifest.chunk_range(self.next);
-        debug_assert_eq!(range.start, self.shared.ready.load(Ordering::Relaxed));
-        // SAFETY: `range` starts at `ready` and lies within the allocation; no reader forms a
-        // slice beyond `ready`, and `&mut self` makes this the only mutable slice.
+        let range = self.manifest.chunk_range(self.filled);
+        // SAFETY: `range` starts at or after `ready` and lies within the allocation; no reader
+        // forms a slice beyond `ready`, the filled chunks before it are only read by their
+        // verification, and `&mut self` makes this the only mutable slice.
         Some(unsafe {
             std::slice::from_raw_parts_mut(self.shared.ptr().add(range.start), range.len())
         })
     }
 
-    /// Verifies the next chunk's bytes against the manifest and commits it. On a hash mismatch
-    /// nothing is committed and `false` is returned.
-    pub(crate) fn verify_and_commit(&mut self) -> bool {
-        let index = self.next;
-        if index >= self.manifest.chunk_count() {
+    /// Marks the region [`next_region`](Self::next_region) gave as filled; its verification
+    /// comes back to [`commit`](Self::commit) in chunk order.
+    pub(crate) fn fill(&mut self) -> FilledChunk {
+        let index = self.filled;
+        assert!(index < self.manifest.chunk_count(), "every chunk is filled");
+        self.filled += 1;
+        FilledChunk {
+            shared: self.shared.clone(),
+            manifest: self.manifest.clone(),
+            index,
+        }
+    }
+
+    /// Commits the oldest filled chunk if `verified` (its [`FilledChunk::verify`]), making it
+    /// readable; returns `verified`. A chunk that failed is not committed, and the transfer
+    /// is then dead: nothing after it can be.
+    pub(crate) fn commit(&mut self, verified: bool) -> bool {
+        assert!(self.next < self.filled, "a filled chunk to commit");
+        if !verified {
             return false;
         }
-        let range = self.manifest.chunk_range(index);
-        // SAFETY: the range starts at `ready`; only this writer (borrowed `&mut`) touches it,
-        // and it is not writing now.
-        let region =
-            unsafe { std::slice::from_raw_parts(self.shared.ptr().add(range.start), range.len()) };
-        if !self.manifest.chunk_matches(index, region) {
-            return false;
-        }
-        let end = range.end;
+        let end = self.manifest.chunk_range(self.next).end;
         self.shared.ready.store(end, Ordering::Release);
         self.next += 1;
         self.progress.send_replace(Progress::Chunks(self.next));
         true
+    }
+
+    /// Fills nothing more, verifies the chunk just filled here, and commits it: the sequential
+    /// form of [`fill`](Self::fill), [`FilledChunk::verify`] and [`commit`](Self::commit).
+    #[cfg(test)]
+    pub(crate) fn verify_and_commit(&mut self) -> bool {
+        let chunk = self.fill();
+        let ok = chunk.verify();
+        if !ok {
+            // Not filled after all: the same region is offered again.
+            self.filled -= 1;
+            return false;
+        }
+        self.commit(true)
     }
 
     /// Turns the completed buffer into `Bytes` (no copy). `Err(self)` if chunks are missing.
