@@ -6,6 +6,7 @@
 //! contiguous `f32` tensor of the CPU backend already is a row-major slice: [`floats`] lends
 //! that buffer and copies only a strided view or another element type.
 
+use std::any::TypeId;
 use std::ops::Deref;
 
 use burn::tensor::backend::Backend;
@@ -26,6 +27,40 @@ impl Deref for Floats {
         self.0
             .as_slice::<f32>()
             .expect("Floats holds a contiguous f32 tensor")
+    }
+}
+
+/// A tensor's elements on the host, row-major `f32`.
+pub enum HostFloats {
+    /// The CPU backend's own buffer, lent ([`floats`]).
+    Lent(Floats),
+    /// Read out of another backend's tensor.
+    Read(Vec<f32>),
+}
+
+impl Deref for HostFloats {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        match self {
+            HostFloats::Lent(f) => f,
+            HostFloats::Read(v) => v,
+        }
+    }
+}
+
+/// The elements of `x` on the host: a CPU tensor's buffer lent without a copy, any other
+/// backend's copied out through `into_data`.
+pub fn host_floats<B: Backend, const D: usize>(x: Tensor<B, D>) -> HostFloats {
+    if TypeId::of::<B>() == TypeId::of::<CpuBackend>() {
+        HostFloats::Lent(floats(x))
+    } else {
+        HostFloats::Read(
+            x.into_data()
+                .convert::<f32>()
+                .into_vec()
+                .expect("converted to f32"),
+        )
     }
 }
 

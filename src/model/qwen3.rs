@@ -19,6 +19,7 @@ use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::module::embedding;
 use burn::tensor::{Int, Tensor, TensorData};
+use rayon::prelude::*;
 
 use super::attention::{cached_attention, causal_attention, prefixed_attention, repeat_kv};
 use super::config::Qwen3Config;
@@ -419,8 +420,10 @@ pub fn hf_weight_shapes(cfg: &Qwen3Config) -> Vec<(String, Vec<usize>)> {
     out
 }
 
-/// Supplies one weight by Hugging Face name and shape (see [`Qwen3::build`]).
-pub type WeightGetter<'a, E> = dyn FnMut(&str, &[usize]) -> Result<Vec<f32>, E> + 'a;
+/// Supplies one weight by Hugging Face name and shape (see [`Qwen3::build`]), row-major; when
+/// the flag is set, a 2-D weight comes transposed (`[in, out]` for a linear layer's
+/// `[out, in]`), so that a source can decode and transpose in one pass.
+pub type WeightGetter<'a, E> = dyn FnMut(&str, &[usize], bool) -> Result<Vec<f32>, E> + 'a;
 
 impl<B: Backend> Qwen3<B> {
     /// A randomly initialised model: normal(0, `initializer_range`) weights drawn from a
@@ -430,24 +433,30 @@ impl<B: Backend> Qwen3<B> {
         use rand::{Rng, SeedableRng};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let std = cfg.initializer_range;
-        Self::build(cfg, device, &mut |name, shape| {
+        Self::build(cfg, device, &mut |name, shape, transposed| {
             let n: usize = shape.iter().product();
             if name.ends_with("norm.weight") {
                 return Ok::<_, std::convert::Infallible>(vec![1.0; n]);
             }
-            Ok((0..n)
+            // Drawn in Hugging Face order whatever the layout asked, so a seed means one model.
+            let w: Vec<f32> = (0..n)
                 .map(|_| {
                     let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
                     let u2: f64 = rng.random();
                     ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos() * std) as f32
                 })
-                .collect())
+                .collect();
+            Ok(match (transposed, shape) {
+                (true, &[r, c]) => transpose(&w, r, c),
+                _ => w,
+            })
         })
         .unwrap_or_else(|e| match e {})
     }
 
-    /// Builds the model from weights given in Hugging Face names and layout: `get(name, shape)`
-    /// returns the f32 data of that tensor (`[out, in]` for linear layers).
+    /// Builds the model from weights given in Hugging Face names and layout: `get(name, shape,
+    /// transposed)` returns the f32 data of that tensor (`shape` is `[out, in]` for linear
+    /// layers, which are asked for transposed: Burn keeps them `[in, out]`).
     pub fn build<E>(
         cfg: &Qwen3Config,
         device: &B::Device,
@@ -457,7 +466,7 @@ impl<B: Backend> Qwen3<B> {
         let (nq, nkv) = (cfg.num_attention_heads, cfg.num_kv_heads());
         let eps = cfg.rms_norm_eps;
         let mut vector = |name: &str, n: usize| -> Result<Param<Tensor<B, 1>>, E> {
-            let data = get(name, &[n])?;
+            let data = get(name, &[n], false)?;
             Ok(Param::from_tensor(Tensor::<B, 1>::from_data(
                 TensorData::new(data, [n]),
                 device,
@@ -474,12 +483,12 @@ impl<B: Backend> Qwen3<B> {
             ));
         }
         let final_norm = vector("model.norm.weight", h)?;
-        let embed = get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let embed = get("model.embed_tokens.weight", &[cfg.vocab_size, h], false)?;
         // Linear weights: HF [out, in] → Burn [in, out].
         let mut matrix = |name: &str, out: usize, inp: usize| -> Result<Param<Tensor<B, 2>>, E> {
-            let data = get(name, &[out, inp])?;
+            let data = get(name, &[out, inp], true)?;
             Ok(Param::from_tensor(Tensor::from_data(
-                TensorData::new(transpose(&data, out, inp), [inp, out]),
+                TensorData::new(data, [inp, out]),
                 device,
             )))
         };
@@ -791,11 +800,50 @@ fn row_groups<'a, B: Backend>(models: &[&'a Qwen3<B>]) -> Vec<(Vec<usize>, &'a Q
 
 /// Transposes a row-major `[r, c]` matrix into a row-major `[c, r]` one.
 pub(crate) fn transpose(v: &[f32], r: usize, c: usize) -> Vec<f32> {
-    let mut out = vec![0f32; r * c];
-    for i in 0..r {
-        for j in 0..c {
-            out[j * r + i] = v[i * c + j];
-        }
-    }
+    transpose_map(v, r, c, |x| x)
+}
+
+/// Transposes a row-major `[r, c]` matrix of `T` into a row-major `[c, r]` one of `U`, mapping
+/// each element with `f` on the way (decoding little-endian bytes, or encoding them). Output
+/// rows are filled in bands of [`TILE`] on the rayon pool, and within a band the input is read
+/// [`TILE`] rows at a time, so both sides stay within a few cache lines per element; a plain
+/// double loop strides one of them across the whole matrix.
+pub(crate) fn transpose_map<T, U, F>(v: &[T], r: usize, c: usize, f: F) -> Vec<U>
+where
+    T: Copy + Sync,
+    U: Copy + Default + Send,
+    F: Fn(T) -> U + Sync,
+{
+    let mut out = vec![U::default(); r * c];
+    transpose_into(v, r, c, f, &mut out);
     out
+}
+
+/// [`transpose_map`] into `out`, which holds the `[c, r]` result.
+pub(crate) fn transpose_into<T, U, F>(v: &[T], r: usize, c: usize, f: F, out: &mut [U])
+where
+    T: Copy + Sync,
+    U: Send,
+    F: Fn(T) -> U + Sync,
+{
+    const TILE: usize = 32;
+    assert_eq!(v.len(), r * c, "a [{r}, {c}] matrix");
+    assert_eq!(out.len(), r * c, "room for its [{c}, {r}] transpose");
+    if r == 0 || c == 0 {
+        return;
+    }
+    out.par_chunks_mut(TILE * r)
+        .enumerate()
+        .for_each(|(band, rows)| {
+            let j0 = band * TILE;
+            let cols = rows.len() / r;
+            for i0 in (0..r).step_by(TILE) {
+                for i in i0..(i0 + TILE).min(r) {
+                    let src = &v[i * c + j0..i * c + j0 + cols];
+                    for (k, &x) in src.iter().enumerate() {
+                        rows[k * r + i] = f(x);
+                    }
+                }
+            }
+        });
 }

@@ -6,12 +6,14 @@ use std::collections::HashMap;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
+use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{Dtype, SafeTensors};
 
 use super::checkpoint::LoadError;
 use super::config::Qwen3Config;
+use super::cpu_tensor::{host_floats, HostFloats};
 use super::lora::{base_and_adapter, effective_weight, LoraTarget};
-use super::qwen3::{hf_weight_shapes, transpose, Qwen3};
+use super::qwen3::{hf_weight_shapes, transpose, transpose_into, transpose_map, Qwen3};
 
 /// Errors while serializing a model.
 #[derive(Debug, thiserror::Error)]
@@ -101,8 +103,14 @@ impl<'a> TensorSource<'a> {
             .join(", ")
     }
 
-    /// The f32 data of `name`, checked against `shape`.
-    pub(crate) fn get(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, LoadError> {
+    /// The f32 data of `name`, checked against `shape`; a 2-D tensor comes transposed when
+    /// `transposed` is set, decoded and transposed in one pass for f32 data.
+    pub(crate) fn get(
+        &self,
+        name: &str,
+        shape: &[usize],
+        transposed: bool,
+    ) -> Result<Vec<f32>, LoadError> {
         let Some(&i) = self.index.get(name) else {
             return Err(LoadError::MissingTensor {
                 tensor: name.to_string(),
@@ -122,7 +130,18 @@ impl<'a> TensorSource<'a> {
                 found: view.shape().to_vec(),
             });
         }
-        decode_f32(view.dtype(), view.data(), name, label)
+        match (transposed, shape) {
+            (true, &[r, c]) if view.dtype() == Dtype::F32 => {
+                let (words, _) = view.data().as_chunks::<4>();
+                Ok(transpose_map(words, r, c, f32::from_le_bytes))
+            }
+            (true, &[r, c]) => Ok(transpose(
+                &decode_f32(view.dtype(), view.data(), name, label)?,
+                r,
+                c,
+            )),
+            _ => decode_f32(view.dtype(), view.data(), name, label),
+        }
     }
 
     /// Builds the model from these tensors.
@@ -131,7 +150,9 @@ impl<'a> TensorSource<'a> {
         cfg: &Qwen3Config,
         device: &B::Device,
     ) -> Result<Qwen3<B>, LoadError> {
-        Qwen3::build(cfg, device, &mut |name, shape| self.get(name, shape))
+        Qwen3::build(cfg, device, &mut |name, shape, transposed| {
+            self.get(name, shape, transposed)
+        })
     }
 }
 
@@ -149,31 +170,64 @@ pub fn model_from_safetensors<B: Backend>(
     TensorSource::new(&buffers)?.build(cfg, device)
 }
 
-fn tensor_f32<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-    t.into_data()
-        .convert::<f32>()
-        .to_vec()
-        .expect("converted to f32")
-}
-
 /// A named f32 tensor: `(Hugging Face name, shape, row-major data)`.
 pub type HfTensor = (String, Vec<usize>, Vec<f32>);
 
-/// Every weight of `model` in Hugging Face names and layout (`[out, in]` for linear layers), f32;
-/// adapters are merged into the weights they adapt.
-pub fn model_hf_tensors<B: Backend>(
-    model: &Qwen3<B>,
-    cfg: &Qwen3Config,
-) -> Result<Vec<HfTensor>, SaveError> {
-    let mut have: HashMap<String, (Vec<usize>, Vec<f32>)> = HashMap::new();
+/// A named tensor as safetensors stores it: `(name, shape, little-endian f32 bytes)`.
+type LeTensor = (String, Vec<usize>, Vec<u8>);
+
+/// f32 values as little-endian bytes.
+fn le_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter()
+        .map(|x| x.to_le_bytes())
+        .collect::<Vec<[u8; 4]>>()
+        .into_flattened()
+}
+
+/// One weight on its way into a safetensors buffer: its elements on the host, and whether it
+/// is a linear layer's Burn `[in, out]` matrix to be written in Hugging Face `[out, in]` order.
+struct Outgoing {
+    floats: HostFloats,
+    /// The `[rows, cols]` of the matrix held, when it is written transposed.
+    transpose: Option<[usize; 2]>,
+    shape: Vec<usize>,
+}
+
+impl Outgoing {
+    /// Writes the weight's little-endian f32 bytes into `slot` (its place in the buffer).
+    fn write(&self, slot: &mut [u8]) {
+        let (words, rest) = slot.as_chunks_mut::<4>();
+        debug_assert!(rest.is_empty());
+        match self.transpose {
+            Some([r, c]) => transpose_into(&self.floats, r, c, f32::to_le_bytes, words),
+            None => {
+                for (w, x) in words.iter_mut().zip(self.floats.iter()) {
+                    *w = x.to_le_bytes();
+                }
+            }
+        }
+    }
+}
+
+/// Every weight of `model` by Hugging Face name; adapters are merged into the weights they
+/// adapt.
+fn outgoing_weights<B: Backend>(model: &Qwen3<B>) -> HashMap<String, Outgoing> {
+    let mut have = HashMap::new();
     let mut put2 = |name: String, w: Tensor<B, 2>, transposed: bool| {
         let [r, c] = w.dims();
-        let data = tensor_f32(w);
-        if transposed {
-            have.insert(name, (vec![c, r], transpose(&data, r, c)));
-        } else {
-            have.insert(name, (vec![r, c], data));
-        }
+        let (transpose, shape) = match transposed {
+            true => (Some([r, c]), vec![c, r]),
+            false => (None, vec![r, c]),
+        };
+        let floats = host_floats(w);
+        have.insert(
+            name,
+            Outgoing {
+                floats,
+                transpose,
+                shape,
+            },
+        );
     };
     put2(
         "model.embed_tokens.weight".into(),
@@ -195,8 +249,16 @@ pub fn model_hf_tensors<B: Backend>(
         }
     }
     let mut put1 = |name: String, w: Tensor<B, 1>| {
-        let n = w.dims()[0];
-        have.insert(name, (vec![n], tensor_f32(w)));
+        let shape = w.dims().to_vec();
+        let floats = host_floats(w);
+        have.insert(
+            name,
+            Outgoing {
+                floats,
+                transpose: None,
+                shape,
+            },
+        );
     };
     for (l, layer) in model.layers.iter().enumerate() {
         let p = format!("model.layers.{l}");
@@ -218,22 +280,34 @@ pub fn model_hf_tensors<B: Backend>(
         );
     }
     put1("model.norm.weight".into(), model.norm.weight.val());
+    have
+}
 
-    let mut out = Vec::new();
+/// Serializes `model` as one f32 safetensors buffer with Hugging Face tensor names and
+/// `[out, in]` linear layers, in the layout `safetensors::serialize` gives (tensors sorted by
+/// name, the header padded to 8 bytes). Each weight is written once, straight from the model's
+/// buffer into its place in the result (transposed on the way for linear layers), instead of
+/// through intermediate copies: every fresh buffer of this size costs its page faults again.
+pub fn model_to_safetensors<B: Backend>(
+    model: &Qwen3<B>,
+    cfg: &Qwen3Config,
+) -> Result<Vec<u8>, SaveError> {
+    let mut have = outgoing_weights(model);
+    let mut weights = Vec::new();
     for (name, shape) in hf_weight_shapes(cfg) {
-        let Some((got_shape, data)) = have.remove(&name) else {
+        let Some(w) = have.remove(&name) else {
             return Err(SaveError::Mismatch {
                 tensor: name,
                 reason: "the model has no such weight (tied/untied head differs?)".into(),
             });
         };
-        if got_shape != shape {
+        if w.shape != shape {
             return Err(SaveError::Mismatch {
                 tensor: name,
-                reason: format!("shape {got_shape:?}, config says {shape:?}"),
+                reason: format!("shape {:?}, config says {shape:?}", w.shape),
             });
         }
-        out.push((name, shape, data));
+        weights.push((name, w));
     }
     if let Some(name) = have.keys().next() {
         return Err(SaveError::Mismatch {
@@ -241,29 +315,58 @@ pub fn model_hf_tensors<B: Backend>(
             reason: "the config has no such weight".into(),
         });
     }
-    Ok(out)
-}
+    weights.sort_by(|(a, _), (b, _)| a.cmp(b));
 
-/// Serializes `model` as one f32 safetensors buffer with Hugging Face tensor names.
-pub fn model_to_safetensors<B: Backend>(
-    model: &Qwen3<B>,
-    cfg: &Qwen3Config,
-) -> Result<Vec<u8>, SaveError> {
-    Ok(f32_safetensors(model_hf_tensors(model, cfg)?)?)
+    let mut infos = Vec::with_capacity(weights.len());
+    let mut offset = 0;
+    for (name, w) in &weights {
+        let len = 4 * w.floats.len();
+        infos.push((
+            name.clone(),
+            TensorInfo {
+                dtype: Dtype::F32,
+                shape: w.shape.clone(),
+                data_offsets: (offset, offset + len),
+            },
+        ));
+        offset += len;
+    }
+    let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+    let header = Metadata::new(Some(meta), infos)?;
+    let mut header = serde_json::to_vec(&header).map_err(|e| SaveError::Mismatch {
+        tensor: "the safetensors header".into(),
+        reason: e.to_string(),
+    })?;
+    header.resize(header.len().next_multiple_of(8), b' ');
+
+    // Zeroed by the allocator (fresh pages), filled exactly once below.
+    let start = 8 + header.len();
+    let mut out = vec![0u8; start + offset];
+    out[..8].copy_from_slice(&(header.len() as u64).to_le_bytes());
+    out[8..start].copy_from_slice(&header);
+    let mut rest = &mut out[start..];
+    for (_, w) in &weights {
+        let (slot, tail) = rest.split_at_mut(4 * w.floats.len());
+        w.write(slot);
+        rest = tail;
+    }
+    Ok(out)
 }
 
 /// Serializes named f32 tensors as one safetensors buffer, with the `format = pt` metadata
 /// PyTorch loaders expect.
 pub fn f32_safetensors(tensors: Vec<HfTensor>) -> Result<Vec<u8>, safetensors::SafeTensorError> {
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
-        .into_iter()
-        .map(|(n, s, d)| {
-            let b: Vec<u8> = d.iter().flat_map(|x| x.to_le_bytes()).collect();
-            (n, s, b)
-        })
-        .collect();
-    let mut views = Vec::with_capacity(bytes.len());
-    for (n, s, b) in &bytes {
+    le_safetensors(
+        tensors
+            .into_iter()
+            .map(|(n, s, d)| (n, s, le_bytes(&d)))
+            .collect(),
+    )
+}
+
+fn le_safetensors(tensors: Vec<LeTensor>) -> Result<Vec<u8>, safetensors::SafeTensorError> {
+    let mut views = Vec::with_capacity(tensors.len());
+    for (n, s, b) in &tensors {
         views.push((
             n.clone(),
             safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b)?,
@@ -271,4 +374,62 @@ pub fn f32_safetensors(tensors: Vec<HfTensor>) -> Result<Vec<u8>, safetensors::S
     }
     let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
     safetensors::serialize(views, Some(meta))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::CpuBackend;
+
+    /// The fixture's shape with an untied head, so that every kind of weight is written.
+    fn config() -> Qwen3Config {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/qwen3-tiny/config.json"
+        );
+        let mut cfg = Qwen3Config::from_json(&std::fs::read_to_string(path).unwrap()).unwrap();
+        cfg.tie_word_embeddings = false;
+        cfg
+    }
+
+    #[test]
+    fn the_one_pass_writer_gives_the_bytes_of_the_safetensors_serializer() {
+        let cfg = config();
+        // Every weight distinct, recorded in Hugging Face order as the model is built from it.
+        let mut recorded: Vec<HfTensor> = Vec::new();
+        let mut next = 0.0f32;
+        let model = Qwen3::<CpuBackend>::build(&cfg, &Default::default(), &mut |name, shape, t| {
+            let n: usize = shape.iter().product();
+            let w: Vec<f32> = (0..n).map(|k| next + k as f32 * 1e-3).collect();
+            next += 1.0;
+            recorded.push((name.to_string(), shape.to_vec(), w.clone()));
+            Ok::<_, std::convert::Infallible>(match (t, shape) {
+                (true, &[r, c]) => transpose(&w, r, c),
+                _ => w,
+            })
+        })
+        .unwrap();
+        let expected = f32_safetensors(recorded).unwrap();
+        let got = model_to_safetensors(&model, &cfg).unwrap();
+        assert!(
+            got == expected,
+            "the bytes differ from safetensors::serialize's"
+        );
+        // And they load back into the same weights.
+        let back = model_from_safetensors::<CpuBackend>(&cfg, &got, &Default::default()).unwrap();
+        assert!(model_to_safetensors(&back, &cfg).unwrap() == got);
+    }
+
+    #[test]
+    fn transposing_in_tiles_matches_the_definition() {
+        for (r, c) in [(1, 1), (3, 70), (65, 33), (32, 32), (100, 7)] {
+            let v: Vec<f32> = (0..r * c).map(|k| k as f32).collect();
+            let t = transpose(&v, r, c);
+            for i in 0..r {
+                for j in 0..c {
+                    assert_eq!(t[j * r + i], v[i * c + j], "[{r}, {c}] at ({i}, {j})");
+                }
+            }
+        }
+    }
 }

@@ -346,14 +346,18 @@ async fn load<P: PolicyReplica>(
                 .map_err(|e| e.to_string())?
         }
     };
-    announce
-        .check(&bytes)
-        .map_err(|e| format!("version {version}: {e}"))?;
-    tokio::task::spawn_blocking(move || policy.load(version, &bytes))
-        .await
-        .map_err(|e| format!("version {version}: the load task died: {e}"))?
-        .map(Arc::new)
-        .map_err(|e| format!("version {version}: loading the weights failed: {e}"))
+    // Hashing the whole blob and loading it are CPU work: both off the async runtime.
+    tokio::task::spawn_blocking(move || {
+        announce
+            .check(&bytes)
+            .map_err(|e| format!("version {version}: {e}"))?;
+        policy
+            .load(version, &bytes)
+            .map_err(|e| format!("version {version}: loading the weights failed: {e}"))
+    })
+    .await
+    .map_err(|e| format!("version {version}: the load task died: {e}"))?
+    .map(Arc::new)
 }
 
 impl<P: PolicyReplica> Actor for RolloutWorker<P> {
