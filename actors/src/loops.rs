@@ -198,7 +198,10 @@ impl<S: WeightSource> WeightSource for Arc<S> {
     }
 }
 
-/// blake3 of `bytes` as 64 lowercase hex digits (the form [`WeightAnnounce::hash`] uses).
+/// blake3 of `bytes` as 64 lowercase hex digits (the form [`WeightAnnounce::hash`] uses). The
+/// hash is a tree, so a large blob (a weight version) is hashed across the rayon pool.
 pub fn content_hash(bytes: &[u8]) -> String {
-    blake3::hash(bytes).to_hex().to_string()
+    let mut hasher = blake3::Hasher::new();
+    hasher.update_rayon(bytes);
+    hasher.finalize().to_hex().to_string()
 }

@@ -541,7 +541,7 @@ impl<B: AutodiffBackend> BurnLearner<B> {
                 adapter_to_safetensors(&weights)?
             }
         };
-        let hash = blake3::hash(&bytes).to_hex().to_string();
+        let hash = clawrl_actors::loops::content_hash(&bytes);
         Ok(VersionedWeights {
             version: self.version,
             bytes,

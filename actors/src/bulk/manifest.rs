@@ -7,6 +7,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 /// Smallest chunk size a manifest may declare (bytes).
@@ -118,8 +119,9 @@ impl Manifest {
     /// Cuts `data` into chunks of `chunk_size` bytes and hashes each one.
     pub fn build(data: &[u8], chunk_size: u32) -> Result<Manifest, ManifestError> {
         check_chunk_size(chunk_size)?;
+        // Chunks hash independently: on the rayon pool.
         let chunks: Vec<[u8; 32]> = data
-            .chunks(chunk_size as usize)
+            .par_chunks(chunk_size as usize)
             .map(|c| *blake3::hash(c).as_bytes())
             .collect();
         if chunks.len() > MAX_CHUNKS {

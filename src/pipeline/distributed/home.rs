@@ -131,7 +131,7 @@ pub async fn run_placed_job(
                     what: "the adapter's base",
                     message: e.to_string(),
                 })?;
-            let hash = blake3::hash(&weights).to_hex().to_string();
+            let hash = clawrl_actors::loops::content_hash(&weights);
             let base = publish_pinned(
                 node.bulk(),
                 &VersionedWeights {
