@@ -8,10 +8,12 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 
-use clawrl_actors::loops::{Action, BoxFuture, EnvError, Episode, Observation, StepOutcome};
+use clawrl_actors::loops::{
+    Action, BoxFuture, EnvError, Episode, Observation, StepOutcome, ToolCallAction,
+};
 use serde_json::Value;
 
-use super::exec::{assistant_message, past_deadline};
+use super::exec::{assistant_message, past_deadline, tool_message};
 
 /// What one step's tool calls gave.
 pub struct StepResult {
@@ -36,6 +38,44 @@ pub trait ToolSteps: Send + Sized + 'static {
 
     /// Releases the episode's resources.
     fn close(self) -> BoxFuture<'static, ()>;
+}
+
+/// How a step of a kind that ends with a `submit` call or a plain answer (terminal, SWE, GUI)
+/// finishes the episode: calls after the submit are not run, and the step limit finishes a
+/// step that nothing else did.
+pub struct Finish(Option<&'static str>);
+
+impl Finish {
+    /// The finish of a step with `action`: `answer` when it calls no tool.
+    pub fn of(action: &Action) -> Self {
+        Self(action.tool_calls.is_empty().then_some("answer"))
+    }
+
+    /// The tool message answering `call` when the step has already finished: it is not run.
+    pub fn refusal(&self, call: &ToolCallAction) -> Option<Value> {
+        self.0
+            .is_some()
+            .then(|| tool_message(call, "not run: the episode was already submitted".into()))
+    }
+
+    /// The step submitted the episode.
+    pub fn submit(&mut self) {
+        self.0 = Some("submit");
+    }
+
+    /// How step `step` ends the episode, when it does: as it finished, else `step_limit` at
+    /// the step limit `max_steps`.
+    pub fn how(self, step: u32, max_steps: u32) -> Option<&'static str> {
+        self.0.or((step >= max_steps).then_some("step_limit"))
+    }
+}
+
+/// The outcome of a step that finished `how` with the verdict `(outcome, check)`; both go into
+/// the step's `info` (`finish`, `check`).
+pub fn verdict(info: &mut Value, how: &str, (outcome, check): (f64, Value)) -> f64 {
+    info["finish"] = Value::String(how.into());
+    info["check"] = check;
+    outcome
 }
 
 /// A running tool-using episode of kind `S`.

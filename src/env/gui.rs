@@ -41,7 +41,7 @@ use self::axtree::RenderedTree;
 use self::cdp::CdpError;
 use self::page::{known_key, TaskPage, KEY_NAMES};
 use self::pool::{BrowserPool, Leased, PoolStats};
-use super::episode::{StepResult, ToolEpisode, ToolSteps};
+use super::episode::{verdict, Finish, StepResult, ToolEpisode, ToolSteps};
 use super::exec::{no_arg_tool, tool_message};
 use super::shell::SUBMIT_TOOL;
 use super::task_env::{setup_error, TaskEnv, TaskKind};
@@ -647,19 +647,16 @@ impl ToolSteps for GuiSteps {
         let t0 = Instant::now();
         let mut next_state = Vec::new();
         let mut actions = Vec::new();
-        let mut finish: Option<&str> = action.tool_calls.is_empty().then_some("answer");
+        let mut finish = Finish::of(action);
         for call in &action.tool_calls {
-            if finish.is_some() {
-                next_state.push(tool_message(
-                    call,
-                    "not run: the episode was already submitted".into(),
-                ));
+            if let Some(refusal) = finish.refusal(call) {
+                next_state.push(refusal);
                 continue;
             }
             let text = match parse_action(call) {
                 Err(msg) => msg,
                 Ok(GuiAction::Submit) => {
-                    finish = Some("submit");
+                    finish.submit();
                     "submitted".into()
                 }
                 Ok(a) => self.act(&a).await?,
@@ -667,16 +664,10 @@ impl ToolSteps for GuiSteps {
             actions.push(json!({"tool": call.name, "ok": !text.starts_with("error:")}));
             next_state.push(tool_message(call, text));
         }
-        if finish.is_none() && step >= self.cfg.max_steps {
-            finish = Some("step_limit");
-        }
         let mut info = json!({"step": step, "actions": actions});
         let mut outcome = None;
-        if let Some(how) = finish {
-            let (o, check) = self.judge().await?;
-            outcome = Some(o);
-            info["finish"] = Value::String(how.into());
-            info["check"] = check;
+        if let Some(how) = finish.how(step, self.cfg.max_steps) {
+            outcome = Some(verdict(&mut info, how, self.judge().await?));
         } else {
             let state = self.snapshot(step).await.map_err(|e| self.step_error(e))?;
             info["screenshot"] = Value::String(self.screenshot_path(step).display().to_string());

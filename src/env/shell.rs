@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use clawrl_actors::loops::{Action, BoxFuture, EnvError, Episode};
 use serde_json::{json, Value};
 
-use super::episode::{StepResult, ToolEpisode, ToolSteps};
+use super::episode::{verdict, Finish, StepResult, ToolEpisode, ToolSteps};
 use super::exec::{output_info, render_output, string_argument, tool_message, Runner};
 use super::workdir::WorkDir;
 
@@ -185,17 +185,14 @@ impl ToolSteps for ShellSteps {
     ) -> Result<StepResult, EnvError> {
         let mut next_state = Vec::new();
         let mut commands = Vec::new();
-        let mut finish: Option<&str> = action.tool_calls.is_empty().then_some("answer");
+        let mut finish = Finish::of(action);
         for call in &action.tool_calls {
-            if finish.is_some() {
-                next_state.push(tool_message(
-                    call,
-                    "not run: the episode was already submitted".into(),
-                ));
+            if let Some(refusal) = finish.refusal(call) {
+                next_state.push(refusal);
                 continue;
             }
             if call.name == SUBMIT_TOOL {
-                finish = Some("submit");
+                finish.submit();
                 next_state.push(tool_message(call, "submitted".into()));
                 continue;
             }
@@ -230,16 +227,10 @@ impl ToolSteps for ShellSteps {
             commands.push(info);
             next_state.push(tool_message(call, text));
         }
-        if finish.is_none() && step >= self.cfg.max_steps {
-            finish = Some("step_limit");
-        }
         let mut info = json!({"step": step, "commands": commands});
         let mut outcome = None;
-        if let Some(how) = finish {
-            let (o, check) = self.judge().await?;
-            outcome = Some(o);
-            info["finish"] = Value::String(how.into());
-            info["check"] = check;
+        if let Some(how) = finish.how(step, self.cfg.max_steps) {
+            outcome = Some(verdict(&mut info, how, self.judge().await?));
         }
         Ok(StepResult {
             next_state,
