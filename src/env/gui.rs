@@ -40,7 +40,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use self::axtree::RenderedTree;
 use self::cdp::CdpError;
 use self::page::{known_key, TaskPage, KEY_NAMES};
-use self::pool::{BrowserPool, Leased, PoolStats};
+use self::pool::{BrowserPool, BrowserSpec, Leased, PoolStats};
 use super::episode::{verdict, Finish, StepResult, ToolEpisode, ToolSteps};
 use super::exec::{no_arg_tool, tool_message};
 use super::shell::SUBMIT_TOOL;
@@ -368,11 +368,13 @@ impl TaskKind for Gui {
                 ),
             });
         }
-        let binary = probe_browser()?;
+        let spec = BrowserSpec {
+            binary: probe_browser()?,
+            viewport: VIEWPORT,
+            timeout: COMMAND_TIMEOUT,
+        };
         let browsers = BrowserPool::new(
-            binary,
-            VIEWPORT,
-            COMMAND_TIMEOUT,
+            spec,
             workdirs,
             Arc::new(Semaphore::new(options.max_concurrent_commands)),
             options.warm_browsers,
