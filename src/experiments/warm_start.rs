@@ -31,7 +31,9 @@ use clawrl::train::{Sample, TrainConfig};
 
 /// A warm start's settings, an experiment's `[sft]` table (field names are the TOML keys): the
 /// policy's shape and the supervised recipe every warm start has, and the experiment's own keys
-/// (`X`, flattened into the same table).
+/// (`X`, flattened into the same table). Serde parses flattened keys from a buffered copy of the
+/// table, so an unknown key, or a bad value of one of `X`'s keys, is reported at the `[sft]`
+/// table (still by name) rather than at its line, and without the list of known keys.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SftSettings<X> {
