@@ -8,14 +8,15 @@
 //! `cargo bench --bench gui` (optionally `-- N`, episodes per measure, default 10). Prints p50
 //! and p99 of each and their ratios.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clawrl::env::gui::cdp::{find_chromium, Browser, LaunchOptions};
 use clawrl::env::gui::GuiEnv;
 use clawrl::env::EnvOptions;
 use clawrl_actors::loops::{Action, Environment, ToolCallAction};
-use serde_json::json;
+use serde_json::{json, Value};
+use tokio::sync::mpsc::UnboundedReceiver;
 
 fn pct(v: &mut [Duration], p: f64) -> f64 {
     v.sort();
@@ -44,6 +45,20 @@ fn id_of(text: &str, what: &str) -> u64 {
         .and_then(|l| l.split(']').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no `{what}` in the state"))
+}
+
+/// A bare browser on `dir` (no pool, no page), with the receiver of its events kept open.
+async fn launch_bare(binary: &Path, dir: PathBuf) -> (Browser, UnboundedReceiver<Value>) {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let options = LaunchOptions {
+        binary: binary.to_path_buf(),
+        dir,
+        width: 1024,
+        height: 768,
+        timeout: Duration::from_secs(30),
+    };
+    let browser = Browser::launch(&options, tx).await.expect("launch");
+    (browser, rx)
 }
 
 fn main() {
@@ -85,19 +100,7 @@ fn main() {
             // Reference: a bare browser up to its first answer.
             let dir = root.path().join(format!("bare{i}"));
             let t = Instant::now();
-            let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
-            let mut b = Browser::launch(
-                &LaunchOptions {
-                    binary: binary.clone(),
-                    dir,
-                    width: 1024,
-                    height: 768,
-                    timeout: Duration::from_secs(30),
-                },
-                tx,
-            )
-            .await
-            .expect("launch");
+            let (mut b, _events) = launch_bare(&binary, dir).await;
             bare.push(t.elapsed());
             b.kill().await;
 
@@ -131,19 +134,7 @@ fn main() {
             ep.close().await;
 
             // Reference: bare protocol round trips on a page.
-            let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
-            let mut b = Browser::launch(
-                &LaunchOptions {
-                    binary: binary.clone(),
-                    dir: root.path().join(format!("rtt{i}")),
-                    width: 1024,
-                    height: 768,
-                    timeout: Duration::from_secs(30),
-                },
-                tx,
-            )
-            .await
-            .expect("launch");
+            let (mut b, _events) = launch_bare(&binary, root.path().join(format!("rtt{i}"))).await;
             let cdp = b.cdp().clone();
             let s = cdp.open_tab().await.expect("a tab");
             for _ in 0..5 {

@@ -6,14 +6,18 @@
 //! Every command a policy issues runs through [`crate::sandbox::exec`] in a host work dir of its
 //! own (mounted at `/work` inside the sandbox), taken from a warm pool when the episode starts and
 //! removed when it closes ([`workdir`]). [`build_environment`] builds one by kind, which is how the
-//! pipeline gets them.
+//! pipeline gets them. The kinds with work dirs (terminal, SWE, tool-call, GUI) share one
+//! environment over their task set ([`task_env`]) and one tool-using episode ([`episode`]); each
+//! supplies only what differs.
 
 pub mod answer;
+pub mod episode;
 pub mod exec;
 pub mod gui;
 pub mod scripted;
 pub mod shell;
 pub mod swe;
+pub mod task_env;
 pub mod tasks;
 pub mod terminal;
 pub mod tool_call;

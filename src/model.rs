@@ -35,7 +35,7 @@ pub mod weights;
 pub use chat::{ChatError, ChatTemplate, Prompt};
 pub use checkpoint::{
     load_checkpoint, load_config, load_model, save_checkpoint_dir, Checkpoint, LoadError,
-    TokenizerFiles,
+    ReadError, TokenizerFiles,
 };
 pub use config::{ConfigError, Qwen3Config};
 pub use engine::{

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
-use clap::Subcommand;
+use clap::{Args, Subcommand};
 use rand::seq::SliceRandom;
 
 use clawrl::device::{take_device_key, Device, TrainingTask};
@@ -24,95 +24,61 @@ use clawrl::train::TrainConfig;
 #[derive(Subcommand)]
 pub enum Commands {
     /// Train a checkpoint offline on recorded samples (JSONL), one optimizer step per batch.
-    TrainOffline {
-        /// Hugging Face checkpoint directory to start from.
-        #[arg(long)]
-        model: PathBuf,
-        /// JSONL samples: `{"prompt_ids","response_ids","advantages","old_logprobs"?,"ref_logprobs"?}`.
-        #[arg(long)]
-        samples: PathBuf,
-        /// TRAIN.toml (lr, betas, adam_eps, weight_decay, eps_clip, eps_clip_high, kl_coef,
-        /// grad_clip, batch_size, device); defaults from docs/design.md §1 when omitted.
-        #[arg(long)]
-        config: Option<PathBuf>,
-        /// Compute device, `cpu` or `cuda:N` (CUDA needs a build with `--features cuda`);
-        /// overrides the `device` key of TRAIN.toml; `cpu` when neither is given.
-        #[arg(long)]
-        device: Option<Device>,
-        /// Directory for the updated Hugging Face checkpoint, or with `--adapter` / `--lora` the
-        /// trained PEFT adapter (`adapter_config.json`, `adapter_model.safetensors`).
-        #[arg(long)]
-        out: PathBuf,
-        /// Train only this PEFT LoRA adapter (the base stays frozen).
-        #[arg(long, conflicts_with = "lora")]
-        adapter: Option<PathBuf>,
-        /// Train only a fresh LoRA adapter `R,ALPHA,TARGET[,TARGET...]` (e.g.
-        /// `16,32,q_proj,v_proj`; `all` for every linear layer of the blocks): A drawn
-        /// Kaiming-uniform from `--seed`, B zero.
-        #[arg(long, value_parser = parse_lora)]
-        lora: Option<LoraConfig>,
-        /// Passes over the samples.
-        #[arg(long, default_value_t = 1)]
-        epochs: usize,
-        /// Shuffle the samples at the start of every epoch (seeded by `--seed`).
-        #[arg(long)]
-        shuffle: bool,
-        /// Seed of the learner's RNG.
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        /// Print one JSON object per step instead of a text line.
-        #[arg(long)]
-        json: bool,
-    },
+    TrainOffline(OfflineArgs),
+}
+
+/// The arguments of `train-offline`.
+#[derive(Args)]
+pub struct OfflineArgs {
+    /// Hugging Face checkpoint directory to start from.
+    #[arg(long)]
+    model: PathBuf,
+    /// JSONL samples: `{"prompt_ids","response_ids","advantages","old_logprobs"?,"ref_logprobs"?}`.
+    #[arg(long)]
+    samples: PathBuf,
+    /// TRAIN.toml (lr, betas, adam_eps, weight_decay, eps_clip, eps_clip_high, kl_coef,
+    /// grad_clip, batch_size, device); defaults from docs/design.md §1 when omitted.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Compute device, `cpu` or `cuda:N` (CUDA needs a build with `--features cuda`);
+    /// overrides the `device` key of TRAIN.toml; `cpu` when neither is given.
+    #[arg(long)]
+    device: Option<Device>,
+    /// Directory for the updated Hugging Face checkpoint, or with `--adapter` / `--lora` the
+    /// trained PEFT adapter (`adapter_config.json`, `adapter_model.safetensors`).
+    #[arg(long)]
+    out: PathBuf,
+    /// Train only this PEFT LoRA adapter (the base stays frozen).
+    #[arg(long, conflicts_with = "lora")]
+    adapter: Option<PathBuf>,
+    /// Train only a fresh LoRA adapter `R,ALPHA,TARGET[,TARGET...]` (e.g.
+    /// `16,32,q_proj,v_proj`; `all` for every linear layer of the blocks): A drawn
+    /// Kaiming-uniform from `--seed`, B zero.
+    #[arg(long, value_parser = parse_lora)]
+    lora: Option<LoraConfig>,
+    /// Passes over the samples.
+    #[arg(long, default_value_t = 1)]
+    epochs: usize,
+    /// Shuffle the samples at the start of every epoch (seeded by `--seed`).
+    #[arg(long)]
+    shuffle: bool,
+    /// Seed of the learner's RNG.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Print one JSON object per step instead of a text line.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Runs one subcommand of this area.
 pub fn run(cmd: Commands) -> anyhow::Result<()> {
     match cmd {
-        Commands::TrainOffline {
-            model,
-            samples,
-            config,
-            out,
-            epochs,
-            shuffle,
-            seed,
-            json,
-            device,
-            adapter,
-            lora,
-        } => {
-            let adapter = match (adapter, lora) {
-                (Some(dir), _) => Some(AdapterSource::Dir(dir)),
-                (None, Some(cfg)) => Some(AdapterSource::Fresh(cfg)),
-                (None, None) => None,
-            };
-            train_offline(
-                &model,
-                &samples,
-                config.as_deref(),
-                &out,
-                epochs,
-                shuffle,
-                seed,
-                json,
-                device,
-                adapter,
-            )
-        }
+        Commands::TrainOffline(args) => train_offline(args),
     }
 }
 
 fn parse_lora(text: &str) -> Result<LoraConfig, String> {
     LoraConfig::parse_cli(text).map_err(|e| e.message)
-}
-
-/// The adapter `train-offline` trains instead of the whole model.
-enum AdapterSource {
-    /// A PEFT adapter directory.
-    Dir(PathBuf),
-    /// A fresh adapter of this shape.
-    Fresh(LoraConfig),
 }
 
 fn print_step(m: &StepMetrics, json: bool) -> anyhow::Result<()> {
@@ -143,38 +109,16 @@ fn print_step(m: &StepMetrics, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn train_offline(
-    model_dir: &Path,
-    samples_path: &Path,
-    config: Option<&Path>,
-    out: &Path,
-    epochs: usize,
-    shuffle: bool,
-    seed: u64,
-    json: bool,
-    device: Option<Device>,
-    adapter: Option<AdapterSource>,
-) -> anyhow::Result<()> {
-    if epochs == 0 {
+fn train_offline(args: OfflineArgs) -> anyhow::Result<()> {
+    if args.epochs == 0 {
         bail!("--epochs must be at least 1");
     }
-    let (train, config_device) = match config {
+    let (train, config_device) = match &args.config {
         Some(p) => read_train_config(p)?,
         None => (TrainConfig::default(), None),
     };
-    let device = device.or(config_device).unwrap_or_default();
-    device.run_training(OfflineRun {
-        model_dir,
-        samples_path,
-        out,
-        epochs,
-        shuffle,
-        seed,
-        json,
-        train,
-        adapter,
-    })?
+    let device = args.device.or(config_device).unwrap_or_default();
+    device.run_training(OfflineRun { args, train })?
 }
 
 /// Reads TRAIN.toml: its `device` key, then the rest through the learner's strict parser.
@@ -187,34 +131,25 @@ fn read_train_config(path: &Path) -> anyhow::Result<(TrainConfig, Option<Device>
 }
 
 /// `train-offline` after its arguments are checked, as backend-generic work.
-struct OfflineRun<'a> {
-    model_dir: &'a Path,
-    samples_path: &'a Path,
-    out: &'a Path,
-    epochs: usize,
-    shuffle: bool,
-    seed: u64,
-    json: bool,
+struct OfflineRun {
+    args: OfflineArgs,
     train: TrainConfig,
-    adapter: Option<AdapterSource>,
 }
 
-impl TrainingTask for OfflineRun<'_> {
+impl TrainingTask for OfflineRun {
     type Output = anyhow::Result<()>;
     fn run<B: AutodiffBackend>(self, device: B::Device) -> anyhow::Result<()> {
         train_offline_on::<B>(self, device)
     }
 }
 
-fn train_offline_on<B: AutodiffBackend>(
-    r: OfflineRun<'_>,
-    device: B::Device,
-) -> anyhow::Result<()> {
-    let mut ckpt = load_checkpoint::<B>(r.model_dir, &device)
-        .with_context(|| format!("loading model {}", r.model_dir.display()))?;
-    let lora = match r.adapter {
-        None => None,
-        Some(AdapterSource::Dir(dir)) => {
+fn train_offline_on<B: AutodiffBackend>(run: OfflineRun, device: B::Device) -> anyhow::Result<()> {
+    let OfflineRun { args, train } = run;
+    let mut ckpt = load_checkpoint::<B>(&args.model, &device)
+        .with_context(|| format!("loading model {}", args.model.display()))?;
+    let lora = match (args.adapter, args.lora) {
+        (None, None) => None,
+        (Some(dir), _) => {
             let peft = load_adapter(&dir, &ckpt.config)?;
             // Training here has no dropout; an adapter configured with some would be trained
             // differently from what its config says.
@@ -228,32 +163,32 @@ fn train_offline_on<B: AutodiffBackend>(
             }
             Some(peft.weights)
         }
-        Some(AdapterSource::Fresh(cfg)) => Some(LoraWeights::fresh(&cfg, &ckpt.config, r.seed)),
+        (None, Some(cfg)) => Some(LoraWeights::fresh(&cfg, &ckpt.config, args.seed)),
     };
     if let Some(w) = &lora {
         ckpt.model = ckpt.model.with_lora(w)?;
     }
-    let mut samples = read_samples(r.samples_path, Some(ckpt.config.vocab_size))?;
+    let mut samples = read_samples(&args.samples, Some(ckpt.config.vocab_size))?;
     let max = ckpt.config.max_position_embeddings;
     if let Some((i, s)) = samples.iter().enumerate().find(|(_, s)| s.len() > max) {
         bail!(
             "{}: sample {} has {} tokens, more than the model's {max} positions",
-            r.samples_path.display(),
+            args.samples.display(),
             i + 1,
             s.len()
         );
     }
     tracing::info!(
         samples = samples.len(),
-        batch_size = r.train.batch_size,
-        epochs = r.epochs,
+        batch_size = train.batch_size,
+        epochs = args.epochs,
         "training offline"
     );
-    let batch_size = r.train.batch_size;
-    let mut learner = BurnLearner::new(ckpt.config.clone(), ckpt.model, r.train, device, r.seed);
+    let batch_size = train.batch_size;
+    let mut learner = BurnLearner::new(ckpt.config.clone(), ckpt.model, train, device, args.seed);
     let mut skipped = 0usize;
-    for _ in 0..r.epochs {
-        if r.shuffle {
+    for _ in 0..args.epochs {
+        if args.shuffle {
             samples.shuffle(learner.rng());
         }
         for batch in samples.chunks(batch_size) {
@@ -262,11 +197,11 @@ fn train_offline_on<B: AutodiffBackend>(
                 skipped += 1;
                 tracing::warn!(reason = m.skipped.as_deref().unwrap_or(""), "step skipped");
             }
-            print_step(&m, r.json)?;
+            print_step(&m, args.json)?;
         }
     }
     match &lora {
-        None => write_atomically(r.out, |tmp| {
+        None => write_atomically(&args.out, |tmp| {
             save_checkpoint_dir(
                 tmp,
                 learner.model_config(),
@@ -275,14 +210,14 @@ fn train_offline_on<B: AutodiffBackend>(
             )
             .with_context(|| format!("writing checkpoint to {}", tmp.display()))
         })?,
-        Some(w) => write_atomically(r.out, |tmp| {
+        Some(w) => write_atomically(&args.out, |tmp| {
             let trained = learner.policy().valid().lora_weights(&w.config)?;
-            save_adapter(tmp, &trained, &r.model_dir.display().to_string())
+            save_adapter(tmp, &trained, &args.model.display().to_string())
                 .with_context(|| format!("writing the adapter to {}", tmp.display()))
         })?,
     }
     tracing::info!(
-        out = %r.out.display(),
+        out = %args.out.display(),
         steps = learner.steps(),
         skipped,
         version = learner.version(),

@@ -28,14 +28,11 @@ pub mod confine;
 pub mod page;
 pub mod pool;
 
-use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use clawrl_actors::loops::{
-    Action, BoxFuture, EnvError, Environment, Episode, Observation, StepOutcome, ToolCallAction,
-};
+use clawrl_actors::loops::{Action, BoxFuture, EnvError, Episode, ToolCallAction};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -43,12 +40,14 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use self::axtree::RenderedTree;
 use self::cdp::CdpError;
 use self::page::{known_key, TaskPage, KEY_NAMES};
-use self::pool::{BrowserPool, Leased, PoolStats};
-use super::exec::{assistant_message, no_arg_tool, past_deadline, tool_message};
+use self::pool::{BrowserPool, BrowserSpec, Leased, PoolStats};
+use super::episode::{verdict, Finish, StepResult, ToolEpisode, ToolSteps};
+use super::exec::{no_arg_tool, tool_message};
 use super::shell::SUBMIT_TOOL;
-use super::tasks::{check_id, check_nonblank, check_relative_path, read_jsonl, TaskError};
+use super::task_env::{setup_error, TaskEnv, TaskKind};
+use super::tasks::{check_nonblank, check_relative_path, read_tasks, TaskError};
 use super::workdir::{WorkDir, WorkDirPool};
-use super::{EnvBuildError, EnvOptions};
+use super::{EnvBuildError, EnvKind, EnvOptions};
 
 /// The default step limit.
 pub const DEFAULT_MAX_STEPS: u32 = 30;
@@ -98,44 +97,44 @@ pub struct GuiTask {
 /// Reads and validates a GUI task file (pages are read relative to its directory).
 pub fn load_tasks(path: &Path) -> Result<Vec<GuiTask>, TaskError> {
     let base = path.parent().unwrap_or(Path::new("."));
-    let mut seen = HashSet::new();
-    let mut out = Vec::new();
-    for (line, raw) in read_jsonl::<RawTask>(path)? {
-        check_id(path, line, &raw.id, &mut seen)?;
-        check_nonblank(path, line, "instruction", &raw.instruction)?;
-        check_nonblank(path, line, "check", &raw.check)?;
-        let rel = check_relative_path(&raw.page)
-            .map_err(|r| TaskError::invalid(path, line, "page", r))?;
-        let bad = |r: String| TaskError::invalid(path, line, "page", r);
-        let ext = rel.extension().and_then(|e| e.to_str()).unwrap_or("");
-        if !ext.eq_ignore_ascii_case("html") && !ext.eq_ignore_ascii_case("htm") {
-            return Err(bad(format!("{:?} is not an .html file", raw.page)));
-        }
-        let file = base.join(&rel);
-        let meta = std::fs::metadata(&file)
-            .map_err(|e| bad(format!("reading {}: {e}", file.display())))?;
-        if !meta.is_file() || meta.len() > MAX_PAGE_BYTES || meta.len() == 0 {
-            return Err(bad(format!(
-                "{} must be a non-empty file of at most {MAX_PAGE_BYTES} bytes",
-                file.display()
-            )));
-        }
-        let html = std::fs::read_to_string(&file)
-            .map_err(|e| bad(format!("reading {}: {e}", file.display())))?;
-        let page_name = rel
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or("index.html")
-            .to_string();
-        out.push(GuiTask {
-            id: raw.id,
-            instruction: raw.instruction,
-            page_name,
-            html,
-            check: raw.check,
-        });
-    }
-    Ok(out)
+    read_tasks(
+        path,
+        |raw: &RawTask| &raw.id,
+        |line, raw| {
+            check_nonblank(path, line, "instruction", &raw.instruction)?;
+            check_nonblank(path, line, "check", &raw.check)?;
+            let rel = check_relative_path(&raw.page)
+                .map_err(|r| TaskError::invalid(path, line, "page", r))?;
+            let bad = |r: String| TaskError::invalid(path, line, "page", r);
+            let ext = rel.extension().and_then(|e| e.to_str()).unwrap_or("");
+            if !ext.eq_ignore_ascii_case("html") && !ext.eq_ignore_ascii_case("htm") {
+                return Err(bad(format!("{:?} is not an .html file", raw.page)));
+            }
+            let file = base.join(&rel);
+            let meta = std::fs::metadata(&file)
+                .map_err(|e| bad(format!("reading {}: {e}", file.display())))?;
+            if !meta.is_file() || meta.len() > MAX_PAGE_BYTES || meta.len() == 0 {
+                return Err(bad(format!(
+                    "{} must be a non-empty file of at most {MAX_PAGE_BYTES} bytes",
+                    file.display()
+                )));
+            }
+            let html = std::fs::read_to_string(&file)
+                .map_err(|e| bad(format!("reading {}: {e}", file.display())))?;
+            let page_name = rel
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or("index.html")
+                .to_string();
+            Ok(GuiTask {
+                id: raw.id,
+                instruction: raw.instruction,
+                page_name,
+                html,
+                check: raw.check,
+            })
+        },
+    )
 }
 
 /// An action parsed from a tool call.
@@ -333,28 +332,32 @@ fn probe_browser() -> Result<PathBuf, EnvBuildError> {
 
 #[derive(Debug)]
 struct Config {
-    tools: Vec<Value>,
+    tools: Arc<Vec<Value>>,
     max_steps: u32,
     observation_bytes: usize,
     deadline: Duration,
 }
 
 /// The GUI environment over a task set.
-pub struct GuiEnv {
-    tasks: Vec<Arc<GuiTask>>,
+pub type GuiEnv = TaskEnv<Gui>;
+
+/// What the GUI kind adds to its task set: the episodes' settings and the browsers.
+pub struct Gui {
     cfg: Arc<Config>,
     browsers: Arc<BrowserPool>,
 }
 
-impl GuiEnv {
-    /// Reads the tasks at `path`, checks that Chromium can start, prepares the work dir pool.
-    pub fn load(path: &Path, options: EnvOptions) -> Result<Self, EnvBuildError> {
-        Self::new(load_tasks(path)?, options)
+impl TaskKind for Gui {
+    type Task = GuiTask;
+
+    const KIND: EnvKind = EnvKind::Gui;
+
+    fn load_tasks(path: &Path) -> Result<Vec<GuiTask>, TaskError> {
+        load_tasks(path)
     }
 
-    /// An environment over `tasks` (at least one).
-    pub fn new(tasks: Vec<GuiTask>, options: EnvOptions) -> Result<Self, EnvBuildError> {
-        let workdirs: Arc<WorkDirPool> = options.prepare("gui", tasks.len())?;
+    /// Checks that Chromium can start and starts warming the browsers.
+    fn build(options: &EnvOptions, workdirs: Arc<WorkDirPool>) -> Result<Self, EnvBuildError> {
         if options.warm_browsers > options.max_concurrent_commands {
             return Err(EnvBuildError::Options {
                 option: "warm_browsers".into(),
@@ -365,19 +368,20 @@ impl GuiEnv {
                 ),
             });
         }
-        let binary = probe_browser()?;
+        let spec = BrowserSpec {
+            binary: probe_browser()?,
+            viewport: VIEWPORT,
+            timeout: COMMAND_TIMEOUT,
+        };
         let browsers = BrowserPool::new(
-            binary,
-            VIEWPORT,
-            COMMAND_TIMEOUT,
+            spec,
             workdirs,
             Arc::new(Semaphore::new(options.max_concurrent_commands)),
             options.warm_browsers,
         );
         Ok(Self {
-            tasks: tasks.into_iter().map(Arc::new).collect(),
             cfg: Arc::new(Config {
-                tools: tool_schemas(),
+                tools: Arc::new(tool_schemas()),
                 max_steps: options.max_steps.unwrap_or(DEFAULT_MAX_STEPS),
                 observation_bytes: options.observation_bytes,
                 deadline: options.episode_deadline,
@@ -386,26 +390,76 @@ impl GuiEnv {
         })
     }
 
+    fn max_steps(&self) -> u32 {
+        self.cfg.max_steps
+    }
+
+    async fn start(
+        &self,
+        task: Arc<GuiTask>,
+        started: Instant,
+    ) -> Result<Box<dyn Episode>, EnvError> {
+        let setup_err = |reason| setup_error(&task.id, reason);
+        let (page, wd, permit, warm_browser) = self.open_page(&task).await.map_err(setup_err)?;
+        let start_ms = started.elapsed().as_millis() as u64;
+        let mut steps = GuiSteps {
+            task: Arc::clone(&task),
+            cfg: Arc::clone(&self.cfg),
+            page: Some(page),
+            workdir: Some(wd),
+            tree: RenderedTree::default(),
+            start_ms,
+            warm_browser,
+            _permit: permit,
+            browsers: Arc::clone(&self.browsers),
+        };
+        let state = match steps.snapshot(0).await {
+            Ok(s) => s,
+            Err(e) => {
+                let reason = e.to_string();
+                steps.close().await;
+                return Err(setup_err(reason));
+            }
+        };
+        let messages = vec![
+            json!({"role": "system", "content": SYSTEM_PROMPT}),
+            json!({"role": "user", "content": format!("{}\n\n{state}", task.instruction)}),
+        ];
+        Ok(Box::new(ToolEpisode::new(
+            task.id.clone(),
+            task.instruction.clone(),
+            messages,
+            Arc::clone(&self.cfg.tools),
+            started + self.cfg.deadline,
+            steps,
+        )))
+    }
+}
+
+impl GuiEnv {
     /// The warm browser pool's counters.
     pub fn browser_stats(&self) -> PoolStats {
-        self.browsers.stats()
+        self.kind.browsers.stats()
     }
 
     /// Waits until the pool has `EnvOptions::warm_browsers` browsers ready (or `timeout` has
     /// passed); returns how many are ready. For callers that want the first episodes to start
     /// warm, such as a benchmark.
     pub async fn wait_warm(&self, timeout: Duration) -> usize {
+        let browsers = &self.kind.browsers;
         let until = Instant::now() + timeout;
-        self.browsers.refill();
+        browsers.refill();
         loop {
-            let ready = self.browsers.stats().ready;
-            if ready >= self.browsers.target() || Instant::now() >= until {
+            let ready = browsers.stats().ready;
+            if ready >= browsers.target() || Instant::now() >= until {
                 return ready;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
+}
 
+impl Gui {
     /// A browser showing `task`'s page: a ready one from the pool, or a fresh one when the
     /// ready one turns out dead.
     async fn open_page(
@@ -447,85 +501,16 @@ impl GuiEnv {
             }
         }
     }
-
-    /// The tasks.
-    pub fn tasks(&self) -> &[Arc<GuiTask>] {
-        &self.tasks
-    }
-
-    async fn start_episode(&self, index: usize) -> Result<Box<dyn Episode>, EnvError> {
-        let started = Instant::now();
-        let task = Arc::clone(self.tasks.get(index).ok_or(EnvError::NoSuchTask {
-            index,
-            count: self.tasks.len(),
-        })?);
-        let task_id = task.id.clone();
-        let setup_err = |reason: String| EnvError::Setup {
-            task: task_id.clone(),
-            reason,
-        };
-        let (page, wd, permit, warm_browser) = self.open_page(&task).await.map_err(setup_err)?;
-        let start_ms = started.elapsed().as_millis() as u64;
-        let mut ep = GuiEpisode {
-            deadline: started + self.cfg.deadline,
-            task,
-            cfg: Arc::clone(&self.cfg),
-            messages: Vec::new(),
-            page: Some(page),
-            workdir: Some(wd),
-            tree: RenderedTree::default(),
-            steps: 0,
-            done: false,
-            start_ms,
-            warm_browser,
-            _permit: permit,
-            browsers: Arc::clone(&self.browsers),
-        };
-        let state = match ep.snapshot().await {
-            Ok(s) => s,
-            Err(e) => {
-                let reason = e.to_string();
-                Box::new(ep).close().await;
-                return Err(setup_err(reason));
-            }
-        };
-        ep.messages = vec![
-            json!({"role": "system", "content": SYSTEM_PROMPT}),
-            json!({"role": "user", "content": format!("{}\n\n{state}", ep.task.instruction)}),
-        ];
-        Ok(Box::new(ep))
-    }
 }
 
-impl Environment for GuiEnv {
-    fn kind(&self) -> &str {
-        "gui"
-    }
-
-    fn task_count(&self) -> usize {
-        self.tasks.len()
-    }
-
-    fn max_steps(&self) -> u32 {
-        self.cfg.max_steps
-    }
-
-    fn start(&self, index: usize, _seed: u64) -> BoxFuture<'_, Result<Box<dyn Episode>, EnvError>> {
-        Box::pin(self.start_episode(index))
-    }
-}
-
-/// A running GUI episode: its browser, its work dir and the latest tree's element ids.
-pub struct GuiEpisode {
+/// What a GUI episode does with its steps: acts on the page in its browser, by the latest
+/// tree's element ids, and evaluates the task's check.
+pub struct GuiSteps {
     task: Arc<GuiTask>,
     cfg: Arc<Config>,
-    messages: Vec<Value>,
     page: Option<TaskPage>,
     workdir: Option<WorkDir>,
     tree: RenderedTree,
-    steps: u32,
-    done: bool,
-    deadline: Instant,
     /// Milliseconds from the start until the page was shown, and whether its browser was
     /// ready in the pool (reported in the first step's info).
     start_ms: u64,
@@ -534,7 +519,7 @@ pub struct GuiEpisode {
     browsers: Arc<BrowserPool>,
 }
 
-impl GuiEpisode {
+impl GuiSteps {
     fn step_error(&self, e: impl std::fmt::Display) -> EnvError {
         EnvError::Step {
             task: self.task.id.clone(),
@@ -556,9 +541,10 @@ impl GuiEpisode {
             .join(format!("step-{step:02}.png"))
     }
 
-    /// Reads the page (tree, screenshot), remembers the element ids and renders the state text.
-    async fn snapshot(&mut self) -> Result<String, CdpError> {
-        let shot = self.screenshot_path(self.steps);
+    /// Reads the page (tree, screenshot) after step `step`, remembers the element ids and
+    /// renders the state text.
+    async fn snapshot(&mut self, step: u32) -> Result<String, CdpError> {
+        let shot = self.screenshot_path(step);
         let page = self.page();
         let info = page.info().await?;
         let nodes = page.ax_nodes().await?;
@@ -651,36 +637,28 @@ impl GuiEpisode {
             Err(e) => (-1.0, json!({"passed": false, "error": e})),
         })
     }
+}
 
-    async fn do_step(&mut self, action: &Action) -> Result<StepOutcome, EnvError> {
-        if self.done {
-            return Err(EnvError::Finished {
-                task: self.task.id.clone(),
-            });
-        }
+impl ToolSteps for GuiSteps {
+    async fn run(
+        &mut self,
+        action: &Action,
+        step: u32,
+        _deadline: Instant,
+    ) -> Result<StepResult, EnvError> {
         let t0 = Instant::now();
-        self.steps += 1;
-        let step = self.steps;
-        self.messages.push(assistant_message(action));
-        if Instant::now() >= self.deadline {
-            self.done = true;
-            return Ok(past_deadline(step));
-        }
         let mut next_state = Vec::new();
         let mut actions = Vec::new();
-        let mut finish: Option<&str> = action.tool_calls.is_empty().then_some("answer");
+        let mut finish = Finish::of(action);
         for call in &action.tool_calls {
-            if finish.is_some() {
-                next_state.push(tool_message(
-                    call,
-                    "not run: the episode was already submitted".into(),
-                ));
+            if let Some(refusal) = finish.refusal(call) {
+                next_state.push(refusal);
                 continue;
             }
             let text = match parse_action(call) {
                 Err(msg) => msg,
                 Ok(GuiAction::Submit) => {
-                    finish = Some("submit");
+                    finish.submit();
                     "submitted".into()
                 }
                 Ok(a) => self.act(&a).await?,
@@ -688,19 +666,12 @@ impl GuiEpisode {
             actions.push(json!({"tool": call.name, "ok": !text.starts_with("error:")}));
             next_state.push(tool_message(call, text));
         }
-        if finish.is_none() && step >= self.cfg.max_steps {
-            finish = Some("step_limit");
-        }
         let mut info = json!({"step": step, "actions": actions});
         let mut outcome = None;
-        if let Some(how) = finish {
-            let (o, check) = self.judge().await?;
-            self.done = true;
-            outcome = Some(o);
-            info["finish"] = Value::String(how.into());
-            info["check"] = check;
+        if let Some(how) = finish.how(step, self.cfg.max_steps) {
+            outcome = Some(verdict(&mut info, how, self.judge().await?));
         } else {
-            let state = self.snapshot().await.map_err(|e| self.step_error(e))?;
+            let state = self.snapshot(step).await.map_err(|e| self.step_error(e))?;
             info["screenshot"] = Value::String(self.screenshot_path(step).display().to_string());
             info["elements"] = json!(self.tree.backend.len());
             if let Some(last) = next_state.last_mut() {
@@ -714,38 +685,14 @@ impl GuiEpisode {
             info["start_ms"] = json!(self.start_ms);
             info["warm_browser"] = json!(self.warm_browser);
         }
-        self.messages.extend(next_state.iter().cloned());
-        Ok(StepOutcome {
+        Ok(StepResult {
             next_state,
-            done: self.done,
             outcome,
             info,
         })
     }
-}
 
-impl Episode for GuiEpisode {
-    fn task_id(&self) -> &str {
-        &self.task.id
-    }
-
-    fn instruction(&self) -> &str {
-        &self.task.instruction
-    }
-
-    fn observation(&self) -> Observation {
-        Observation {
-            messages: self.messages.clone(),
-            tools: self.cfg.tools.clone(),
-            template_kwargs: Default::default(),
-        }
-    }
-
-    fn step<'a>(&'a mut self, action: &'a Action) -> BoxFuture<'a, Result<StepOutcome, EnvError>> {
-        Box::pin(self.do_step(action))
-    }
-
-    fn close(mut self: Box<Self>) -> BoxFuture<'static, ()> {
+    fn close(mut self) -> BoxFuture<'static, ()> {
         let page = self.page.take();
         let wd = self.workdir.take();
         Box::pin(async move {

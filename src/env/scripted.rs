@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use super::exec::assistant_message;
+use super::EnvKind;
 
 /// One scripted task.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -136,7 +137,7 @@ fn validate(t: &ScriptedTask) -> Result<(), String> {
 
 impl Environment for ScriptedEnv {
     fn kind(&self) -> &str {
-        "scripted"
+        EnvKind::Scripted.name()
     }
 
     fn task_count(&self) -> usize {
@@ -186,8 +187,7 @@ impl Episode for ScriptedEpisode {
     fn observation(&self) -> Observation {
         Observation {
             messages: self.messages.clone(),
-            tools: Vec::new(),
-            template_kwargs: Default::default(),
+            ..Observation::default()
         }
     }
 

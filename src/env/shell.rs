@@ -6,13 +6,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clawrl_actors::loops::{Action, BoxFuture, EnvError, Episode, Observation, StepOutcome};
+use clawrl_actors::loops::{Action, BoxFuture, EnvError, Episode};
 use serde_json::{json, Value};
 
-use super::exec::{
-    assistant_message, output_info, past_deadline, render_output, string_argument, tool_message,
-    Runner,
-};
+use super::episode::{verdict, Finish, StepResult, ToolEpisode, ToolSteps};
+use super::exec::{output_info, render_output, string_argument, tool_message, Runner};
 use super::workdir::WorkDir;
 
 /// The name of the tool that ends an episode.
@@ -81,44 +79,44 @@ pub struct ShellConfig {
     pub runner: Runner,
 }
 
-/// A running terminal or SWE episode.
-pub struct ShellEpisode {
+/// What a terminal or SWE episode does with its steps: runs the commands in its work dir and
+/// judges by its verdict.
+pub struct ShellSteps {
+    task_id: String,
+    cfg: ShellConfig,
+    verdict: Verdict,
+    workdir: Option<WorkDir>,
+}
+
+/// A terminal or SWE episode over a prepared work dir, with the first messages (system, user).
+pub fn shell_episode(
     task_id: String,
     instruction: String,
     messages: Vec<Value>,
     cfg: ShellConfig,
     verdict: Verdict,
-    workdir: Option<WorkDir>,
-    steps: u32,
-    done: bool,
-    deadline: Instant,
+    workdir: WorkDir,
+    started: Instant,
+) -> Box<dyn Episode> {
+    let deadline = started + cfg.deadline;
+    let tools = Arc::clone(&cfg.tools);
+    let steps = ShellSteps {
+        task_id: task_id.clone(),
+        cfg,
+        verdict,
+        workdir: Some(workdir),
+    };
+    Box::new(ToolEpisode::new(
+        task_id,
+        instruction,
+        messages,
+        tools,
+        deadline,
+        steps,
+    ))
 }
 
-impl ShellEpisode {
-    /// An episode over a prepared work dir, with the first messages (system, user).
-    pub fn new(
-        task_id: String,
-        instruction: String,
-        messages: Vec<Value>,
-        cfg: ShellConfig,
-        verdict: Verdict,
-        workdir: WorkDir,
-        started: Instant,
-    ) -> Self {
-        let deadline = started + cfg.deadline;
-        Self {
-            task_id,
-            instruction,
-            messages,
-            cfg,
-            verdict,
-            workdir: Some(workdir),
-            steps: 0,
-            done: false,
-            deadline,
-        }
-    }
-
+impl ShellSteps {
     fn step_error(&self, reason: impl std::fmt::Display) -> EnvError {
         EnvError::Step {
             task: self.task_id.clone(),
@@ -176,33 +174,25 @@ impl ShellEpisode {
         info["stderr"] = Value::String(err_tail);
         Ok((outcome, info))
     }
+}
 
-    async fn do_step(&mut self, action: &Action) -> Result<StepOutcome, EnvError> {
-        if self.done {
-            return Err(EnvError::Finished {
-                task: self.task_id.clone(),
-            });
-        }
-        self.steps += 1;
-        self.messages.push(assistant_message(action));
-        let step = self.steps;
-        if Instant::now() >= self.deadline {
-            self.done = true;
-            return Ok(past_deadline(step));
-        }
+impl ToolSteps for ShellSteps {
+    async fn run(
+        &mut self,
+        action: &Action,
+        step: u32,
+        deadline: Instant,
+    ) -> Result<StepResult, EnvError> {
         let mut next_state = Vec::new();
         let mut commands = Vec::new();
-        let mut finish: Option<&str> = action.tool_calls.is_empty().then_some("answer");
+        let mut finish = Finish::of(action);
         for call in &action.tool_calls {
-            if finish.is_some() {
-                next_state.push(tool_message(
-                    call,
-                    "not run: the episode was already submitted".into(),
-                ));
+            if let Some(refusal) = finish.refusal(call) {
+                next_state.push(refusal);
                 continue;
             }
             if call.name == SUBMIT_TOOL {
-                finish = Some("submit");
+                finish.submit();
                 next_state.push(tool_message(call, "submitted".into()));
                 continue;
             }
@@ -223,7 +213,7 @@ impl ShellEpisode {
                     continue;
                 }
             };
-            let left = self.deadline.saturating_duration_since(Instant::now());
+            let left = deadline.saturating_duration_since(Instant::now());
             let wd = self.workdir.as_ref().expect("open episode has a work dir");
             let out = self
                 .cfg
@@ -237,50 +227,19 @@ impl ShellEpisode {
             commands.push(info);
             next_state.push(tool_message(call, text));
         }
-        if finish.is_none() && step >= self.cfg.max_steps {
-            finish = Some("step_limit");
-        }
         let mut info = json!({"step": step, "commands": commands});
         let mut outcome = None;
-        if let Some(how) = finish {
-            let (o, check) = self.judge().await?;
-            self.done = true;
-            outcome = Some(o);
-            info["finish"] = Value::String(how.into());
-            info["check"] = check;
+        if let Some(how) = finish.how(step, self.cfg.max_steps) {
+            outcome = Some(verdict(&mut info, how, self.judge().await?));
         }
-        self.messages.extend(next_state.iter().cloned());
-        Ok(StepOutcome {
+        Ok(StepResult {
             next_state,
-            done: self.done,
             outcome,
             info,
         })
     }
-}
 
-impl Episode for ShellEpisode {
-    fn task_id(&self) -> &str {
-        &self.task_id
-    }
-
-    fn instruction(&self) -> &str {
-        &self.instruction
-    }
-
-    fn observation(&self) -> Observation {
-        Observation {
-            messages: self.messages.clone(),
-            tools: self.cfg.tools.as_ref().clone(),
-            template_kwargs: Default::default(),
-        }
-    }
-
-    fn step<'a>(&'a mut self, action: &'a Action) -> BoxFuture<'a, Result<StepOutcome, EnvError>> {
-        Box::pin(self.do_step(action))
-    }
-
-    fn close(mut self: Box<Self>) -> BoxFuture<'static, ()> {
+    fn close(mut self) -> BoxFuture<'static, ()> {
         Box::pin(super::workdir::release(self.workdir.take()))
     }
 }

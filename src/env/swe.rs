@@ -16,15 +16,16 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use clawrl_actors::loops::{BoxFuture, EnvError, Environment, Episode};
+use clawrl_actors::loops::{EnvError, Episode};
 use serde::Deserialize;
 use serde_json::json;
 
 use super::exec::{no_arg_tool, string_tool, CommandLimits, Runner};
-use super::shell::{ShellConfig, ShellEpisode, Verdict, SUBMIT_TOOL};
+use super::shell::{shell_episode, ShellConfig, Verdict, SUBMIT_TOOL};
+use super::task_env::{setup_error, take_workdir, TaskEnv, TaskKind};
 use super::tasks::{check_id, check_nonblank, check_relative_path, parse_json, TaskError};
 use super::workdir::{WorkDir, WorkDirPool};
-use super::{EnvBuildError, EnvOptions};
+use super::{EnvBuildError, EnvKind, EnvOptions};
 
 /// The default step limit.
 pub const DEFAULT_MAX_STEPS: u32 = 20;
@@ -224,21 +225,25 @@ fn write_repo(task: &SweTask, wd: &Path) -> std::io::Result<()> {
 }
 
 /// The SWE environment over a task set.
-pub struct SweEnv {
-    tasks: Vec<Arc<SweTask>>,
+pub type SweEnv = TaskEnv<Swe>;
+
+/// What the SWE kind adds to its task set: the shell episode's settings and the work dirs.
+pub struct Swe {
     cfg: ShellConfig,
     pool: Arc<WorkDirPool>,
 }
 
-impl SweEnv {
-    /// Reads the task directories under `path` and prepares the work dir pool.
-    pub fn load(path: &Path, options: EnvOptions) -> Result<Self, EnvBuildError> {
-        Self::new(load_tasks(path)?, options)
+impl TaskKind for Swe {
+    type Task = SweTask;
+
+    const KIND: EnvKind = EnvKind::Swe;
+
+    /// Reads the task directories under `path`.
+    fn load_tasks(path: &Path) -> Result<Vec<SweTask>, TaskError> {
+        load_tasks(path)
     }
 
-    /// An environment over `tasks` (at least one).
-    pub fn new(tasks: Vec<SweTask>, options: EnvOptions) -> Result<Self, EnvBuildError> {
-        let pool = options.prepare("swe", tasks.len())?;
+    fn build(options: &EnvOptions, pool: Arc<WorkDirPool>) -> Result<Self, EnvBuildError> {
         let limits = options.limits.clone().unwrap_or_else(CommandLimits::swe);
         let tools = vec![
             string_tool(
@@ -255,7 +260,6 @@ impl SweEnv {
             ("CARGO_TERM_COLOR".to_string(), "never".to_string()),
         ];
         Ok(Self {
-            tasks: tasks.into_iter().map(Arc::new).collect(),
             cfg: ShellConfig {
                 tool: BASH_TOOL,
                 tools: Arc::new(tools),
@@ -268,31 +272,25 @@ impl SweEnv {
         })
     }
 
-    /// The tasks.
-    pub fn tasks(&self) -> &[Arc<SweTask>] {
-        &self.tasks
+    fn max_steps(&self) -> u32 {
+        self.cfg.max_steps
     }
 
-    async fn start_episode(&self, index: usize) -> Result<Box<dyn Episode>, EnvError> {
-        let started = Instant::now();
-        let task = Arc::clone(self.tasks.get(index).ok_or(EnvError::NoSuchTask {
-            index,
-            count: self.tasks.len(),
-        })?);
-        let setup_err = |reason: String| EnvError::Setup {
-            task: task.id.clone(),
-            reason,
+    async fn start(
+        &self,
+        task: Arc<SweTask>,
+        started: Instant,
+    ) -> Result<Box<dyn Episode>, EnvError> {
+        let wd: WorkDir = take_workdir(&self.pool, &task.id)?;
+        let copy_err = |e: &dyn std::fmt::Display| {
+            setup_error(&task.id, format!("copying the repository: {e}"))
         };
-        let wd: WorkDir = self
-            .pool
-            .take()
-            .map_err(|e| setup_err(format!("creating the work dir: {e}")))?;
         let t = Arc::clone(&task);
         let path = wd.path().to_path_buf();
         tokio::task::spawn_blocking(move || write_repo(&t, &path))
             .await
-            .map_err(|e| setup_err(format!("copying the repository: {e}")))?
-            .map_err(|e| setup_err(format!("copying the repository: {e}")))?;
+            .map_err(|e| copy_err(&e))?
+            .map_err(|e| copy_err(&e))?;
         let user = format!(
             "Fix this issue in the repository at /work.\n\n{}\n\nThe tests run with `{}`.",
             task.issue.trim_end(),
@@ -302,7 +300,7 @@ impl SweEnv {
             json!({"role": "system", "content": SYSTEM_PROMPT}),
             json!({"role": "user", "content": user}),
         ];
-        Ok(Box::new(ShellEpisode::new(
+        Ok(shell_episode(
             task.id.clone(),
             task.issue.clone(),
             messages,
@@ -313,25 +311,7 @@ impl SweEnv {
             },
             wd,
             started,
-        )))
-    }
-}
-
-impl Environment for SweEnv {
-    fn kind(&self) -> &str {
-        "swe"
-    }
-
-    fn task_count(&self) -> usize {
-        self.tasks.len()
-    }
-
-    fn max_steps(&self) -> u32 {
-        self.cfg.max_steps
-    }
-
-    fn start(&self, index: usize, _seed: u64) -> BoxFuture<'_, Result<Box<dyn Episode>, EnvError>> {
-        Box::pin(self.start_episode(index))
+        ))
     }
 }
 

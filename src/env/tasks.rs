@@ -102,6 +102,44 @@ pub fn read_jsonl<T: DeserializeOwned>(path: &Path) -> Result<Vec<(usize, T)>, T
     Ok(out)
 }
 
+/// The tasks of the JSONL task file at `path`: each line's object (`R`) has its id (`id`)
+/// checked ([`check_id`], unique in the file), then becomes a task by `task` (given its line),
+/// line by line, so the first line at fault is the one named.
+pub fn read_tasks<R: DeserializeOwned, T>(
+    path: &Path,
+    id: impl Fn(&R) -> &str,
+    mut task: impl FnMut(usize, R) -> Result<T, TaskError>,
+) -> Result<Vec<T>, TaskError> {
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    for (line, raw) in read_jsonl::<R>(path)? {
+        check_id(path, line, id(&raw), &mut seen)?;
+        out.push(task(line, raw)?);
+    }
+    Ok(out)
+}
+
+/// Test helper: what `load` reads from a task file holding `text`, written to a fresh
+/// directory of this process (named by `kind` and the text's length) that is removed after.
+#[cfg(test)]
+pub(crate) fn load_text<T>(
+    kind: &str,
+    text: &str,
+    load: impl Fn(&Path) -> Result<T, TaskError>,
+) -> Result<T, TaskError> {
+    let dir = std::env::temp_dir().join(format!(
+        "clawrl-{kind}-tasks-{}-{}",
+        std::process::id(),
+        text.len()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("t.jsonl");
+    std::fs::write(&f, text).unwrap();
+    let r = load(&f);
+    std::fs::remove_dir_all(&dir).unwrap();
+    r
+}
+
 /// Checks an id: non-empty, at most 128 bytes of `[A-Za-z0-9._-]`, and not seen before.
 pub fn check_id(
     path: &Path,

@@ -7,20 +7,21 @@
 //! run in the sandbox after the files are written; it must exit 0). Unknown keys, missing fields,
 //! blank texts and paths that leave the work dir are errors naming the line and the key.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use clawrl_actors::loops::{BoxFuture, EnvError, Environment, Episode};
+use clawrl_actors::loops::{EnvError, Episode};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::exec::{no_arg_tool, string_tool, CommandLimits, Runner};
-use super::shell::{ShellConfig, ShellEpisode, Verdict, SUBMIT_TOOL};
-use super::tasks::{check_id, check_nonblank, check_relative_path, read_jsonl, TaskError};
+use super::shell::{shell_episode, ShellConfig, Verdict, SUBMIT_TOOL};
+use super::task_env::{setup_error, take_workdir, TaskEnv, TaskKind};
+use super::tasks::{check_nonblank, check_relative_path, read_tasks, TaskError};
 use super::workdir::WorkDirPool;
-use super::{EnvBuildError, EnvOptions};
+use super::{EnvBuildError, EnvKind, EnvOptions};
 
 /// The default step limit.
 pub const DEFAULT_MAX_STEPS: u32 = 10;
@@ -68,61 +69,64 @@ pub struct TerminalTask {
 
 /// Reads and validates a terminal task file.
 pub fn load_tasks(path: &Path) -> Result<Vec<TerminalTask>, TaskError> {
-    let mut seen = HashSet::new();
-    let mut out = Vec::new();
-    for (line, raw) in read_jsonl::<RawTask>(path)? {
-        check_id(path, line, &raw.id, &mut seen)?;
-        check_nonblank(path, line, "instruction", &raw.instruction)?;
-        check_nonblank(path, line, "check", &raw.check)?;
-        let mut files = Vec::new();
-        let mut setup_script = None;
-        if let Some(setup) = raw.setup {
-            if setup.files.is_none() && setup.script.is_none() {
-                return Err(TaskError::invalid(
-                    path,
-                    line,
-                    "setup",
-                    "needs `files` and/or `script` (omit `setup` for none)",
-                ));
+    read_tasks(
+        path,
+        |raw: &RawTask| &raw.id,
+        |line, raw| {
+            check_nonblank(path, line, "instruction", &raw.instruction)?;
+            check_nonblank(path, line, "check", &raw.check)?;
+            let mut files = Vec::new();
+            let mut setup_script = None;
+            if let Some(setup) = raw.setup {
+                if setup.files.is_none() && setup.script.is_none() {
+                    return Err(TaskError::invalid(
+                        path,
+                        line,
+                        "setup",
+                        "needs `files` and/or `script` (omit `setup` for none)",
+                    ));
+                }
+                for (rel, content) in setup.files.unwrap_or_default() {
+                    let p = check_relative_path(&rel).map_err(|reason| {
+                        TaskError::invalid(path, line, &format!("setup.files.{rel}"), reason)
+                    })?;
+                    files.push((p, content));
+                }
+                if let Some(s) = setup.script {
+                    check_nonblank(path, line, "setup.script", &s)?;
+                    setup_script = Some(s);
+                }
             }
-            for (rel, content) in setup.files.unwrap_or_default() {
-                let p = check_relative_path(&rel).map_err(|reason| {
-                    TaskError::invalid(path, line, &format!("setup.files.{rel}"), reason)
-                })?;
-                files.push((p, content));
-            }
-            if let Some(s) = setup.script {
-                check_nonblank(path, line, "setup.script", &s)?;
-                setup_script = Some(s);
-            }
-        }
-        out.push(TerminalTask {
-            id: raw.id,
-            instruction: raw.instruction,
-            files,
-            setup_script,
-            check: raw.check,
-        });
-    }
-    Ok(out)
+            Ok(TerminalTask {
+                id: raw.id,
+                instruction: raw.instruction,
+                files,
+                setup_script,
+                check: raw.check,
+            })
+        },
+    )
 }
 
 /// The terminal environment over a task set.
-pub struct TerminalEnv {
-    tasks: Vec<Arc<TerminalTask>>,
+pub type TerminalEnv = TaskEnv<Terminal>;
+
+/// What the terminal kind adds to its task set: the shell episode's settings and the work dirs.
+pub struct Terminal {
     cfg: ShellConfig,
     pool: Arc<WorkDirPool>,
 }
 
-impl TerminalEnv {
-    /// Reads the tasks at `path` and prepares the work dir pool.
-    pub fn load(path: &Path, options: EnvOptions) -> Result<Self, EnvBuildError> {
-        Self::new(load_tasks(path)?, options)
+impl TaskKind for Terminal {
+    type Task = TerminalTask;
+
+    const KIND: EnvKind = EnvKind::Terminal;
+
+    fn load_tasks(path: &Path) -> Result<Vec<TerminalTask>, TaskError> {
+        load_tasks(path)
     }
 
-    /// An environment over `tasks` (at least one).
-    pub fn new(tasks: Vec<TerminalTask>, options: EnvOptions) -> Result<Self, EnvBuildError> {
-        let pool = options.prepare("terminal", tasks.len())?;
+    fn build(options: &EnvOptions, pool: Arc<WorkDirPool>) -> Result<Self, EnvBuildError> {
         let limits = options
             .limits
             .clone()
@@ -137,7 +141,6 @@ impl TerminalEnv {
             no_arg_tool(SUBMIT_TOOL, "Finish the task; the result is then checked."),
         ];
         Ok(Self {
-            tasks: tasks.into_iter().map(Arc::new).collect(),
             cfg: ShellConfig {
                 tool: SHELL_TOOL,
                 tools: Arc::new(tools),
@@ -150,25 +153,17 @@ impl TerminalEnv {
         })
     }
 
-    /// The tasks.
-    pub fn tasks(&self) -> &[Arc<TerminalTask>] {
-        &self.tasks
+    fn max_steps(&self) -> u32 {
+        self.cfg.max_steps
     }
 
-    async fn start_episode(&self, index: usize) -> Result<Box<dyn Episode>, EnvError> {
-        let started = Instant::now();
-        let task = self.tasks.get(index).ok_or(EnvError::NoSuchTask {
-            index,
-            count: self.tasks.len(),
-        })?;
-        let setup_err = |reason: String| EnvError::Setup {
-            task: task.id.clone(),
-            reason,
-        };
-        let wd = self
-            .pool
-            .take()
-            .map_err(|e| setup_err(format!("creating the work dir: {e}")))?;
+    async fn start(
+        &self,
+        task: Arc<TerminalTask>,
+        started: Instant,
+    ) -> Result<Box<dyn Episode>, EnvError> {
+        let setup_err = |reason| setup_error(&task.id, reason);
+        let wd = take_workdir(&self.pool, &task.id)?;
         // Into the fresh work dir, following no link (crate::sandbox::host_fs).
         for (rel, content) in &task.files {
             crate::sandbox::host_fs::write_file(wd.path(), rel, content.as_bytes(), 0o644)
@@ -192,7 +187,7 @@ impl TerminalEnv {
             json!({"role": "system", "content": SYSTEM_PROMPT}),
             json!({"role": "user", "content": task.instruction}),
         ];
-        Ok(Box::new(ShellEpisode::new(
+        Ok(shell_episode(
             task.id.clone(),
             task.instruction.clone(),
             messages,
@@ -200,25 +195,7 @@ impl TerminalEnv {
             Verdict::Check(task.check.clone()),
             wd,
             started,
-        )))
-    }
-}
-
-impl Environment for TerminalEnv {
-    fn kind(&self) -> &str {
-        "terminal"
-    }
-
-    fn task_count(&self) -> usize {
-        self.tasks.len()
-    }
-
-    fn max_steps(&self) -> u32 {
-        self.cfg.max_steps
-    }
-
-    fn start(&self, index: usize, _seed: u64) -> BoxFuture<'_, Result<Box<dyn Episode>, EnvError>> {
-        Box::pin(self.start_episode(index))
+        ))
     }
 }
 
@@ -227,17 +204,7 @@ mod tests {
     use super::*;
 
     fn load(text: &str) -> Result<Vec<TerminalTask>, TaskError> {
-        let dir = std::env::temp_dir().join(format!(
-            "clawrl-terminal-tasks-{}-{}",
-            std::process::id(),
-            text.len()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let f = dir.join("t.jsonl");
-        std::fs::write(&f, text).unwrap();
-        let r = load_tasks(&f);
-        std::fs::remove_dir_all(&dir).unwrap();
-        r
+        crate::env::tasks::load_text("terminal", text, load_tasks)
     }
 
     fn key_of(text: &str) -> (usize, String) {

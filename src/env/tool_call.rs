@@ -9,25 +9,23 @@
 //! the budget are answered without running. Each call is a fresh `python3` process (state does
 //! not carry over; files written in `/work` do).
 
-use std::collections::HashSet;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use clawrl_actors::loops::{
-    Action, BoxFuture, EnvError, Environment, Episode, Observation, StepOutcome,
-};
+use clawrl_actors::loops::{Action, BoxFuture, EnvError, Episode};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::answer::{answer_matches, extract_answer, parse_number};
+use super::episode::{StepResult, ToolEpisode, ToolSteps};
 use super::exec::{
-    assistant_message, output_info, past_deadline, render_output, string_argument, string_tool,
-    tool_message, CommandLimits, Runner,
+    output_info, render_output, string_argument, string_tool, tool_message, CommandLimits, Runner,
 };
-use super::tasks::{check_id, check_nonblank, read_jsonl, TaskError};
+use super::task_env::{take_workdir, TaskEnv, TaskKind};
+use super::tasks::{check_nonblank, read_tasks, TaskError};
 use super::workdir::{WorkDir, WorkDirPool};
-use super::{EnvBuildError, EnvOptions};
+use super::{EnvBuildError, EnvKind, EnvOptions};
 
 /// The interpreter tool's name.
 pub const INTERPRETER_TOOL: &str = "code_interpreter";
@@ -57,38 +55,38 @@ pub struct MathTask {
 
 /// Reads and validates a tool-call task file.
 pub fn load_tasks(path: &Path) -> Result<Vec<MathTask>, TaskError> {
-    let mut seen = HashSet::new();
-    let mut out = Vec::new();
-    for (line, raw) in read_jsonl::<RawTask>(path)? {
-        check_id(path, line, &raw.id, &mut seen)?;
-        check_nonblank(path, line, "question", &raw.question)?;
-        let answer = match &raw.answer {
-            Value::String(s) => s.clone(),
-            Value::Number(n) => n.to_string(),
-            other => {
+    read_tasks(
+        path,
+        |raw: &RawTask| &raw.id,
+        |line, raw| {
+            check_nonblank(path, line, "question", &raw.question)?;
+            let answer = match &raw.answer {
+                Value::String(s) => s.clone(),
+                Value::Number(n) => n.to_string(),
+                other => {
+                    return Err(TaskError::invalid(
+                        path,
+                        line,
+                        "answer",
+                        format!("must be a number or a string holding one, got {other}"),
+                    ))
+                }
+            };
+            if parse_number(&answer).is_none() {
                 return Err(TaskError::invalid(
                     path,
                     line,
                     "answer",
-                    format!("must be a number or a string holding one, got {other}"),
-                ))
+                    format!("{answer:?} is not a number (see env::answer for the accepted forms)"),
+                ));
             }
-        };
-        if parse_number(&answer).is_none() {
-            return Err(TaskError::invalid(
-                path,
-                line,
-                "answer",
-                format!("{answer:?} is not a number (see env::answer for the accepted forms)"),
-            ));
-        }
-        out.push(MathTask {
-            id: raw.id,
-            question: raw.question,
-            answer,
-        });
-    }
-    Ok(out)
+            Ok(MathTask {
+                id: raw.id,
+                question: raw.question,
+                answer,
+            })
+        },
+    )
 }
 
 #[derive(Clone, Debug)]
@@ -102,21 +100,24 @@ struct Config {
 }
 
 /// The tool-call environment over a task set.
-pub struct ToolCallEnv {
-    tasks: Vec<Arc<MathTask>>,
+pub type ToolCallEnv = TaskEnv<ToolCall>;
+
+/// What the tool-call kind adds to its task set: the episodes' settings and the work dirs.
+pub struct ToolCall {
     cfg: Config,
     pool: Arc<WorkDirPool>,
 }
 
-impl ToolCallEnv {
-    /// Reads the tasks at `path` and prepares the work dir pool.
-    pub fn load(path: &Path, options: EnvOptions) -> Result<Self, EnvBuildError> {
-        Self::new(load_tasks(path)?, options)
+impl TaskKind for ToolCall {
+    type Task = MathTask;
+
+    const KIND: EnvKind = EnvKind::ToolCall;
+
+    fn load_tasks(path: &Path) -> Result<Vec<MathTask>, TaskError> {
+        load_tasks(path)
     }
 
-    /// An environment over `tasks` (at least one).
-    pub fn new(tasks: Vec<MathTask>, options: EnvOptions) -> Result<Self, EnvBuildError> {
-        let pool = options.prepare("tool_call", tasks.len())?;
+    fn build(options: &EnvOptions, pool: Arc<WorkDirPool>) -> Result<Self, EnvBuildError> {
         let limits = options
             .limits
             .clone()
@@ -128,7 +129,6 @@ impl ToolCallEnv {
             "The Python source to run.",
         )];
         Ok(Self {
-            tasks: tasks.into_iter().map(Arc::new).collect(),
             cfg: Config {
                 tools: Arc::new(tools),
                 max_steps: options.max_steps.unwrap_or(options.max_tool_calls + 1),
@@ -145,67 +145,46 @@ impl ToolCallEnv {
         })
     }
 
-    /// The tasks.
-    pub fn tasks(&self) -> &[Arc<MathTask>] {
-        &self.tasks
-    }
-}
-
-impl Environment for ToolCallEnv {
-    fn kind(&self) -> &str {
-        "tool_call"
-    }
-
-    fn task_count(&self) -> usize {
-        self.tasks.len()
-    }
-
     fn max_steps(&self) -> u32 {
         self.cfg.max_steps
     }
 
-    fn start(&self, index: usize, _seed: u64) -> BoxFuture<'_, Result<Box<dyn Episode>, EnvError>> {
-        Box::pin(async move {
-            let started = Instant::now();
-            let task = Arc::clone(self.tasks.get(index).ok_or(EnvError::NoSuchTask {
-                index,
-                count: self.tasks.len(),
-            })?);
-            let wd = self.pool.take().map_err(|e| EnvError::Setup {
-                task: task.id.clone(),
-                reason: format!("creating the work dir: {e}"),
-            })?;
-            let messages = vec![
-                json!({"role": "system", "content": SYSTEM_PROMPT}),
-                json!({"role": "user", "content": task.question}),
-            ];
-            Ok(Box::new(ToolCallEpisode {
-                deadline: started + self.cfg.deadline,
+    async fn start(
+        &self,
+        task: Arc<MathTask>,
+        started: Instant,
+    ) -> Result<Box<dyn Episode>, EnvError> {
+        let wd = take_workdir(&self.pool, &task.id)?;
+        let messages = vec![
+            json!({"role": "system", "content": SYSTEM_PROMPT}),
+            json!({"role": "user", "content": task.question}),
+        ];
+        Ok(Box::new(ToolEpisode::new(
+            task.id.clone(),
+            task.question.clone(),
+            messages,
+            Arc::clone(&self.cfg.tools),
+            started + self.cfg.deadline,
+            ToolCallSteps {
                 task,
-                messages,
                 cfg: self.cfg.clone(),
                 workdir: Some(wd),
-                steps: 0,
                 calls: 0,
-                done: false,
-            }) as Box<dyn Episode>)
-        })
+            },
+        )))
     }
 }
 
-/// A running tool-call episode.
-pub struct ToolCallEpisode {
+/// What a tool-call episode does with its steps: runs the code in its work dir, within the
+/// budget of calls, and judges the final answer.
+pub struct ToolCallSteps {
     task: Arc<MathTask>,
-    messages: Vec<Value>,
     cfg: Config,
     workdir: Option<WorkDir>,
-    steps: u32,
     calls: u32,
-    done: bool,
-    deadline: Instant,
 }
 
-impl ToolCallEpisode {
+impl ToolCallSteps {
     fn judge(&self, text: &str) -> (f64, Value) {
         let given = extract_answer(text);
         let ok = answer_matches(text, &self.task.answer);
@@ -214,26 +193,19 @@ impl ToolCallEpisode {
             json!({"given": given, "expected": self.task.answer, "correct": ok}),
         )
     }
+}
 
-    async fn do_step(&mut self, action: &Action) -> Result<StepOutcome, EnvError> {
-        if self.done {
-            return Err(EnvError::Finished {
-                task: self.task.id.clone(),
-            });
-        }
-        self.steps += 1;
-        let step = self.steps;
-        self.messages.push(assistant_message(action));
-        if Instant::now() >= self.deadline {
-            self.done = true;
-            return Ok(past_deadline(step));
-        }
+impl ToolSteps for ToolCallSteps {
+    async fn run(
+        &mut self,
+        action: &Action,
+        step: u32,
+        deadline: Instant,
+    ) -> Result<StepResult, EnvError> {
         if action.tool_calls.is_empty() {
-            self.done = true;
             let (o, answer) = self.judge(&action.content);
-            return Ok(StepOutcome {
+            return Ok(StepResult {
                 next_state: vec![],
-                done: true,
                 outcome: Some(o),
                 info: json!({"step": step, "finish": "answer", "answer": answer}),
             });
@@ -269,7 +241,7 @@ impl ToolCallEpisode {
                 }
             };
             self.calls += 1;
-            let left = self.deadline.saturating_duration_since(Instant::now());
+            let left = deadline.saturating_duration_since(Instant::now());
             let wd = self.workdir.as_ref().expect("open episode has a work dir");
             let out = self
                 .cfg
@@ -291,47 +263,22 @@ impl ToolCallEpisode {
             runs.push(info);
             next_state.push(tool_message(call, text));
         }
-        self.messages.extend(next_state.iter().cloned());
         let mut info = json!({"step": step, "calls": runs, "calls_used": self.calls});
         let mut outcome = None;
         if step >= self.cfg.max_steps {
-            self.done = true;
             let (o, answer) = self.judge(&action.content);
             outcome = Some(o);
             info["finish"] = Value::String("step_limit".into());
             info["answer"] = answer;
         }
-        Ok(StepOutcome {
+        Ok(StepResult {
             next_state,
-            done: self.done,
             outcome,
             info,
         })
     }
-}
 
-impl Episode for ToolCallEpisode {
-    fn task_id(&self) -> &str {
-        &self.task.id
-    }
-
-    fn instruction(&self) -> &str {
-        &self.task.question
-    }
-
-    fn observation(&self) -> Observation {
-        Observation {
-            messages: self.messages.clone(),
-            tools: self.cfg.tools.as_ref().clone(),
-            template_kwargs: Default::default(),
-        }
-    }
-
-    fn step<'a>(&'a mut self, action: &'a Action) -> BoxFuture<'a, Result<StepOutcome, EnvError>> {
-        Box::pin(self.do_step(action))
-    }
-
-    fn close(mut self: Box<Self>) -> BoxFuture<'static, ()> {
+    fn close(mut self) -> BoxFuture<'static, ()> {
         Box::pin(super::workdir::release(self.workdir.take()))
     }
 }
@@ -341,17 +288,7 @@ mod tests {
     use super::*;
 
     fn load(text: &str) -> Result<Vec<MathTask>, TaskError> {
-        let dir = std::env::temp_dir().join(format!(
-            "clawrl-toolcall-tasks-{}-{}",
-            std::process::id(),
-            text.len()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let f = dir.join("t.jsonl");
-        std::fs::write(&f, text).unwrap();
-        let r = load_tasks(&f);
-        std::fs::remove_dir_all(&dir).unwrap();
-        r
+        crate::env::tasks::load_text("toolcall", text, load_tasks)
     }
 
     #[test]

@@ -20,16 +20,25 @@ use std::time::Instant;
 use burn::module::AutodiffModule;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use clawrl::model::{save_checkpoint_dir, Qwen3, Qwen3Config, SaveError, TokenizerFiles};
+use clawrl::model::{
+    save_checkpoint_dir, ChatTemplate, Qwen3, Qwen3Config, SaveError, TokenizerFiles,
+};
 use clawrl::train::learner::{BurnLearner, StepError};
 use clawrl::train::{Sample, TrainConfig};
 
-/// The policy's shape: the `[sft]` keys every warm start has.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct ModelShape {
+/// A warm start's settings, an experiment's `[sft]` table (field names are the TOML keys): the
+/// policy's shape and the supervised recipe every warm start has, and the experiment's own keys
+/// (`X`, flattened into the same table). Serde parses flattened keys from a buffered copy of the
+/// table, so an unknown key, or a bad value of one of `X`'s keys, is reported at the `[sft]`
+/// table (still by name) rather than at its line, and without the list of known keys.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SftSettings<X> {
+    /// Seed of the initial weights and of the training draws.
+    pub seed: u64,
     /// Decoder layers.
     pub layers: usize,
     /// Model width.
@@ -40,15 +49,44 @@ pub struct ModelShape {
     pub kv_heads: usize,
     /// Width of the SwiGLU MLP.
     pub intermediate: usize,
-    /// Longest sequence.
+    /// Longest sequence (prompt plus response).
     pub max_positions: usize,
+    /// Supervised steps.
+    pub steps: usize,
+    /// Samples per step.
+    pub batch_size: usize,
+    /// AdamW learning rate.
+    pub lr: f64,
+    /// The experiment's own settings.
+    #[serde(flatten)]
+    pub extra: X,
 }
 
-impl ModelShape {
-    /// Checks the shape: every size at least 1, a whole and even head width, key/value heads
-    /// dividing the query heads, at least `min_positions` positions (`why` says what needs
-    /// them). The error names the `[sft]` key.
-    pub fn validate(&self, min_positions: usize, why: &str) -> Result<(), (&'static str, String)> {
+impl<X> SftSettings<X> {
+    /// The small policy every experiment starts from (seed 0; 2 layers of width 64, 4 query
+    /// and 2 key/value heads, an MLP of 192; 128 positions), trained 1000 steps of 32 samples
+    /// at learning rate 3e-3, with the experiment's own `extra`.
+    pub fn small(extra: X) -> Self {
+        Self {
+            seed: 0,
+            layers: 2,
+            hidden: 64,
+            heads: 4,
+            kv_heads: 2,
+            intermediate: 192,
+            max_positions: 128,
+            steps: 1000,
+            batch_size: 32,
+            lr: 3e-3,
+            extra,
+        }
+    }
+
+    /// Checks the shape and the recipe: every size at least 1, a whole and even head width,
+    /// key/value heads dividing the query heads, at least `min_positions` positions (`why`
+    /// says what needs them), a finite `lr` > 0. The error names the `[sft]` key.
+    pub fn check(&self, min_positions: usize, why: &str) -> Result<(), SftError> {
+        let bad = |key, reason: String| Err(SftError::Setting { key, reason });
         for (key, v) in [
             ("layers", self.layers),
             ("hidden", self.hidden),
@@ -57,24 +95,30 @@ impl ModelShape {
             ("intermediate", self.intermediate),
         ] {
             if v == 0 {
-                return Err((key, "must be at least 1".into()));
+                return bad(key, "must be at least 1".into());
             }
         }
         if !self.hidden.is_multiple_of(self.heads) || !(self.hidden / self.heads).is_multiple_of(2)
         {
-            return Err((
+            return bad(
                 "heads",
                 "hidden / heads must be a whole, even head width".into(),
-            ));
+            );
         }
         if !self.heads.is_multiple_of(self.kv_heads) {
-            return Err(("kv_heads", "must divide heads".into()));
+            return bad("kv_heads", "must divide heads".into());
         }
         if self.max_positions < min_positions {
-            return Err((
+            return bad(
                 "max_positions",
                 format!("must be at least {min_positions} ({why})"),
-            ));
+            );
+        }
+        if self.batch_size == 0 {
+            return bad("batch_size", "must be at least 1".into());
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad("lr", "must be a finite number > 0".into());
         }
         Ok(())
     }
@@ -104,6 +148,48 @@ impl ModelShape {
     }
 }
 
+/// The cache key of everything in `shaped_by`: blake3 of its JSON, 16 hex digits.
+pub fn cache_key(shaped_by: &impl Serialize) -> String {
+    let text = serde_json::to_string(shaped_by).expect("settings serialize");
+    blake3::hash(text.as_bytes()).to_hex()[..16].to_string()
+}
+
+/// Encodes chat turns into token ids with an experiment's tokenizer and chat template.
+pub struct ChatEncoder {
+    /// The tokenizer.
+    pub tokenizer: tokenizers::Tokenizer,
+    template: ChatTemplate,
+    /// The stop token ending each of the policy's messages.
+    pub stop: u32,
+}
+
+impl ChatEncoder {
+    /// An encoder whose stop token is `stop` (which the vocabulary must hold).
+    pub fn new(tokenizer: tokenizers::Tokenizer, template: ChatTemplate, stop: &str) -> Self {
+        let stop = tokenizer
+            .token_to_id(stop)
+            .expect("the vocabulary holds the stop token");
+        Self {
+            tokenizer,
+            template,
+            stop,
+        }
+    }
+
+    /// The prompt ids of `messages` as the template renders them.
+    pub fn prompt(&self, messages: &impl Serialize) -> Result<Vec<u32>, SftError> {
+        let messages = minijinja::Value::from_serialize(messages);
+        Ok(self.template.encode(&self.tokenizer, &messages, None)?.ids)
+    }
+
+    /// The ids of one policy message `text`, ended by the stop token.
+    pub fn reply(&self, text: &str) -> Result<Vec<u32>, SftError> {
+        let mut ids = clawrl::model::chat::encode_text(&self.tokenizer, text)?;
+        ids.push(self.stop);
+        Ok(ids)
+    }
+}
+
 /// Why a warm start failed.
 #[derive(Debug, thiserror::Error)]
 pub enum SftError {
@@ -124,28 +210,6 @@ pub enum SftError {
     /// Training or caching failed.
     #[error(transparent)]
     Run(#[from] WarmStartError),
-}
-
-/// Checks what every warm start's settings hold: the policy's `shape` (at least
-/// `min_positions` positions, `why`), `batch_size` ≥ 1 and a finite `lr` > 0.
-pub fn check_recipe(
-    shape: &ModelShape,
-    min_positions: usize,
-    why: &str,
-    batch_size: usize,
-    lr: f64,
-) -> Result<(), SftError> {
-    let bad = |key, reason: String| Err(SftError::Setting { key, reason });
-    if let Err((key, reason)) = shape.validate(min_positions, why) {
-        return bad(key, reason);
-    }
-    if batch_size == 0 {
-        return bad("batch_size", "must be at least 1".into());
-    }
-    if !(lr.is_finite() && lr > 0.0) {
-        return bad("lr", "must be a finite number > 0".into());
-    }
-    Ok(())
 }
 
 /// Why a warm start's training or its cache failed (the experiment's own errors, such as its
@@ -187,38 +251,39 @@ pub struct SftOutcome {
     pub final_nll: f64,
 }
 
-/// One warm start: where it is cached and how it trains.
-pub struct WarmStart<'a> {
-    /// The cache directory; the checkpoint is `<cache_dir>/sft-<key>`.
-    pub cache_dir: &'a Path,
-    /// The cache key (hex digits of a hash over everything that shapes the result).
-    pub key: String,
-    /// The recipe version written into the stamp.
-    pub recipe_version: u32,
-    /// The settings as the stamp keeps them; a cached directory is reused only when its stamp
-    /// holds exactly these.
-    pub settings: Value,
-    /// The policy's config.
-    pub config: Qwen3Config,
-    /// Seed of the initial weights and the learner; the draws use it salted.
-    pub seed: u64,
-    /// XORed into `seed` for the training draws' generator.
+/// What an experiment's warm start fixes in code: bumped with its corpus, tokenizer or recipe,
+/// how its training draws are seeded, how it measures and logs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Recipe {
+    /// The recipe version: part of the cache key and written into the stamp, so a change of
+    /// corpus, tokenizer or recipe does not reuse old caches.
+    pub version: u32,
+    /// XORed into the seed for the training draws' generator.
     pub draw_salt: u64,
-    /// Supervised steps.
-    pub steps: usize,
-    /// Samples per step.
-    pub batch_size: usize,
-    /// AdamW learning rate (no weight decay).
-    pub lr: f64,
     /// Held-aside samples the final NLL is measured on (drawn first, from `seed ^ 0x9e37`).
     pub probe: usize,
     /// Steps between progress lines in the log.
     pub log_every: usize,
+}
+
+/// One warm start: where it is cached and how it trains.
+pub struct WarmStart<'a, X> {
+    /// The cache directory; the checkpoint is `<cache_dir>/sft-<key>`.
+    pub cache_dir: &'a Path,
+    /// The cache key ([`cache_key`] over everything that shapes the result).
+    pub key: String,
+    /// The experiment's recipe.
+    pub recipe: &'a Recipe,
+    /// The settings; a cached directory is reused only when its stamp holds exactly these.
+    /// Training is AdamW without weight decay.
+    pub settings: &'a SftSettings<X>,
+    /// The policy's config.
+    pub config: Qwen3Config,
     /// The checkpoint's tokenizer files.
     pub tokenizer_files: TokenizerFiles,
 }
 
-impl WarmStart<'_> {
+impl<X: Serialize> WarmStart<'_, X> {
     /// The checkpoint directory.
     pub fn dir(&self) -> PathBuf {
         self.cache_dir.join(format!("sft-{}", self.key))
@@ -232,7 +297,7 @@ impl WarmStart<'_> {
         }
         let text = std::fs::read_to_string(dir.join("sft.json")).ok()?;
         let v: Value = serde_json::from_str(&text).ok()?;
-        if v.get("settings") != Some(&self.settings) {
+        if v.get("settings") != Some(&json!(self.settings)) {
             return None;
         }
         tracing::info!(dir = %dir.display(), "sft: reusing the cached checkpoint");
@@ -257,25 +322,24 @@ impl WarmStart<'_> {
             }
         }
         let started = Instant::now();
+        let (seed, steps, batch_size) = (
+            self.settings.seed,
+            self.settings.steps,
+            self.settings.batch_size,
+        );
         let train = TrainConfig {
-            lr: self.lr,
+            lr: self.settings.lr,
             weight_decay: 0.0,
             kl_coef: 0.0,
-            batch_size: self.batch_size,
+            batch_size,
             ..TrainConfig::default()
         };
-        let model =
-            Qwen3::<clawrl::CpuAutodiff>::init(&self.config, &Default::default(), self.seed);
-        let mut learner: BurnLearner = BurnLearner::new(
-            self.config.clone(),
-            model,
-            train,
-            Default::default(),
-            self.seed,
-        );
-        let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ self.draw_salt);
-        let mut probe_rng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x9e37);
-        let probe: Vec<Sample> = (0..self.probe)
+        let model = Qwen3::<clawrl::CpuAutodiff>::init(&self.config, &Default::default(), seed);
+        let mut learner: BurnLearner =
+            BurnLearner::new(self.config.clone(), model, train, Default::default(), seed);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ self.recipe.draw_salt);
+        let mut probe_rng = ChaCha8Rng::seed_from_u64(seed ^ 0x9e37);
+        let probe: Vec<Sample> = (0..self.recipe.probe)
             .map(|_| draw(&mut probe_rng))
             .collect::<Result<_, _>>()?;
         let nll = |learner: &BurnLearner| -> Result<f64, WarmStartError> {
@@ -293,17 +357,17 @@ impl WarmStart<'_> {
             }
             Ok(sum / n.max(1) as f64)
         };
-        for step in 0..self.steps {
-            let batch: Vec<Sample> = (0..self.batch_size)
+        for step in 0..steps {
+            let batch: Vec<Sample> = (0..batch_size)
                 .map(|_| draw(&mut rng))
                 .collect::<Result<_, _>>()?;
             learner
                 .step(&batch)
                 .map_err(|source| WarmStartError::Step { step, source })?;
-            if (step + 1) % self.log_every.max(1) == 0 {
+            if (step + 1) % self.recipe.log_every.max(1) == 0 {
                 tracing::info!(
                     step = step + 1,
-                    of = self.steps,
+                    of = steps,
                     nll = nll(&learner)?,
                     secs = started.elapsed().as_secs_f64(),
                     "sft"
@@ -351,7 +415,7 @@ impl WarmStart<'_> {
             &self.tokenizer_files,
         )?;
         let stamp = serde_json::to_string_pretty(&json!({
-            "recipe_version": self.recipe_version,
+            "recipe_version": self.recipe.version,
             "settings": self.settings,
             "final_nll": final_nll,
             "seconds": seconds,

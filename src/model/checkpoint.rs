@@ -14,16 +14,16 @@ use super::config::{ConfigError, Qwen3Config};
 use super::qwen3::Qwen3;
 use super::weights::{model_to_safetensors, SaveError, TensorSource};
 
-/// Errors while loading a checkpoint or weights; each names the file or tensor at fault.
+/// Why a required file of a checkpoint or adapter directory could not be read.
 #[derive(Debug, thiserror::Error)]
-pub enum LoadError {
-    /// A required file is absent.
+pub enum ReadError {
+    /// The file is absent.
     #[error("missing file {path}")]
-    MissingFile {
+    Missing {
         /// The path looked for.
         path: PathBuf,
     },
-    /// A file could not be read.
+    /// The file could not be read.
     #[error("reading {path}: {source}")]
     Io {
         /// The file.
@@ -31,6 +31,30 @@ pub enum LoadError {
         /// The cause.
         source: std::io::Error,
     },
+}
+
+/// The required file `path`, read by `read` (as bytes or as text).
+pub(crate) fn read_required<T>(
+    path: &Path,
+    read: impl FnOnce(&Path) -> std::io::Result<T>,
+) -> Result<T, ReadError> {
+    if !path.exists() {
+        return Err(ReadError::Missing {
+            path: path.to_path_buf(),
+        });
+    }
+    read(path).map_err(|source| ReadError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Errors while loading a checkpoint or weights; each names the file or tensor at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// A required file is absent or could not be read.
+    #[error(transparent)]
+    Read(#[from] ReadError),
     /// `config.json` is invalid.
     #[error("{file}: {source}")]
     Config {
@@ -171,15 +195,7 @@ impl<B: Backend> Checkpoint<B> {
 }
 
 fn read_text(path: &Path) -> Result<String, LoadError> {
-    if !path.exists() {
-        return Err(LoadError::MissingFile {
-            path: path.to_path_buf(),
-        });
-    }
-    std::fs::read_to_string(path).map_err(|e| LoadError::Io {
-        path: path.to_path_buf(),
-        source: e,
-    })
+    Ok(read_required(path, |p| std::fs::read_to_string(p))?)
 }
 
 fn read_optional(path: &Path) -> Result<Option<String>, LoadError> {
@@ -191,15 +207,7 @@ fn read_optional(path: &Path) -> Result<Option<String>, LoadError> {
 }
 
 fn read_bytes(path: &Path) -> Result<Vec<u8>, LoadError> {
-    if !path.exists() {
-        return Err(LoadError::MissingFile {
-            path: path.to_path_buf(),
-        });
-    }
-    std::fs::read(path).map_err(|e| LoadError::Io {
-        path: path.to_path_buf(),
-        source: e,
-    })
+    Ok(read_required(path, |p| std::fs::read(p))?)
 }
 
 /// Reads and validates `dir/config.json`.

@@ -15,6 +15,7 @@ use burn::tensor::backend::Backend;
 use safetensors::SafeTensors;
 use serde_json::{json, Value as Json};
 
+use super::checkpoint::{read_required, ReadError};
 use super::config::Qwen3Config;
 use super::lora::{LoraConfig, LoraError, LoraTarget, LoraWeights};
 use super::qwen3::Qwen3;
@@ -41,20 +42,9 @@ pub struct PeftAdapter {
 /// fault.
 #[derive(Debug, thiserror::Error)]
 pub enum AdapterLoadError {
-    /// A required file is absent.
-    #[error("missing file {path}")]
-    MissingFile {
-        /// The path looked for.
-        path: PathBuf,
-    },
-    /// A file could not be read.
-    #[error("reading {path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
-    },
+    /// A required file is absent or could not be read.
+    #[error(transparent)]
+    Read(#[from] ReadError),
     /// `adapter_config.json` is not JSON, or a key has the wrong type or value.
     #[error("{file}: `{key}`: {message}")]
     Config {
@@ -312,15 +302,7 @@ pub fn parse_adapter_config(
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, AdapterLoadError> {
-    if !path.exists() {
-        return Err(AdapterLoadError::MissingFile {
-            path: path.to_path_buf(),
-        });
-    }
-    std::fs::read(path).map_err(|source| AdapterLoadError::Io {
-        path: path.to_path_buf(),
-        source,
-    })
+    Ok(read_required(path, |p| std::fs::read(p))?)
 }
 
 /// Reads the adapter directory `dir` for a model of shape `model`: the config, then every

@@ -186,6 +186,22 @@ mod tests {
         )
     }
 
+    /// The clip range ε 0.2, ε_high 0.28 and the KL coefficient `kl_coef`.
+    fn params(kl_coef: f64) -> LossParams {
+        LossParams {
+            eps_clip: 0.2,
+            eps_clip_high: 0.28,
+            kl_coef,
+        }
+    }
+
+    /// [`policy_loss`] of a batch of 2 rows, given row-major as `[new, old, reference,
+    /// advantages, mask, weights]`.
+    fn loss_2x2(v: [&[f32]; 6], p: &LossParams) -> LossTerms<B> {
+        let [new, old, refl, adv, mask, weights] = v.map(|x| t2(x, 2));
+        policy_loss(new, old, Some(refl), adv, mask, weights, p)
+    }
+
     fn scalar(t: Tensor<B, 1>) -> f32 {
         t.into_scalar()
     }
@@ -211,26 +227,14 @@ mod tests {
     /// low with A < 0, and a KL log-ratio beyond the ±10 clamp.
     #[test]
     fn loss_matches_hand_computation() {
-        let p = LossParams {
-            eps_clip: 0.2,
-            eps_clip_high: 0.28,
-            kl_coef: 0.5,
-        };
+        let p = params(0.5);
         let new = [-1.0f32, -0.5, -2.0, -1.0];
         let old = [-1.1f32, -1.0, -1.0, -1.0];
         let refl = [-1.0f32, -0.5, -2.0, 20.0];
         let adv = [1.0f32, 2.0, -1.0, 0.5];
         let mask = [1.0f32, 1.0, 1.0, 0.0];
         let weights = [1.0 / 4.0, 1.0 / 4.0, 1.0 / 2.0, 0.0];
-        let out = policy_loss(
-            t2(&new, 2),
-            t2(&old, 2),
-            Some(t2(&refl, 2)),
-            t2(&adv, 2),
-            t2(&mask, 2),
-            t2(&weights, 2),
-            &p,
-        );
+        let out = loss_2x2([&new, &old, &refl, &adv, &mask, &weights], &p);
         let mut pg = [0f64; 3];
         let mut kl = [0f64; 3];
         let mut clipped = 0;
@@ -256,11 +260,7 @@ mod tests {
 
     #[test]
     fn kl_is_off_without_reference_or_coefficient() {
-        let p = LossParams {
-            eps_clip: 0.2,
-            eps_clip_high: 0.28,
-            kl_coef: 0.0,
-        };
+        let p = params(0.0);
         let out = policy_loss(
             t2(&[-1.0], 1),
             t2(&[-1.0], 1),
@@ -281,11 +281,7 @@ mod tests {
     fn importance_weights_multiply_the_pg_term() {
         use burn::backend::Autodiff;
         type AD = Autodiff<B>;
-        let p = LossParams {
-            eps_clip: 0.2,
-            eps_clip_high: 0.28,
-            kl_coef: 0.3,
-        };
+        let p = params(0.3);
         let new = [-1.0f32, -0.5, -2.0, -1.0];
         let old = [-1.1f32, -1.0, -1.0, -1.0];
         let refl = [-1.2f32, -0.4, -2.5, -1.0];
@@ -329,15 +325,7 @@ mod tests {
         }
         assert!((pg as f64 - expect_pg).abs() < 1e-6, "{pg} vs {expect_pg}");
         // The KL term is the unweighted one.
-        let plain = policy_loss(
-            t2(&new, 2),
-            t2(&old, 2),
-            Some(t2(&refl, 2)),
-            t2(&adv, 2),
-            t2(&mask, 2),
-            t2(&weights, 2),
-            &p,
-        );
+        let plain = loss_2x2([&new, &old, &refl, &adv, &mask, &weights], &p);
         assert!((kl - scalar(plain.kl)).abs() < 1e-7);
         assert!(
             (scalar(plain.pg_loss) - pg).abs() > 1e-3,
@@ -471,11 +459,7 @@ mod tests {
     /// Without weights the weighted loss is the plain one.
     #[test]
     fn no_importance_weights_is_the_plain_loss() {
-        let p = LossParams {
-            eps_clip: 0.2,
-            eps_clip_high: 0.28,
-            kl_coef: 0.0,
-        };
+        let p = params(0.0);
         let args = || {
             (
                 t2(&[-1.0, -2.0], 1),

@@ -298,14 +298,19 @@ mod tests {
         }
     }
 
+    /// AdamW with β1 0.9 and ε 1e-8.
+    fn params(lr: f64, beta2: f64, weight_decay: f64) -> AdamWParams {
+        AdamWParams {
+            lr,
+            betas: [0.9, beta2],
+            eps: 1e-8,
+            weight_decay,
+        }
+    }
+
     #[test]
     fn adamw_follows_torch_formulas_over_steps_with_clipping() {
-        let h = AdamWParams {
-            lr: 0.05,
-            betas: [0.9, 0.98],
-            eps: 1e-8,
-            weight_decay: 0.1,
-        };
+        let h = params(0.05, 0.98, 0.1);
         let mut model = two([[1.0, -2.0], [0.5, 3.0]], [0.1, -0.2, 0.3]);
         let mut opt = AdamW::<crate::CpuBackend>::new(h);
         let mut pa: Vec<f64> = vec![1.0, -2.0, 0.5, 3.0];
@@ -340,12 +345,7 @@ mod tests {
 
     #[test]
     fn state_round_trips_through_export() {
-        let h = AdamWParams {
-            lr: 0.01,
-            betas: [0.9, 0.999],
-            eps: 1e-8,
-            weight_decay: 0.0,
-        };
+        let h = params(0.01, 0.999, 0.0);
         let model = two([[1.0, 2.0], [3.0, 4.0]], [1.0, 1.0, 1.0]);
         let mut a = AdamW::<crate::CpuBackend>::new(h);
         let model = a.step(

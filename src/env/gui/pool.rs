@@ -62,11 +62,33 @@ pub struct PoolStats {
     pub discarded: u64,
 }
 
+/// How a pool's browsers are launched, each in a directory of its own.
+#[derive(Clone, Debug)]
+pub struct BrowserSpec {
+    /// The Chromium executable.
+    pub binary: PathBuf,
+    /// The viewport, in CSS pixels (width, height).
+    pub viewport: (u32, u32),
+    /// How long a command may wait for its reply.
+    pub timeout: Duration,
+}
+
+impl BrowserSpec {
+    /// The launch options of a browser whose directory is `dir`.
+    fn launch_options(&self, dir: PathBuf) -> LaunchOptions {
+        LaunchOptions {
+            binary: self.binary.clone(),
+            dir,
+            width: self.viewport.0,
+            height: self.viewport.1,
+            timeout: self.timeout,
+        }
+    }
+}
+
 /// Browsers launched ahead for one environment.
 pub struct BrowserPool {
-    binary: PathBuf,
-    viewport: (u32, u32),
-    timeout: Duration,
+    spec: BrowserSpec,
     workdirs: Arc<WorkDirPool>,
     permits: Arc<Semaphore>,
     target: usize,
@@ -84,21 +106,17 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl BrowserPool {
-    /// A pool keeping `target` browsers ready, launching `binary` with work dirs from
-    /// `workdirs` under the limit `permits`. Warming starts at once when called inside a Tokio
-    /// runtime, else at the first [`BrowserPool::take`].
+    /// A pool keeping `target` browsers ready, launching them as `spec` says with work dirs
+    /// from `workdirs` under the limit `permits`. Warming starts at once when called inside a
+    /// Tokio runtime, else at the first [`BrowserPool::take`].
     pub fn new(
-        binary: PathBuf,
-        viewport: (u32, u32),
-        timeout: Duration,
+        spec: BrowserSpec,
         workdirs: Arc<WorkDirPool>,
         permits: Arc<Semaphore>,
         target: usize,
     ) -> Arc<BrowserPool> {
         let pool = Arc::new(BrowserPool {
-            binary,
-            viewport,
-            timeout,
+            spec,
             workdirs,
             permits,
             target,
@@ -134,18 +152,12 @@ impl BrowserPool {
 
     /// The viewport the browsers are opened with.
     pub fn viewport(&self) -> (u32, u32) {
-        self.viewport
+        self.spec.viewport
     }
 
     async fn launch(&self, permit: OwnedSemaphorePermit, warm: bool) -> Result<Leased, LeaseError> {
         let workdir = self.workdirs.take()?;
-        let opts = LaunchOptions {
-            binary: self.binary.clone(),
-            dir: workdir.path().join("browser"),
-            width: self.viewport.0,
-            height: self.viewport.1,
-            timeout: self.timeout,
-        };
+        let opts = self.spec.launch_options(workdir.path().join("browser"));
         let launched = Launched::launch(&opts).await?;
         Ok(Leased {
             launched,

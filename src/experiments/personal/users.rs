@@ -257,8 +257,7 @@ impl Episode for PersonalEpisode {
     fn observation(&self) -> Observation {
         Observation {
             messages: self.messages.clone(),
-            tools: Vec::new(),
-            template_kwargs: Default::default(),
+            ..Observation::default()
         }
     }
 

@@ -25,40 +25,28 @@ use super::corpus::{transcript, Mixture, Segment, Transcript};
 use super::tasks::GenTask;
 use super::tokenizer::{build_tokenizer, chat_template, continuation_ids, tokenizer_files, IM_END};
 pub use crate::experiments::warm_start::SftError;
-use crate::experiments::warm_start::{check_recipe, ModelShape, SftOutcome, WarmStart};
-use clawrl::model::{ChatTemplate, Qwen3Config};
+use crate::experiments::warm_start::{self, cache_key, ChatEncoder, Recipe, SftOutcome, WarmStart};
 use clawrl::train::Sample;
 
 /// The constant the per-token weight `L / 32` divides by (see the module doc).
 pub const TOKEN_WEIGHT_SCALE: f32 = 32.0;
 
-/// Bumped whenever the corpus, tokenizer or recipe changes, so old caches are not reused.
-pub const RECIPE_VERSION: u32 = 3;
+/// The warm start's recipe; its version is bumped whenever the corpus, tokenizer or recipe
+/// changes, so old caches are not reused.
+pub const RECIPE: Recipe = Recipe {
+    version: 3,
+    draw_salt: 0x70_01a6,
+    probe: 32,
+    log_every: 100,
+};
 
 /// The `[sft]` table.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct SftSettings {
-    /// Seed of the initial weights and of the transcript draws.
-    pub seed: u64,
-    /// Decoder layers.
-    pub layers: usize,
-    /// Model width.
-    pub hidden: usize,
-    /// Query heads.
-    pub heads: usize,
-    /// Key/value heads.
-    pub kv_heads: usize,
-    /// Width of the SwiGLU MLP.
-    pub intermediate: usize,
-    /// Longest sequence (prompt plus every step).
-    pub max_positions: usize,
-    /// Supervised steps.
-    pub steps: usize,
-    /// Transcripts per step.
-    pub batch_size: usize,
-    /// AdamW learning rate.
-    pub lr: f64,
+pub type SftSettings = warm_start::SftSettings<CorpusSettings>;
+
+/// The `[sft]` keys of the transcripts.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CorpusSettings {
     /// The behaviours of the transcripts.
     pub mixture: Mixture,
 }
@@ -66,17 +54,11 @@ pub struct SftSettings {
 impl Default for SftSettings {
     fn default() -> Self {
         Self {
-            seed: 0,
-            layers: 2,
-            hidden: 64,
-            heads: 4,
-            kv_heads: 2,
-            intermediate: 192,
             max_positions: 256,
             steps: 600,
             batch_size: 16,
             lr: 5e-3,
-            mixture: Mixture::default(),
+            ..Self::small(CorpusSettings::default())
         }
     }
 }
@@ -84,78 +66,47 @@ impl Default for SftSettings {
 impl SftSettings {
     /// Checks every value.
     pub fn validate(&self) -> Result<(), SftError> {
-        let why = "a two-call transcript takes about 150 tokens";
-        check_recipe(&self.shape(), 128, why, self.batch_size, self.lr)?;
-        let bad = |key, reason: String| Err(SftError::Setting { key, reason });
+        self.check(128, "a two-call transcript takes about 150 tokens")?;
+        let mixture = &self.extra.mixture;
         for (key, v) in [
-            ("mixture.direct_rate", self.mixture.direct_rate),
-            ("mixture.two_call_rate", self.mixture.two_call_rate),
-            ("mixture.slip_rate", self.mixture.slip_rate),
+            ("mixture.direct_rate", mixture.direct_rate),
+            ("mixture.two_call_rate", mixture.two_call_rate),
+            ("mixture.slip_rate", mixture.slip_rate),
         ] {
             if !(0.0..=1.0).contains(&v) {
-                return bad(key, "must lie in [0, 1]".into());
+                return Err(SftError::Setting {
+                    key,
+                    reason: "must lie in [0, 1]".into(),
+                });
             }
         }
         Ok(())
     }
-
-    /// The policy's shape.
-    pub fn shape(&self) -> ModelShape {
-        ModelShape {
-            layers: self.layers,
-            hidden: self.hidden,
-            heads: self.heads,
-            kv_heads: self.kv_heads,
-            intermediate: self.intermediate,
-            max_positions: self.max_positions,
-        }
-    }
-
-    /// The model config for a vocabulary of `vocab` pieces with stop token `eos`.
-    pub fn model_config(&self, vocab: usize, eos: u32) -> Qwen3Config {
-        self.shape().model_config(vocab, eos)
-    }
 }
 
 /// Encodes transcripts into learner samples.
-pub struct Encoder {
-    tokenizer: tokenizers::Tokenizer,
-    template: ChatTemplate,
-    stop: u32,
-}
+pub struct Encoder(ChatEncoder);
 
 impl Encoder {
     /// The experiment's tokenizer and template.
     pub fn new() -> Result<Self, SftError> {
-        let tokenizer = build_tokenizer()?;
-        let template = chat_template()?;
-        let stop = tokenizer
-            .token_to_id(IM_END)
-            .expect("the vocabulary holds the stop token");
-        Ok(Self {
-            tokenizer,
-            template,
-            stop,
-        })
+        Ok(Self(ChatEncoder::new(
+            build_tokenizer()?,
+            chat_template()?,
+            IM_END,
+        )))
     }
 
     /// The tokenizer.
     #[cfg(test)]
     pub fn tokenizer(&self) -> &tokenizers::Tokenizer {
-        &self.tokenizer
+        &self.0.tokenizer
     }
 
     /// The prompt ids of a question (the template's rendering of the user message).
     pub fn prompt(&self, question: &str) -> Result<Vec<u32>, SftError> {
-        let messages = json!([{"role": "user", "content": question}]);
-        Ok(self
-            .template
-            .encode(
-                &self.tokenizer,
-                &minijinja::Value::from_serialize(&messages),
-                None,
-            )?
-            .ids)
+        self.0
+            .prompt(&json!([{"role": "user", "content": question}]))
     }
 
     /// One supervised sample.
@@ -168,13 +119,12 @@ impl Encoder {
             match seg {
                 Segment::Assistant(text) => {
                     if !tools.is_empty() {
-                        let ids = continuation_ids(&self.tokenizer, &tools)?;
+                        let ids = continuation_ids(&self.0.tokenizer, &tools)?;
                         advantages.extend(std::iter::repeat_n(0.0, ids.len()));
                         response.extend(ids);
                         tools.clear();
                     }
-                    let mut ids = clawrl::model::chat::encode_text(&self.tokenizer, text)?;
-                    ids.push(self.stop);
+                    let ids = self.0.reply(text)?;
                     advantages.extend(std::iter::repeat_n(1.0, ids.len()));
                     response.extend(ids);
                 }
@@ -213,26 +163,18 @@ pub fn warm_start(
             reason: "the train split is empty".into(),
         });
     }
-    let key_text = serde_json::to_string(&(RECIPE_VERSION, settings, train)).expect("serializes");
     let enc = Encoder::new()?;
     let run = WarmStart {
         cache_dir,
-        key: blake3::hash(key_text.as_bytes()).to_hex()[..16].to_string(),
-        recipe_version: RECIPE_VERSION,
-        settings: json!(settings),
-        config: settings.model_config(enc.tokenizer.get_vocab_size(true), enc.stop),
-        seed: settings.seed,
-        draw_salt: 0x70_01a6,
-        steps: settings.steps,
-        batch_size: settings.batch_size,
-        lr: settings.lr,
-        probe: 32,
-        log_every: 100,
+        recipe: &RECIPE,
+        key: cache_key(&(RECIPE.version, settings, train)),
+        settings,
+        config: settings.model_config(enc.0.tokenizer.get_vocab_size(true), enc.0.stop),
         tokenizer_files: tokenizer_files(),
     };
     run.run(force, |rng: &mut ChaCha8Rng| {
         let task = &train[rng.random_range(0..train.len())];
-        enc.sample(&transcript(task, &settings.mixture, rng))
+        enc.sample(&transcript(task, &settings.extra.mixture, rng))
     })
 }
 
