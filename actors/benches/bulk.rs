@@ -236,7 +236,9 @@ fn ratio(ours: &[Run], reference: &[Run]) -> f64 {
 
 fn print_load(when: &str) {
     let load = load_average();
-    let warn = if load > 0.5 {
+    // Only the figure before says whether other work shares the machine: the one after
+    // includes this bench's own busy threads.
+    let warn = if when == "before" && load > 0.5 {
         "  WARNING: above 0.5, other work shares this machine and the ratios are not results"
     } else {
         ""
