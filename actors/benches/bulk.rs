@@ -21,6 +21,8 @@
 
 #[path = "../tests/runtime/loopback.rs"]
 mod loopback;
+#[path = "support/measure.rs"]
+mod measure;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,14 +30,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use clawrl_actors::bulk::BulkConfig;
 use loopback::{node_capped, random_bytes, tls_configs, Book, Node, TestCa};
+use measure::{env, median, print_load};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-
-fn env(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// One timed transfer: wall time and the CPU-seconds this process spent on it.
 #[derive(Clone, Copy)]
@@ -183,24 +179,6 @@ fn rate(len: usize, d: Duration) -> String {
     )
 }
 
-/// The one-minute load average (Linux `/proc/loadavg`).
-fn load_average() -> f64 {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse().ok())
-        .unwrap_or(f64::NAN)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
 /// One side's runs over the rounds: median throughput and CPU-seconds per GiB moved.
 fn summary(name: &str, len: usize, runs: &[Run]) -> f64 {
     let secs = median(runs.iter().map(|r| r.wall.as_secs_f64()).collect());
@@ -234,25 +212,13 @@ fn ratio(ours: &[Run], reference: &[Run]) -> f64 {
     )
 }
 
-fn print_load(when: &str) {
-    let load = load_average();
-    // Only the figure before says whether other work shares the machine: the one after
-    // includes this bench's own busy threads.
-    let warn = if when == "before" && load > 0.5 {
-        "  WARNING: above 0.5, other work shares this machine and the ratios are not results"
-    } else {
-        ""
-    };
-    println!("load average {when}: {load:.2}{warn}");
-}
-
 fn main() {
-    let mib = env("BULK_BENCH_MIB", 256);
+    let mib = env("BULK_BENCH_MIB", 256) as usize;
     let len = mib << 20;
     let rounds = env("BULK_BENCH_ROUNDS", 3).max(1);
     let mut config = BulkConfig::new("unset");
     config.chunk_size = (env("BULK_BENCH_CHUNK_KIB", 1024) << 10) as u32;
-    config.fanout = env("BULK_BENCH_FANOUT", 1);
+    config.fanout = env("BULK_BENCH_FANOUT", 1) as usize;
     config.capacity = 2 * len as u64 + (64 << 20);
     config.max_blob = config.capacity;
 
@@ -271,10 +237,10 @@ fn main() {
         let ca = TestCa::new();
         let (mut tcp, mut tls, mut one) = (Vec::new(), Vec::new(), Vec::new());
         for round in 0..rounds {
-            let data = Bytes::from(random_bytes(len, 10 + round as u64));
+            let data = Bytes::from(random_bytes(len, 10 + round));
             tcp.push(tcp_copy(&data).await);
             tls.push(tls_copy(&data, &ca).await);
-            one.push(broadcast(len, 1, 20 + round as u64, &config, None).await.0);
+            one.push(broadcast(len, 1, 20 + round, &config, None).await.0);
         }
         let (four, source_sent) = broadcast(len, 4, 3, &config, None).await;
         summary("plain TCP copy", len, &tcp);

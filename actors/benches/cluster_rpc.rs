@@ -7,6 +7,9 @@
 //! average before and after (a ratio taken while other work shares the machine is not a
 //! result). Run with `cargo bench -p clawrl-actors --bench cluster_rpc`.
 
+#[path = "support/measure.rs"]
+mod measure;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,6 +21,8 @@ use ractor::message::{BoxedDowncastErr, SerializedMessage};
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort};
 use ractor_cluster::node::NodeConnectionMode;
 use ractor_cluster::{IncomingEncryptionMode, NodeServer, NodeServerMessage};
+
+use measure::{env, median, print_load};
 
 /// A request whose reply is its own bytes.
 trait Request: ractor::Message + Sync {
@@ -348,39 +353,6 @@ async fn setup_quic(dir: &std::path::Path) -> Setup {
         target,
         actors: vec![a.get_cell(), b.get_cell(), echo.get_cell()],
         quic: Some((conn, client_ep)),
-    }
-}
-
-fn env(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-/// The one-minute load average (Linux `/proc/loadavg`).
-fn print_load(when: &str) {
-    let load: f64 = std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse().ok())
-        .unwrap_or(f64::NAN);
-    // Only the figure before says whether other work shares the machine: the one after
-    // includes this bench's own busy threads.
-    let warn = if when == "before" && load > 0.5 {
-        "  WARNING: above 0.5, other work shares this machine and the ratios are not results"
-    } else {
-        ""
-    };
-    println!("load average {when}: {load:.2}{warn}");
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
     }
 }
 
