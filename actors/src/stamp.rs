@@ -16,6 +16,7 @@
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
+use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, ReadBuf};
 
 /// The largest node-session frame accepted from a peer. The stamped frame may grow by a node
@@ -51,12 +52,12 @@ struct NetworkMessage {
 
 #[derive(Clone, PartialEq, prost::Oneof)]
 enum Network {
-    #[prost(bytes, tag = "1")]
-    Auth(Vec<u8>),
+    #[prost(bytes = "bytes", tag = "1")]
+    Auth(Bytes),
     #[prost(message, tag = "2")]
     Node(NodeMessage),
-    #[prost(bytes, tag = "3")]
-    Control(Vec<u8>),
+    #[prost(bytes = "bytes", tag = "3")]
+    Control(Bytes),
 }
 
 /// `node.NodeMessage`: a cast, a call, or a call's reply (kept as bytes: never rewritten).
@@ -72,8 +73,8 @@ enum Node {
     Cast(Cast),
     #[prost(message, tag = "2")]
     Call(Call),
-    #[prost(bytes, tag = "3")]
-    Reply(Vec<u8>),
+    #[prost(bytes = "bytes", tag = "3")]
+    Reply(Bytes),
 }
 
 /// `node.Cast`, every field.
@@ -81,8 +82,8 @@ enum Node {
 struct Cast {
     #[prost(uint64, tag = "1")]
     to: u64,
-    #[prost(bytes, tag = "2")]
-    what: Vec<u8>,
+    #[prost(bytes = "bytes", tag = "2")]
+    what: Bytes,
     #[prost(string, tag = "3")]
     variant: String,
     #[prost(bytes, optional, tag = "6")]
@@ -94,8 +95,8 @@ struct Cast {
 struct Call {
     #[prost(uint64, tag = "1")]
     to: u64,
-    #[prost(bytes, tag = "2")]
-    what: Vec<u8>,
+    #[prost(bytes = "bytes", tag = "2")]
+    what: Bytes,
     #[prost(uint64, tag = "3")]
     tag: u64,
     #[prost(uint64, optional, tag = "4")]
@@ -120,10 +121,11 @@ pub fn read_stamp(metadata: &[u8]) -> Option<String> {
 
 /// Stamps one frame's payload (without its length) from peer `node`: a node `Cast` or `Call`
 /// comes back re-encoded with `metadata` naming `node`; any other frame comes back `None`, to
-/// be passed on as it came.
-pub fn stamp_frame(payload: &[u8], node: &str) -> Result<Option<Vec<u8>>, StampError> {
+/// be passed on as it came. Decoding borrows the payload's byte fields (a call's body is not
+/// copied until it is re-encoded).
+pub fn stamp_frame(payload: &Bytes, node: &str) -> Result<Option<Vec<u8>>, StampError> {
     use prost::Message as _;
-    let mut msg = NetworkMessage::decode(payload)?;
+    let mut msg = NetworkMessage::decode(payload.clone())?;
     let metadata = match &mut msg.message {
         Some(Network::Node(NodeMessage {
             msg: Some(Node::Cast(c)),
@@ -142,8 +144,9 @@ pub fn stamp_frame(payload: &[u8], node: &str) -> Result<Option<Vec<u8>>, StampE
 const GROW_STEP: usize = 64 * 1024;
 
 /// Bytes the reader buffers from the stream, so that a small frame's length and payload come
-/// out of one read of the transport.
-const READ_BUFFER: usize = 64 * 1024;
+/// out of one read of the transport; a larger payload is read past the buffer, straight into
+/// its own.
+const READ_BUFFER: usize = 4 * 1024;
 
 /// Where a [`StampedReader`] is in the frame it is reading.
 enum Frame {
@@ -155,16 +158,19 @@ enum Frame {
 
 /// The read half of a node session from peer `node`, stamped as it is read: frames are read
 /// from the stream, each node `Cast` and `Call` re-encoded by [`stamp_frame`], and handed to
-/// the session's reader with their new length. Reading happens in the session reader's own
-/// task (no task or pipe in between). A frame over [`MAX_SESSION_FRAME`], a malformed frame
-/// or a stream ending inside a frame is an error, which ends the session.
+/// the session's reader with their new length; other frames are handed on as they came,
+/// without a copy. Reading happens in the session reader's own task (no task or pipe in
+/// between). A frame over [`MAX_SESSION_FRAME`], a malformed frame or a stream ending inside
+/// a frame is an error, which ends the session.
 pub struct StampedReader<R> {
     src: tokio::io::BufReader<R>,
     node: String,
     frame: Frame,
-    payload: Vec<u8>,
-    /// The stamped frame being handed out, and how much of it has been.
-    out: Vec<u8>,
+    payload: BytesMut,
+    /// The frame being handed out: its length, then its payload, and how much of the two has
+    /// been.
+    head: [u8; 8],
+    body: Bytes,
     out_pos: usize,
 }
 
@@ -175,14 +181,20 @@ impl<R: AsyncRead + Unpin> StampedReader<R> {
             src: tokio::io::BufReader::with_capacity(READ_BUFFER, src),
             node,
             frame: Frame::Length([0; 8], 0),
-            payload: Vec::new(),
-            out: Vec::new(),
-            out_pos: 0,
+            payload: BytesMut::new(),
+            head: [0; 8],
+            body: Bytes::new(),
+            out_pos: 8,
         }
     }
 
-    /// Reads until one whole frame is stamped into `out`; `Ready(Ok(false))` at a clean end of
-    /// the stream before a frame starts.
+    /// Bytes of the current frame not yet handed out.
+    fn pending(&self) -> usize {
+        8 + self.body.len() - self.out_pos
+    }
+
+    /// Reads until one whole frame is stamped and ready to hand out; `Ready(Ok(false))` at a
+    /// clean end of the stream before a frame starts.
     fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<bool>> {
         loop {
             match &mut self.frame {
@@ -205,7 +217,7 @@ impl<R: AsyncRead + Unpin> StampedReader<R> {
                     if len > MAX_SESSION_FRAME {
                         return Poll::Ready(Err(self.refuse(StampError::TooLarge(len))));
                     }
-                    self.payload.clear();
+                    self.payload = BytesMut::new();
                     self.frame = Frame::Payload(len as usize);
                 }
                 Frame::Payload(len) => {
@@ -216,6 +228,8 @@ impl<R: AsyncRead + Unpin> StampedReader<R> {
                         let spare = self.payload.spare_capacity_mut();
                         let room = spare.len().min(len - have);
                         let mut buf = ReadBuf::uninit(&mut spare[..room]);
+                        // What the buffer holds comes from it; the rest of a large payload
+                        // is read straight from the stream (the buffer passes large reads by).
                         ready!(Pin::new(&mut self.src).poll_read(cx, &mut buf))?;
                         let n = buf.filled().len();
                         if n == 0 {
@@ -225,15 +239,14 @@ impl<R: AsyncRead + Unpin> StampedReader<R> {
                         unsafe { self.payload.set_len(have + n) };
                         continue;
                     }
-                    let stamped = match stamp_frame(&self.payload, &self.node) {
-                        Ok(stamped) => stamped,
+                    let payload = std::mem::take(&mut self.payload).freeze();
+                    let body = match stamp_frame(&payload, &self.node) {
+                        Ok(Some(stamped)) => Bytes::from(stamped),
+                        Ok(None) => payload,
                         Err(e) => return Poll::Ready(Err(self.refuse(e))),
                     };
-                    let body = stamped.as_deref().unwrap_or(&self.payload);
-                    self.out.clear();
-                    self.out
-                        .extend_from_slice(&(body.len() as u64).to_be_bytes());
-                    self.out.extend_from_slice(body);
+                    self.head = (body.len() as u64).to_be_bytes();
+                    self.body = body;
                     self.out_pos = 0;
                     self.frame = Frame::Length([0; 8], 0);
                     return Poll::Ready(Ok(true));
@@ -255,12 +268,20 @@ impl<R: AsyncRead + Unpin> AsyncRead for StampedReader<R> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         let this = self.get_mut();
-        if this.out_pos == this.out.len() && !ready!(this.poll_frame(cx))? {
+        if this.pending() == 0 && !ready!(this.poll_frame(cx))? {
             return Poll::Ready(Ok(()));
         }
-        let n = buf.remaining().min(this.out.len() - this.out_pos);
-        buf.put_slice(&this.out[this.out_pos..this.out_pos + n]);
-        this.out_pos += n;
+        if this.out_pos < 8 {
+            let n = buf.remaining().min(8 - this.out_pos);
+            buf.put_slice(&this.head[this.out_pos..this.out_pos + n]);
+            this.out_pos += n;
+        }
+        if this.out_pos >= 8 {
+            let at = this.out_pos - 8;
+            let n = buf.remaining().min(this.body.len() - at);
+            buf.put_slice(&this.body[at..at + n]);
+            this.out_pos += n;
+        }
         Poll::Ready(Ok(()))
     }
 }
@@ -302,7 +323,7 @@ mod tests {
             message: Some(Network::Node(NodeMessage {
                 msg: Some(Node::Call(Call {
                     to: 7,
-                    what: vec![1, 2, 3],
+                    what: vec![1, 2, 3].into(),
                     tag: 9,
                     timeout_ms: Some(500),
                     variant: "clawrl.rpc".into(),
@@ -328,7 +349,7 @@ mod tests {
     #[test]
     fn a_forged_caller_is_overwritten_by_the_peer_name() {
         let forged = call(Some(&caller_stamp("control-node")));
-        let out = stamp_frame(&forged, "intruder")
+        let out = stamp_frame(&forged.into(), "intruder")
             .unwrap()
             .expect("rewritten");
         assert_eq!(
@@ -347,7 +368,7 @@ mod tests {
         };
         assert_eq!(
             (c.to, c.what, c.tag, c.timeout_ms, c.variant.as_str()),
-            (7, vec![1, 2, 3], 9, Some(500), "clawrl.rpc")
+            (7, Bytes::from(vec![1, 2, 3]), 9, Some(500), "clawrl.rpc")
         );
     }
 
@@ -357,14 +378,14 @@ mod tests {
             message: Some(Network::Node(NodeMessage {
                 msg: Some(Node::Cast(Cast {
                     to: 1,
-                    what: vec![4],
+                    what: vec![4].into(),
                     variant: "v".into(),
                     metadata: None,
                 })),
             })),
         }
         .encode_to_vec();
-        let out = stamp_frame(&cast, "a").unwrap().expect("rewritten");
+        let out = stamp_frame(&cast.into(), "a").unwrap().expect("rewritten");
         assert_eq!(
             read_stamp(&metadata_of(&out).unwrap()).as_deref(),
             Some("a")
@@ -375,19 +396,20 @@ mod tests {
     fn other_frames_pass_unchanged() {
         let reply = NetworkMessage {
             message: Some(Network::Node(NodeMessage {
-                msg: Some(Node::Reply(vec![8, 1, 16, 2])),
+                msg: Some(Node::Reply(vec![8, 1, 16, 2].into())),
             })),
         }
         .encode_to_vec();
         let auth = NetworkMessage {
-            message: Some(Network::Auth(vec![10, 1, 97])),
+            message: Some(Network::Auth(vec![10, 1, 97].into())),
         }
         .encode_to_vec();
         let control = NetworkMessage {
-            message: Some(Network::Control(vec![26, 0])),
+            message: Some(Network::Control(vec![26, 0].into())),
         }
         .encode_to_vec();
         for frame in [reply, auth, control, Vec::new()] {
+            let frame = Bytes::from(frame);
             assert_eq!(stamp_frame(&frame, "a").unwrap(), None, "{frame:?}");
         }
     }
@@ -395,7 +417,7 @@ mod tests {
     #[test]
     fn garbage_is_an_error() {
         assert!(matches!(
-            stamp_frame(&[0xff, 0xff, 0xff], "a"),
+            stamp_frame(&Bytes::from_static(&[0xff, 0xff, 0xff]), "a"),
             Err(StampError::Malformed(_))
         ));
     }
@@ -413,7 +435,7 @@ mod tests {
     #[tokio::test]
     async fn a_session_is_stamped_frame_by_frame() {
         let auth = NetworkMessage {
-            message: Some(Network::Auth(vec![10, 1, 97])),
+            message: Some(Network::Auth(vec![10, 1, 97].into())),
         }
         .encode_to_vec();
         let input = [framed(&auth), framed(&call(Some(b"forged")))].concat();
@@ -459,7 +481,7 @@ mod tests {
         // A reply larger than the payload buffer's growth step, between two calls.
         let reply = NetworkMessage {
             message: Some(Network::Node(NodeMessage {
-                msg: Some(Node::Reply(vec![7; 3 * GROW_STEP + 5])),
+                msg: Some(Node::Reply(vec![7; 3 * GROW_STEP + 5].into())),
             })),
         }
         .encode_to_vec();
