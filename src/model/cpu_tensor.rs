@@ -1,5 +1,6 @@
 //! The CPU backend's tensors as plain `f32` slices, for the kernels that work on raw floats
-//! ([`super::cpu_attention`], [`super::fused`]).
+//! ([`super::cpu_attention`], [`super::fused`]) and for writing weights out
+//! ([`super::weights`], through [`host_floats`], which any backend may call).
 //!
 //! Reading a tensor through `into_data` copies its buffer whenever another handle shares it
 //! (a residual kept for the backward, a cached key), and copies again to realign it. A

@@ -174,8 +174,9 @@ impl BlobWriter {
         true
     }
 
-    /// Fills nothing more, verifies the chunk just filled here, and commits it: the sequential
-    /// form of [`fill`](Self::fill), [`FilledChunk::verify`] and [`commit`](Self::commit).
+    /// Marks the region just written as filled, verifies it on this thread and commits it: the
+    /// sequential form of [`fill`](Self::fill), [`FilledChunk::verify`] and
+    /// [`commit`](Self::commit). A chunk that fails is offered again by `next_region`.
     #[cfg(test)]
     pub(crate) fn verify_and_commit(&mut self) -> bool {
         let chunk = self.fill();
