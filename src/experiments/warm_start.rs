@@ -33,7 +33,8 @@ use clawrl::train::{Sample, TrainConfig};
 /// policy's shape and the supervised recipe every warm start has, and the experiment's own keys
 /// (`X`, flattened into the same table). Serde parses flattened keys from a buffered copy of the
 /// table, so an unknown key, or a bad value of one of `X`'s keys, is reported at the `[sft]`
-/// table (still by name) rather than at its line, and without the list of known keys.
+/// table rather than at its line, and an unknown key without the list of known keys; `X`'s
+/// fields name themselves in their errors ([`named_key`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SftSettings<X> {
@@ -60,6 +61,17 @@ pub struct SftSettings<X> {
     /// The experiment's own settings.
     #[serde(flatten)]
     pub extra: X,
+}
+
+/// Deserializes an experiment's own `[sft]` key `key` (a dotted path inside it), naming the key
+/// in the error: a value read from serde's buffered copy of a flattened table would otherwise be
+/// refused without saying which key it was.
+pub fn named_key<'de, D, T>(key: &'static str, d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    T::deserialize(d).map_err(|e| serde::de::Error::custom(format!("[sft] `{key}`: {e}")))
 }
 
 impl<X> SftSettings<X> {

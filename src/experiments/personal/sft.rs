@@ -29,7 +29,12 @@ pub type SftSettings = warm_start::SftSettings<CorpusSettings>;
 #[serde(default)]
 pub struct CorpusSettings {
     /// Fraction of examples whose prompt carries a style instruction.
+    #[serde(deserialize_with = "instruct_rate")]
     pub instruct_rate: f64,
+}
+
+fn instruct_rate<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    warm_start::named_key("instruct_rate", d)
 }
 
 impl Default for CorpusSettings {
@@ -113,6 +118,17 @@ pub fn warm_start(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bad_value_of_the_corpus_key_names_it() {
+        let err = toml::from_str::<SftSettings>("steps = 10\ninstruct_rate = \"lots\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`instruct_rate`"), "{err}");
+        let ok: SftSettings = toml::from_str("instruct_rate = 0.25\n").unwrap();
+        assert_eq!(ok.extra.instruct_rate, 0.25);
+        assert_eq!(ok.steps, SftSettings::default().steps);
+    }
 
     #[test]
     fn other_settings_are_another_cache_entry() {

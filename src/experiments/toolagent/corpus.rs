@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use super::tasks::GenTask;
 use super::tokenizer::call_text;
+use crate::experiments::warm_start::named_key;
 use clawrl::env::exec::render_output;
 use clawrl::sandbox::ExecOutput;
 
@@ -26,11 +27,27 @@ use clawrl::sandbox::ExecOutput;
 #[serde(deny_unknown_fields, default)]
 pub struct Mixture {
     /// Fraction of transcripts that answer without the tool.
+    #[serde(deserialize_with = "direct_rate")]
     pub direct_rate: f64,
     /// Fraction of tool-using transcripts that take two calls.
+    #[serde(deserialize_with = "two_call_rate")]
     pub two_call_rate: f64,
     /// Probability that a call's code slips.
+    #[serde(deserialize_with = "slip_rate")]
     pub slip_rate: f64,
+}
+
+// The mixture is read inside the flattened part of `[sft]`: each key names itself in errors.
+fn direct_rate<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    named_key("mixture.direct_rate", d)
+}
+
+fn two_call_rate<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    named_key("mixture.two_call_rate", d)
+}
+
+fn slip_rate<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    named_key("mixture.slip_rate", d)
 }
 
 impl Default for Mixture {

@@ -185,6 +185,17 @@ mod tests {
     use rand::SeedableRng;
 
     #[test]
+    fn a_bad_value_of_a_mixture_key_names_it() {
+        let err = toml::from_str::<SftSettings>("[mixture]\nslip_rate = \"often\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`mixture.slip_rate`"), "{err}");
+        let ok: SftSettings = toml::from_str("[mixture]\nslip_rate = 0.5\n").unwrap();
+        assert_eq!(ok.extra.mixture.slip_rate, 0.5);
+        assert_eq!(ok.extra.mixture.direct_rate, Mixture::default().direct_rate);
+    }
+
+    #[test]
     fn samples_train_only_the_policys_tokens() {
         let enc = Encoder::new().unwrap();
         let task = GenTask {
