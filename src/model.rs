@@ -18,6 +18,7 @@ pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod cpu_attention;
+pub mod cpu_matmul;
 pub mod cpu_tensor;
 pub mod engine;
 pub mod fused;

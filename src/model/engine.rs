@@ -696,12 +696,15 @@ impl<B: Backend> Scheduler<B> {
         let logits = {
             let mut caches: Vec<&mut KvCache<B>> =
                 self.active.iter_mut().map(|s| &mut s.cache).collect();
-            let decoded = if models.iter().all(|m| Arc::ptr_eq(m, &models[0])) {
-                models[0].decode_step(&tokens, &mut caches)
-            } else {
-                let rows: Vec<&Qwen3<B>> = models.iter().map(|m| m.as_ref()).collect();
-                self.model.decode_step_mixed(&tokens, &mut caches, &rows)
-            };
+            let base = &self.model;
+            let decoded = crate::device::on_compute_pool::<B, _>(|| {
+                if models.iter().all(|m| Arc::ptr_eq(m, &models[0])) {
+                    models[0].decode_step(&tokens, &mut caches)
+                } else {
+                    let rows: Vec<&Qwen3<B>> = models.iter().map(|m| m.as_ref()).collect();
+                    base.decode_step_mixed(&tokens, &mut caches, &rows)
+                }
+            });
             decoded.expect("room was checked when the token was sampled")
         };
         let vocab = self.model.vocab_size();

@@ -20,12 +20,13 @@
 //!
 //! Under autodiff the product is one graph node whose backward computes `dA = dC · Bᵀ` and
 //! `dB = Aᵀ · dC` the same way (Burn's own backward would run those on TF32 too). CPU backends
-//! run one plain product: their float32 matmul is exact.
+//! run one plain product: their float32 matmul is exact. A product of a few rows on the CPU
+//! backend (a decode step's) runs [`super::cpu_matmul`]'s kernels instead of the GEMM.
 
 // Without the `cuda` feature the three-product path runs only in this module's tests.
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
-use std::any::Any;
+use std::any::{Any, TypeId};
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
@@ -36,6 +37,8 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
+use crate::CpuBackend;
+
 /// Veltkamp's splitter for float32 keeping at most 10 significant bits in `hi`: `2^14 + 1`.
 const SPLITTER: f64 = 16_385.0;
 
@@ -45,12 +48,15 @@ pub fn matmul<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> T
     #[cfg(feature = "cuda")]
     if native_matmul_is_inexact::<B>() {
         use crate::device::{CudaAutodiff, CudaBackend};
-        use std::any::TypeId;
         return if TypeId::of::<B>() == TypeId::of::<CudaAutodiff>() {
             cast(tracked::<CudaBackend, D>(cast(a), cast(b)))
         } else {
             split_product(a, b)
         };
+    }
+    if TypeId::of::<B>() == TypeId::of::<CpuBackend>() {
+        let (a, b) = (cast::<B, CpuBackend, D>(a), cast::<B, CpuBackend, D>(b));
+        return cast(super::cpu_matmul::product(&a, &b).unwrap_or_else(|| a.matmul(b)));
     }
     a.matmul(b)
 }

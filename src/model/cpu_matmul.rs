@@ -1,0 +1,488 @@
+//! Products of a few rows by a weight on the CPU backend: a decode step's `x [m, k] · W` with
+//! `m ≤ 16` (one row per sequence in the batch), where `W` is a linear layer's `[k, n]`
+//! (row-major) or the tied LM head's `embedᵀ` (the `[n, k]` embedding read transposed).
+//!
+//! The general GEMM (the `gemm` crate, through Burn's CPU backend) serves these shapes poorly:
+//! it packs the whole weight before multiplying a handful of rows by it, reads the transposed
+//! head column by column, and runs products under about 7 M multiply-adds (every attention
+//! projection of a decode step) on one thread. A decode step's products only need the weight
+//! streamed once, at memory speed, on every core:
+//!
+//! - **Row-major `W`** ([`rows_times`]): `R` rows of `x` (interleaved so that one load feeds
+//!   all `R`) times `16 · C` columns of `W`, `R · C` accumulators of 16 lanes in registers.
+//!   The rows of `W` are taken in blocks of [`K_BLOCK`]; within a block every column panel is
+//!   done before the next block starts, so each of the block's rows is read front to back, a
+//!   few sequential streams; a narrow tile asks for the weight of the panel after next as it
+//!   goes (walking one narrow panel down all `k` rows instead touches a new page every row and
+//!   stalls on memory). Between blocks the accumulators wait in the output.
+//! - **Transposed `W`** ([`rows_dot`]): each output is a dot product of a row of `x` with a
+//!   contiguous row of the embedding; two embedding rows and up to eight rows of `x` at a time,
+//!   sixteen lanes each, summed across lanes at the end.
+//!
+//! Columns (or embedding rows) are split in contiguous ranges across the rayon pool when the
+//! weight holds at least [`PARALLEL_FROM`] elements.
+//!
+//! Each output sums its `k` products in an order that depends on `k` alone (row-major: one
+//! fused multiply-add chain from `k = 0` up; transposed: sixteen lanes, then a fixed tree), so a
+//! row's result does not depend on the other rows, the batch size or the thread count. It is not
+//! the GEMM's order: a decode step and a prefill of the same tokens agree to rounding, as they
+//! did before (the GEMM has its own path for one row).
+//!
+//! The kernels use AVX-512 and run where the CPU has it; elsewhere (and for more than
+//! [`MAX_ROWS`] rows) the product stays with the GEMM.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use burn::tensor::{DType, Shape, Tensor, TensorData, TensorPrimitive};
+use rayon::prelude::*;
+
+use crate::CpuBackend;
+
+/// The most rows of `x` these kernels take; more go to the GEMM.
+pub const MAX_ROWS: usize = 16;
+
+/// Rows of `W` per block of the row-major kernel.
+const K_BLOCK: usize = 32;
+
+/// Weights with fewer elements run on the calling thread: handing a product of 256 K
+/// multiply-adds to the pool costs about what the second core saves.
+const PARALLEL_FROM: usize = 1 << 18;
+
+/// How the right-hand operand lies in memory.
+#[derive(Clone, Copy)]
+pub enum Rhs<'a> {
+    /// `W [k, n]`, row `i` at `w[i · ld ..]`.
+    RowMajor { w: &'a [f32], ld: usize },
+    /// `W = Eᵀ` for `E [n, k]`, row `j` of `E` at `w[j · ld ..]`.
+    Transposed { w: &'a [f32], ld: usize },
+}
+
+/// `x [m, k] · W [k, n]` for a CPU tensor pair, or `None` when these kernels do not take it
+/// (more than [`MAX_ROWS`] rows, not float32, a layout other than [`Rhs`]'s two, or a CPU
+/// without AVX-512); the caller then runs the GEMM.
+pub fn product<const D: usize>(
+    a: &Tensor<CpuBackend, D>,
+    b: &Tensor<CpuBackend, D>,
+) -> Option<Tensor<CpuBackend, D>> {
+    if D != 2 || !available() {
+        return None;
+    }
+    let [m, k] = [a.dims()[0], a.dims()[1]];
+    let n = b.dims()[1];
+    if m == 0 || m > MAX_ROWS || k == 0 || n == 0 || b.dims()[0] != k {
+        return None;
+    }
+    let lhs = a.clone().into_primitive().tensor();
+    let rhs = b.clone().into_primitive().tensor();
+    if lhs.dtype() != DType::F32 || rhs.dtype() != DType::F32 {
+        return None;
+    }
+    let x = super::cpu_tensor::primitive_floats(lhs);
+    let layout = rhs.layout();
+    let (strides, start) = (layout.strides(), layout.start_offset());
+    let storage = &rhs.storage::<f32>()[start..];
+    let w = match (strides[0], strides[1]) {
+        (ld, 1) if ld >= n as isize => Rhs::RowMajor {
+            w: storage,
+            ld: ld as usize,
+        },
+        (1, ld) if ld >= k as isize => Rhs::Transposed {
+            w: storage,
+            ld: ld as usize,
+        },
+        _ => return None,
+    };
+    let y = times(&x, m, k, w, n)?;
+    let y = TensorData::new(y, Shape::new([m, n]));
+    let y: Tensor<CpuBackend, 2> = Tensor::from_data(y, &Default::default());
+    Some(Tensor::from_primitive(TensorPrimitive::Float(
+        y.into_primitive().tensor(),
+    )))
+}
+
+/// Whether the CPU runs these kernels.
+fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `x [m, k]` (row-major) times `w`: `[m, n]` row-major, or `None` without AVX-512.
+///
+/// Panics when `m` is 0 or above [`MAX_ROWS`], or `w` is too short for `k × n`.
+pub fn times(x: &[f32], m: usize, k: usize, w: Rhs<'_>, n: usize) -> Option<Vec<f32>> {
+    assert!(
+        (1..=MAX_ROWS).contains(&m),
+        "{m} rows for a few-row product"
+    );
+    assert!(
+        x.len() >= m * k,
+        "x holds {} of {m} × {k} elements",
+        x.len()
+    );
+    match w {
+        Rhs::RowMajor { w, ld } => assert!(ld >= n && w.len() >= (k - 1) * ld + n),
+        Rhs::Transposed { w, ld } => assert!(ld >= k && w.len() >= (n - 1) * ld + k),
+    }
+    if !available() {
+        return None;
+    }
+    let mut out = vec![0.0f32; m * n];
+    #[cfg(target_arch = "x86_64")]
+    match w {
+        Rhs::RowMajor { w, ld } => rows_times(x, m, k, w, ld, n, &mut out),
+        Rhs::Transposed { w, ld } => rows_dot(x, m, k, w, ld, n, &mut out),
+    }
+    Some(out)
+}
+
+/// The output, written by several threads at disjoint places.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+
+// Safety: each task writes only its own columns (or embedding rows) of the output.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The element `offset` places in.
+    fn at(self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// Splits `0..n` into one contiguous range per pool thread, each a whole number of `align`
+/// units, and runs `f` on each (on the calling thread alone for a small weight).
+fn split(n: usize, align: usize, weight: usize, f: impl Fn(usize, usize) + Sync) {
+    let threads = rayon::current_num_threads();
+    if weight < PARALLEL_FROM || threads == 1 {
+        return f(0, n);
+    }
+    let per = n.div_ceil(align).div_ceil(threads) * align;
+    (0..threads).into_par_iter().for_each(|t| {
+        let (start, end) = ((t * per).min(n), ((t + 1) * per).min(n));
+        if start < end {
+            f(start, end);
+        }
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row-major W
+
+/// `R` rows and `16 · C` columns per tile, by the row count: at least 16 accumulators where the
+/// rows allow (so the fused multiply-adds' latency is hidden), at most 16 registers of them.
+#[cfg(target_arch = "x86_64")]
+fn rows_times(x: &[f32], m: usize, k: usize, w: &[f32], ld: usize, n: usize, out: &mut [f32]) {
+    macro_rules! by_rows {
+        ($($r:literal => $c:literal),*) => {
+            match m {
+                $($r => panels::<$r, $c>(x, k, w, ld, n, out),)*
+                _ => unreachable!("checked by the caller"),
+            }
+        };
+    }
+    by_rows!(1 => 4, 2 => 4, 3 => 4, 4 => 4, 5 => 2, 6 => 2, 7 => 2, 8 => 2, 9 => 1, 10 => 1,
+        11 => 1, 12 => 1, 13 => 1, 14 => 1, 15 => 1, 16 => 1)
+}
+
+/// All `R` rows of `x` times `W [k, n]` into `out [R, n]`.
+#[cfg(target_arch = "x86_64")]
+fn panels<const R: usize, const C: usize>(
+    x: &[f32],
+    k: usize,
+    w: &[f32],
+    ld: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    // `xs[i · R + r] = x[r, i]`: the R values one row of W meets, side by side.
+    let mut xs = vec![0.0f32; k * R];
+    for r in 0..R {
+        for (i, v) in x[r * k..(r + 1) * k].iter().enumerate() {
+            xs[i * R + r] = *v;
+        }
+    }
+    let width = 16 * C;
+    let y = OutPtr(out.as_mut_ptr());
+    split(n, width, k * n, |start, end| {
+        for k0 in (0..k).step_by(K_BLOCK) {
+            let rows = K_BLOCK.min(k - k0);
+            for c0 in (start..end).step_by(width) {
+                // Safety: AVX-512 was detected (`times`); the tile reads rows `k0..k0 + rows`
+                // and columns `c0..c0 + cols` of W (within `w`, checked in `times`) and writes
+                // rows `0..R`, columns `c0..c0 + cols` of the output, which this task owns.
+                unsafe {
+                    tile::<R, C>(
+                        xs.as_ptr().add(k0 * R),
+                        w.as_ptr().add(k0 * ld + c0),
+                        ld,
+                        rows,
+                        y.at(c0),
+                        n,
+                        (end - c0).min(width),
+                        k0 == 0,
+                    );
+                }
+            }
+        }
+    });
+}
+
+/// One tile: `acc[r][j] (+)= Σ_i xs[i · R + r] · W[i, 16 j ..]` for `i < rows`, the first
+/// `cols` columns (the last vector masked), added to what the output holds unless `first`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile<const R: usize, const C: usize>(
+    xs: *const f32,
+    w: *const f32,
+    ld: usize,
+    rows: usize,
+    out: *mut f32,
+    ld_out: usize,
+    cols: usize,
+    first: bool,
+) {
+    let masks: [__mmask16; C] = std::array::from_fn(|j| lanes(cols.saturating_sub(16 * j)));
+    let mut acc = [[_mm512_setzero_ps(); C]; R];
+    if !first {
+        for (r, acc) in acc.iter_mut().enumerate() {
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_maskz_loadu_ps(masks[j], out.add(r * ld_out + 16 * j));
+            }
+        }
+    }
+    for i in 0..rows {
+        let row = w.add(i * ld);
+        if C < 4 {
+            for j in 0..C {
+                _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(PREFETCH_AHEAD + 16 * j).cast());
+            }
+        }
+        let wv: [__m512; C] =
+            std::array::from_fn(|j| _mm512_maskz_loadu_ps(masks[j], row.add(16 * j)));
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let xv = _mm512_set1_ps(*xs.add(i * R + r));
+            for (a, wv) in acc.iter_mut().zip(&wv) {
+                *a = _mm512_fmadd_ps(xv, *wv, *a);
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        for (j, a) in acc.iter().enumerate() {
+            _mm512_mask_storeu_ps(out.add(r * ld_out + 16 * j), masks[j], *a);
+        }
+    }
+}
+
+/// How far ahead along a row of W a narrow tile (fewer than four vectors) asks for the weight,
+/// in floats: four cache lines, where the tile of the panel after next reads. Two panels of one
+/// vector are too narrow for the hardware prefetcher to follow 32 rows at once; with the hint,
+/// 16 rows by a `512 × 1536` weight out of cache took 185–194 µs against 267–297 without.
+/// Tiles of four vectors read a quarter of a kilobyte per row and gained nothing from it.
+const PREFETCH_AHEAD: usize = 64;
+
+/// The first `min(n, 16)` lanes.
+#[cfg(target_arch = "x86_64")]
+fn lanes(n: usize) -> __mmask16 {
+    ((1u32 << n.min(16)) - 1) as __mmask16
+}
+
+// ---------------------------------------------------------------------------------------------
+// Transposed W
+
+/// Rows of `x` per pass over an embedding row pair.
+const DOT_ROWS: usize = 8;
+
+/// `out[r, j] = x[r] · E[j]` for `E [n, k]` row-major (`ld` apart).
+#[cfg(target_arch = "x86_64")]
+fn rows_dot(x: &[f32], m: usize, k: usize, e: &[f32], ld: usize, n: usize, out: &mut [f32]) {
+    let y = OutPtr(out.as_mut_ptr());
+    split(n, 2, k * n, |start, end| {
+        for j in (start..end).step_by(2) {
+            let pair = (end - j).min(2);
+            for r0 in (0..m).step_by(DOT_ROWS) {
+                let rows = DOT_ROWS.min(m - r0);
+                // Safety: AVX-512 was detected (`times`); rows `j..j + pair` of E lie in `e`
+                // (checked in `times`), rows `r0..r0 + rows` of x in `x`, and this task owns
+                // columns `j..j + pair` of the output.
+                unsafe {
+                    dot(
+                        x.as_ptr().add(r0 * k),
+                        rows,
+                        k,
+                        e.as_ptr().add(j * ld),
+                        ld,
+                        pair,
+                        y.at(r0 * n + j),
+                        n,
+                    );
+                }
+            }
+        }
+    });
+}
+
+/// `out[r · ld_out + p] = x[r] · E[p]` for `r < rows ≤ 8`, `p < pair ≤ 2`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn dot(
+    x: *const f32,
+    rows: usize,
+    k: usize,
+    e: *const f32,
+    ld: usize,
+    pair: usize,
+    out: *mut f32,
+    ld_out: usize,
+) {
+    // `acc[r][p]`: row `r` of x with row `p` of the pair, sixteen lanes.
+    let mut acc = [[_mm512_setzero_ps(); 2]; DOT_ROWS];
+    let second = if pair == 2 { e.add(ld) } else { e };
+    for i in (0..k).step_by(16) {
+        let mask = lanes(k - i);
+        let e0 = _mm512_maskz_loadu_ps(mask, e.add(i));
+        let e1 = _mm512_maskz_loadu_ps(mask, second.add(i));
+        for (r, [a0, a1]) in acc.iter_mut().enumerate().take(rows) {
+            let xv = _mm512_maskz_loadu_ps(mask, x.add(r * k + i));
+            *a0 = _mm512_fmadd_ps(e0, xv, *a0);
+            *a1 = _mm512_fmadd_ps(e1, xv, *a1);
+        }
+    }
+    for (r, acc) in acc.iter().enumerate().take(rows) {
+        for (p, a) in acc.iter().enumerate().take(pair) {
+            *out.add(r * ld_out + p) = _mm512_reduce_add_ps(*a);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn draw(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+
+    /// `x · W` in float64, `W` given by element.
+    fn reference(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        n: usize,
+        w: impl Fn(usize, usize) -> f32,
+    ) -> Vec<f64> {
+        let mut y = vec![0.0f64; m * n];
+        for r in 0..m {
+            for c in 0..n {
+                y[r * n + c] = (0..k).map(|i| x[r * k + i] as f64 * w(i, c) as f64).sum();
+            }
+        }
+        y
+    }
+
+    fn assert_close(got: &[f32], want: &[f64], k: usize) {
+        assert_eq!(got.len(), want.len());
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            // A sum of k float32 products of magnitude ≤ 0.25.
+            let tol = 1e-6 * (k as f64).sqrt() + 1e-6 * w.abs();
+            assert!((*g as f64 - w).abs() <= tol, "element {i}: {g} against {w}");
+        }
+    }
+
+    #[test]
+    fn row_major_products_match_float64_for_every_row_count_and_ragged_shapes() {
+        if !available() {
+            return;
+        }
+        // Column counts that end mid-vector and mid-panel, row counts of every tile shape, and
+        // `k` that ends mid-block; a row stride wider than `n` (a view of a wider weight).
+        for (k, n, ld) in [
+            (37, 21, 21),
+            (70, 130, 133),
+            (512, 512, 512),
+            (600, 700, 700),
+        ] {
+            let w = draw((k - 1) * ld + n, 7);
+            for m in 1..=MAX_ROWS {
+                let x = draw(m * k, m as u64);
+                let got = times(&x, m, k, Rhs::RowMajor { w: &w, ld }, n).unwrap();
+                assert_close(&got, &reference(&x, m, k, n, |i, c| w[i * ld + c]), k);
+            }
+        }
+    }
+
+    #[test]
+    fn transposed_products_match_float64_for_every_row_count_and_ragged_shapes() {
+        if !available() {
+            return;
+        }
+        for (k, n, ld) in [(37, 21, 37), (70, 131, 75), (512, 1000, 512)] {
+            let e = draw((n - 1) * ld + k, 9);
+            for m in 1..=MAX_ROWS {
+                let x = draw(m * k, 100 + m as u64);
+                let got = times(&x, m, k, Rhs::Transposed { w: &e, ld }, n).unwrap();
+                assert_close(&got, &reference(&x, m, k, n, |i, c| e[c * ld + i]), k);
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_gets_the_same_bits_whatever_rows_share_its_batch() {
+        if !available() {
+            return;
+        }
+        let (k, n) = (300, 900);
+        let w = draw(k * n, 3);
+        let e = draw(n * k, 4);
+        let x = draw(MAX_ROWS * k, 5);
+        for rhs in [
+            Rhs::RowMajor { w: &w, ld: n },
+            Rhs::Transposed { w: &e, ld: k },
+        ] {
+            let all = times(&x, MAX_ROWS, k, rhs, n).unwrap();
+            for m in 1..MAX_ROWS {
+                let some = times(&x, m, k, rhs, n).unwrap();
+                assert_eq!(some, all[..m * n], "{m} rows");
+            }
+        }
+    }
+
+    #[test]
+    fn tensor_products_take_both_layouts_and_leave_the_rest_to_the_gemm() {
+        if !available() {
+            return;
+        }
+        let device = Default::default();
+        let x =
+            Tensor::<CpuBackend, 2>::random([3, 64], burn::tensor::Distribution::Default, &device);
+        let w =
+            Tensor::<CpuBackend, 2>::random([64, 40], burn::tensor::Distribution::Default, &device);
+        let e =
+            Tensor::<CpuBackend, 2>::random([40, 64], burn::tensor::Distribution::Default, &device);
+        for rhs in [w, e.transpose()] {
+            let got = product(&x, &rhs).expect("a few-row product");
+            let want = x.clone().matmul(rhs.clone());
+            let diff = (got - want).abs().max().into_scalar();
+            assert!(diff < 1e-5, "{diff}");
+        }
+        let tall = Tensor::<CpuBackend, 2>::zeros([MAX_ROWS + 1, 64], &device);
+        assert!(product(&tall, &Tensor::zeros([64, 8], &device)).is_none());
+    }
+}
