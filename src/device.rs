@@ -145,7 +145,8 @@ pub fn is_cuda<B: 'static>() -> bool {
 }
 
 /// Runs `work` on a thread of the CPU backend's pool (rayon's global pool) when `B` is not the
-/// CUDA backend, and on the calling thread otherwise.
+/// CUDA backend, with the pool's other workers kept awake until it returns
+/// ([`keep_taking_work`]); on the calling thread otherwise.
 ///
 /// Each CPU op splits its work across the pool. Called from a thread outside the pool, every
 /// such op hands all its parts to the pool's threads and puts the caller to sleep until they
@@ -156,11 +157,36 @@ pub fn is_cuda<B: 'static>() -> bool {
 /// its calling thread, whose stream its launches are queued on.
 pub fn on_compute_pool<B: 'static, R: Send>(work: impl FnOnce() -> R + Send) -> R {
     if is_cuda::<B>() {
-        work()
-    } else {
-        let mut out = None;
-        rayon::scope(|_| out = Some(work()));
-        out.expect("the scope ran its body")
+        return work();
+    }
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let mut out = None;
+    rayon::scope(|s| {
+        for _ in 1..rayon::current_num_threads() {
+            s.spawn(|_| keep_taking_work(&done));
+        }
+        out = Some(work());
+        done.store(true, std::sync::atomic::Ordering::Release);
+    });
+    out.expect("the scope ran its body")
+}
+
+/// Runs the pool's pending jobs on this worker until `done`, spinning between them instead of
+/// going to sleep.
+///
+/// A pool worker with nothing to do sleeps after a few tens of microseconds, and waking it
+/// costs a system call and an inter-processor interrupt (expensive in a virtual machine). A
+/// decode step's parallel products come every 50–150 µs with single-threaded work between
+/// them, so without this the second core was asleep at nearly every product. The spinning
+/// lasts one call of [`on_compute_pool`] and costs the other cores' time while it lasts, as an
+/// OpenMP runtime's spin-wait does; a job that arrives meanwhile, from this work or any other
+/// (a training step's), runs at once. The call returns once each keeper has finished the job
+/// it was running.
+fn keep_taking_work(done: &std::sync::atomic::AtomicBool) {
+    while !done.load(std::sync::atomic::Ordering::Acquire) {
+        if rayon::yield_now() != Some(rayon::Yield::Executed) {
+            std::hint::spin_loop();
+        }
     }
 }
 
