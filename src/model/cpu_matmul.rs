@@ -33,6 +33,9 @@
 //! The kernels use AVX-512 and run where the CPU has it; elsewhere (and for more than
 //! [`MAX_ROWS`] rows) the product stays with the GEMM.
 
+// The kernels exist for x86-64 only; elsewhere every product stays with the GEMM.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
@@ -289,12 +292,14 @@ unsafe fn tile<const R: usize, const C: usize>(
     cols: usize,
     first: bool,
 ) {
+    // A vector past `cols` has an empty mask and touches no memory; its address may lie past
+    // the end of W or of the output, hence the wrapping offsets below.
     let masks: [__mmask16; C] = std::array::from_fn(|j| lanes(cols.saturating_sub(16 * j)));
     let mut acc = [[_mm512_setzero_ps(); C]; R];
     if !first {
         for (r, acc) in acc.iter_mut().enumerate() {
             for (j, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_maskz_loadu_ps(masks[j], out.add(r * ld_out + 16 * j));
+                *a = _mm512_maskz_loadu_ps(masks[j], out.wrapping_add(r * ld_out + 16 * j));
             }
         }
     }
@@ -306,7 +311,7 @@ unsafe fn tile<const R: usize, const C: usize>(
             }
         }
         let wv: [__m512; C] =
-            std::array::from_fn(|j| _mm512_maskz_loadu_ps(masks[j], row.add(16 * j)));
+            std::array::from_fn(|j| _mm512_maskz_loadu_ps(masks[j], row.wrapping_add(16 * j)));
         for (r, acc) in acc.iter_mut().enumerate() {
             let xv = _mm512_set1_ps(*xs.add(i * R + r));
             for (a, wv) in acc.iter_mut().zip(&wv) {
@@ -316,7 +321,7 @@ unsafe fn tile<const R: usize, const C: usize>(
     }
     for (r, acc) in acc.iter().enumerate() {
         for (j, a) in acc.iter().enumerate() {
-            _mm512_mask_storeu_ps(out.add(r * ld_out + 16 * j), masks[j], *a);
+            _mm512_mask_storeu_ps(out.wrapping_add(r * ld_out + 16 * j), masks[j], *a);
         }
     }
 }
