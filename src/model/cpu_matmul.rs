@@ -150,6 +150,54 @@ pub fn times(x: &[f32], m: usize, k: usize, w: Rhs<'_>, n: usize) -> Option<Vec<
     Some(out)
 }
 
+/// Rows of a batch that take one low-rank adapter.
+pub struct AdapterRows<'a> {
+    /// Indices of the rows, into the input's `m`.
+    pub rows: Vec<usize>,
+    /// `A [k, rank]`, row-major.
+    pub a: &'a [f32],
+    /// `B [rank, n]`, row-major.
+    pub b: &'a [f32],
+    pub rank: usize,
+    /// `alpha / r`.
+    pub scaling: f32,
+}
+
+/// `delta [m, n]` for `x [m, k]`: each group's rows get `(scaling · x_row A) B` of their own
+/// adapter, every other row zeros; `None` without AVX-512. Each group reads only its own `A`
+/// and `B` and multiplies only its own rows.
+pub fn adapter_delta(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    groups: &[AdapterRows<'_>],
+) -> Option<Vec<f32>> {
+    if !available() {
+        return None;
+    }
+    let mut delta = vec![0.0f32; m * n];
+    for g in groups {
+        for rows in g.rows.chunks(MAX_ROWS) {
+            let mut xg = Vec::with_capacity(rows.len() * k);
+            for &r in rows {
+                xg.extend_from_slice(&x[r * k..(r + 1) * k]);
+            }
+            let a = Rhs::RowMajor { w: g.a, ld: g.rank };
+            let mut h = times(&xg, rows.len(), k, a, g.rank)?;
+            h.iter_mut().for_each(|v| *v *= g.scaling);
+            let d = times(&h, rows.len(), g.rank, Rhs::RowMajor { w: g.b, ld: n }, n)?;
+            for (&r, d) in rows.iter().zip(d.chunks(n)) {
+                delta[r * n..(r + 1) * n]
+                    .iter_mut()
+                    .zip(d)
+                    .for_each(|(o, v)| *o += v);
+            }
+        }
+    }
+    Some(delta)
+}
+
 /// The output, written by several threads at disjoint places.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);

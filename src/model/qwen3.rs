@@ -15,6 +15,8 @@
 //! batch whose rows use different adapters over the one base ([`Qwen3::decode_step_mixed`]):
 //! every row shares the base product, and each row adds its own adapter's.
 
+use std::any::TypeId;
+
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::module::embedding;
@@ -23,10 +25,13 @@ use rayon::prelude::*;
 
 use super::attention::{cached_attention, causal_attention, prefixed_attention, repeat_kv};
 use super::config::Qwen3Config;
+use super::cpu_matmul::{self, AdapterRows};
+use super::cpu_tensor::{floats, Floats};
 use super::fused::{rms_norm, rope_heads_first, swap_heads, swiglu};
 use super::kv_cache::{KvCache, KvCacheError};
 use super::lora::Lora;
 use super::matmul::matmul;
+use crate::CpuBackend;
 
 /// Root-mean-square layer norm over the last dimension (no bias, no mean subtraction).
 #[derive(Module, Debug)]
@@ -108,6 +113,11 @@ fn adapted<'a, B: Backend>(
     }
     let [b, s, i] = x.dims();
     let o = y.dims()[2];
+    if TypeId::of::<B>() == TypeId::of::<CpuBackend>() {
+        if let Some(delta) = cpu_adapted_delta(&x, &present, o) {
+            return y + delta;
+        }
+    }
     let ranks: usize = present.iter().map(|(_, l)| l.a.dims()[1]).sum();
     // Row `row`'s positions are rows `row * s ..` of the flattened `[b * s, in]`.
     let mut mask = vec![0f32; b * s * ranks];
@@ -127,6 +137,43 @@ fn adapted<'a, B: Backend>(
     let bs = Tensor::cat(present.iter().map(|(_, l)| l.b.val()).collect(), 0);
     let delta = matmul(matmul(x.reshape([b * s, i]), a) * mask, bs);
     y + delta.reshape([b, s, o])
+}
+
+/// [`adapted`]'s low-rank sum on the CPU backend's raw floats, each group over its own rows
+/// ([`cpu_matmul::adapter_delta`]), or `None` where those kernels do not run. The generic path
+/// concatenates every group's `A` and `B` at every call: at a batch of 16 rows over 4 adapters
+/// of rank 16, about 14 MB copied per decode step, a third of what the base weights take to read.
+fn cpu_adapted_delta<B: Backend>(
+    x: &Tensor<B, 3>,
+    present: &[(&[usize], &Lora<B>)],
+    o: usize,
+) -> Option<Tensor<B, 3>> {
+    let [b, s, i] = x.dims();
+    let xs = floats(x.clone());
+    let weights: Vec<(Floats, Floats)> = present
+        .iter()
+        .map(|(_, l)| (floats(l.a.val()), floats(l.b.val())))
+        .collect();
+    let groups: Vec<AdapterRows> = present
+        .iter()
+        .zip(&weights)
+        .map(|((rows, lora), (a, bm))| AdapterRows {
+            // Row `row`'s positions are rows `row * s ..` of the flattened `[b * s, in]`.
+            rows: rows
+                .iter()
+                .flat_map(|&row| row * s..(row + 1) * s)
+                .collect(),
+            a,
+            b: bm,
+            rank: lora.a.dims()[1],
+            scaling: lora.scaling as f32,
+        })
+        .collect();
+    let delta = cpu_matmul::adapter_delta(&xs, b * s, i, o, &groups)?;
+    Some(Tensor::from_data(
+        TensorData::new(delta, [b, s, o]),
+        &x.device(),
+    ))
 }
 
 /// RoPE inverse frequencies `1 / theta^(2i / head_dim)` for `i < head_dim / 2`, computed in f32
