@@ -22,7 +22,8 @@
 //!   sixteen lanes each, summed across lanes at the end.
 //!
 //! Columns (or embedding rows) are split in contiguous ranges across the rayon pool when the
-//! weight holds at least [`PARALLEL_FROM`] elements.
+//! weight holds at least [`PARALLEL_FROM`] elements. [`adapter_delta`] runs a mixed batch's
+//! low-rank adapters through the same kernels, each adapter over its own rows.
 //!
 //! Each output sums its `k` products in an order that depends on `k` alone (row-major: one
 //! fused multiply-add chain from `k = 0` up; transposed: sixteen lanes, then a fixed tree), so a
