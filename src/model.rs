@@ -43,11 +43,12 @@ pub use engine::{
     spawn_engine, EngineError, EngineHandle, EngineOptions, FinishReason, GenerationRequest,
     GenerationResult, StreamEvent, MAX_TOP_LOGPROBS,
 };
+pub use fused::token_logprobs;
 pub use kv_cache::{KvCache, KvCacheError};
 pub use lora::{LoraConfig, LoraConfigError, LoraError, LoraTarget, LoraWeights};
 pub use peft::{apply_adapter, load_adapter, save_adapter, AdapterLoadError, AdapterSaveError};
 pub use qwen3::Qwen3;
 pub use sampling::{RawLogprobs, SamplingParams};
-pub use score::{score_batch, score_response, score_response_topk, token_logprobs, ScoredTopK};
+pub use score::{score_batch, score_response, score_response_topk, ScoredTopK};
 pub use tool_call::{parse_tool_calls, ParsedResponse, ToolCall, ToolCallError};
 pub use weights::{model_from_safetensors, model_to_safetensors, SaveError};

@@ -14,6 +14,7 @@ pub mod optim;
 pub mod packing;
 pub mod samples;
 
+pub use crate::model::token_logprobs;
 pub use batch::{BatchLayout, OpdLossKind, OpdTerm, Sample, SampleError, TeacherTopK};
 pub use config::{ConfigError, TrainConfig};
-pub use loss::{policy_loss, token_logprobs, topk_reverse_kl, LossParams, LossTerms};
+pub use loss::{policy_loss, topk_reverse_kl, LossParams, LossTerms};

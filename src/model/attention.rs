@@ -36,7 +36,7 @@ use burn::tensor::{Bool, Tensor, TensorData, TensorPrimitive};
 
 use super::cpu_attention::{attention_backward, attention_forward, Dims};
 use super::cpu_tensor::floats;
-use super::fused::record;
+use super::fused::{record, repeat_kv};
 use super::matmul::{cast, matmul};
 
 /// The most score elements (`b · h · t · keys`) one tile holds: 2 Mi f32 is 8 MiB, and the
@@ -137,23 +137,6 @@ pub fn cached_attention<B: Backend>(
     offset: Option<usize>,
 ) -> Tensor<B, 4> {
     forward(q, k, v, offset, tile_budget::<B>()).0
-}
-
-/// Repeats each key/value head to the query heads it serves: `[b, kv, n, d]` →
-/// `[b, heads, n, d]`, head `i` a copy of head `i / (heads / kv)`.
-pub fn repeat_kv<B: Backend>(x: Tensor<B, 4>, heads: usize) -> Tensor<B, 4> {
-    let [b, kv, n, d] = x.dims();
-    assert!(
-        kv > 0 && heads.is_multiple_of(kv),
-        "repeat_kv: {kv} key heads do not divide {heads}"
-    );
-    let groups = heads / kv;
-    if groups == 1 {
-        return x;
-    }
-    x.unsqueeze_dim::<5>(2)
-        .expand([b, kv, groups, n, d])
-        .reshape([b, heads, n, d])
 }
 
 /// The tiled forward of queries `q [b, h, t, d]` against `k, v [b, kv, n, d]` (`kv` dividing

@@ -32,6 +32,8 @@
 
 use rayon::prelude::*;
 
+use super::cpu_tensor::filled;
+
 /// Keys per block of the forward for heads `d` wide: as many as make 64 KiB of `Kᵀ` (and as
 /// much of `V`, within L2) for heads of 16 and 32, else 256; four rows' scores over them (at
 /// most 16 KiB) stay in L1. The kernel is compiled for each of the three sizes: with the block
@@ -312,27 +314,17 @@ fn head_of(size: usize, x: &[f32], i: usize) -> &[f32] {
 
 /// Each head's `[n, d]` block of `x` transposed to `[d, n]`.
 fn transpose_heads(x: &[f32], n: usize, d: usize, parallel: bool) -> Vec<f32> {
-    let mut xt = vec![0f32; x.len()];
     if n == 0 || d == 0 {
-        return xt;
+        return vec![0f32; x.len()];
     }
-    let transpose = |(xh, xth): (&[f32], &mut [f32])| {
+    filled(x.len(), n * d, parallel, |h, xth| {
+        let xh = &x[h * n * d..][..n * d];
         for (j, row) in xh.chunks_exact(d).enumerate() {
             for (c, &e) in row.iter().enumerate() {
                 xth[c * n + j] = e;
             }
         }
-    };
-    if parallel {
-        x.par_chunks(n * d)
-            .zip(xt.par_chunks_mut(n * d))
-            .for_each(transpose);
-    } else {
-        x.chunks(n * d)
-            .zip(xt.chunks_mut(n * d))
-            .for_each(transpose);
-    }
-    xt
+    })
 }
 
 /// One query tile's inputs: its rows of `q` (`[rows, d]`), its head's `Kᵀ` (`[d, n]`) and `V`

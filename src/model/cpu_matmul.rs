@@ -1,6 +1,8 @@
-//! Products of a few rows by a weight on the CPU backend: a decode step's `x [m, k] · W` (one
-//! row per sequence in the batch) or a short prefill's, up to [`MAX_ROWS`] rows, where `W` is
-//! a linear layer's `[k, n]` (row-major) or the tied LM head's `embedᵀ` (the `[n, k]`
+//! The CPU backend's matrix products ([`product`]). Most go to the GEMM (the `gemm` crate,
+//! which Burn's CPU backend also calls), written straight into their output ([`gemm_times`]).
+//! Products of a few rows by a weight have kernels of their own: a decode step's `x [m, k] · W`
+//! (one row per sequence in the batch) or a short prefill's, up to [`MAX_ROWS`] rows, where `W`
+//! is a linear layer's `[k, n]` (row-major) or the tied LM head's `embedᵀ` (the `[n, k]`
 //! embedding read transposed).
 //!
 //! The general GEMM (the `gemm` crate, through Burn's CPU backend) serves these shapes poorly:
@@ -31,8 +33,8 @@
 //! the GEMM's order: a decode step and a prefill of the same tokens agree to rounding, as they
 //! did before (the GEMM has its own path for one row).
 //!
-//! The kernels use AVX-512 and run where the CPU has it; elsewhere (and for more than
-//! [`MAX_ROWS`] rows) the product stays with the GEMM.
+//! The few-row kernels use AVX-512 and run where the CPU has it; elsewhere (and for more than
+//! [`MAX_ROWS`] rows) the product goes to the GEMM.
 
 // The kernels exist for x86-64 only; elsewhere every product stays with the GEMM.
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -41,6 +43,7 @@
 use std::arch::x86_64::*;
 
 use burn::tensor::{DType, Shape, Tensor, TensorData, TensorPrimitive};
+use burn_flex::FlexTensor;
 use rayon::prelude::*;
 
 use crate::CpuBackend;
@@ -67,19 +70,20 @@ pub enum Rhs<'a> {
     Transposed { w: &'a [f32], ld: usize },
 }
 
-/// `x [m, k] · W [k, n]` for a CPU tensor pair, or `None` when these kernels do not take it
-/// (more than [`MAX_ROWS`] rows, not float32, a layout other than [`Rhs`]'s two, or a CPU
-/// without AVX-512); the caller then runs the GEMM.
+/// `x [m, k] · W [k, n]` for a CPU tensor pair: up to [`MAX_ROWS`] rows through this module's
+/// kernels when the CPU has AVX-512 and `W` lies as one of [`Rhs`]'s two layouts, every other
+/// product through the GEMM ([`gemm_times`]). `None` for what neither takes (not 2-d, not
+/// float32, empty); the caller then runs Burn's own product.
 pub fn product<const D: usize>(
     a: &Tensor<CpuBackend, D>,
     b: &Tensor<CpuBackend, D>,
 ) -> Option<Tensor<CpuBackend, D>> {
-    if D != 2 || !available() {
+    if D != 2 {
         return None;
     }
     let [m, k] = [a.dims()[0], a.dims()[1]];
     let n = b.dims()[1];
-    if m == 0 || m > MAX_ROWS || k == 0 || n == 0 || b.dims()[0] != k {
+    if m == 0 || k == 0 || n == 0 || b.dims()[0] != k {
         return None;
     }
     let lhs = a.clone().into_primitive().tensor();
@@ -87,7 +91,23 @@ pub fn product<const D: usize>(
     if lhs.dtype() != DType::F32 || rhs.dtype() != DType::F32 {
         return None;
     }
-    let x = super::cpu_tensor::primitive_floats(lhs);
+    let y = match few_rows(&lhs, &rhs, m, k, n) {
+        Some(y) => y,
+        None => gemm_times(&lhs, &rhs, m, k, n),
+    };
+    let y = TensorData::new(y, Shape::new([m, n]));
+    let y: Tensor<CpuBackend, 2> = Tensor::from_data(y, &Default::default());
+    Some(Tensor::from_primitive(TensorPrimitive::Float(
+        y.into_primitive().tensor(),
+    )))
+}
+
+/// [`times`] for a product of at most [`MAX_ROWS`] rows whose `W` lies as [`Rhs`] says, on a
+/// CPU with AVX-512; `None` otherwise.
+fn few_rows(lhs: &FlexTensor, rhs: &FlexTensor, m: usize, k: usize, n: usize) -> Option<Vec<f32>> {
+    if m > MAX_ROWS || !available() {
+        return None;
+    }
     let layout = rhs.layout();
     let (strides, start) = (layout.strides(), layout.start_offset());
     let storage = &rhs.storage::<f32>()[start..];
@@ -102,12 +122,85 @@ pub fn product<const D: usize>(
         },
         _ => return None,
     };
-    let y = times(&x, m, k, w, n)?;
-    let y = TensorData::new(y, Shape::new([m, n]));
-    let y: Tensor<CpuBackend, 2> = Tensor::from_data(y, &Default::default());
-    Some(Tensor::from_primitive(TensorPrimitive::Float(
-        y.into_primitive().tensor(),
-    )))
+    let x = super::cpu_tensor::primitive_floats(lhs.clone());
+    times(&x, m, k, w, n)
+}
+
+/// Products of at least this many multiply-adds run the GEMM on the whole pool (Burn's CPU
+/// backend waits until `192³`, about 7 M, which leaves a short prefill's products on one core).
+const GEMM_PARALLEL_FROM: usize = 1 << 21;
+
+/// `a [m, k] · b [k, n]` by the `gemm` crate, either operand strided (a transposed view is read
+/// in place), into a new row-major buffer.
+///
+/// Burn's CPU backend makes the same call, but first zeroes the output on the calling thread and
+/// then copies it into a second buffer to realign it (a byte vector's alignment is 1): two
+/// single-threaded passes over every product's output, a tenth of a training step's time. The
+/// GEMM with `read_dst = false` writes every element of its output (its first pass over the
+/// inner dimension stores without loading, and `k = 0` stores zeros), so the buffer starts
+/// uninitialised.
+fn gemm_times(lhs: &FlexTensor, rhs: &FlexTensor, m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut out: Vec<f32> = Vec::with_capacity(m * n);
+    // Safety: the GEMM writes all `m × n` elements of `out` (above); it reads both operands
+    // within their layouts, which Burn keeps inside their buffers.
+    unsafe {
+        gemm_into(lhs, rhs, m, k, n, out.as_mut_ptr());
+        out.set_len(m * n);
+    }
+    out
+}
+
+/// The GEMM call of [`gemm_times`], writing `m × n` floats row-major at `dst` without reading
+/// them.
+///
+/// # Safety
+///
+/// `dst` must be valid for `m × n` writes; the operands' layouts must lie inside their buffers.
+unsafe fn gemm_into(
+    lhs: &FlexTensor,
+    rhs: &FlexTensor,
+    m: usize,
+    k: usize,
+    n: usize,
+    dst: *mut f32,
+) {
+    let operand = |t: &FlexTensor| {
+        let layout = t.layout();
+        let strides = layout.strides();
+        let ptr = t.storage::<f32>()[layout.start_offset()..].as_ptr();
+        (ptr, strides[0], strides[1])
+    };
+    let (a, a_rs, a_cs) = operand(lhs);
+    let (b, b_rs, b_cs) = operand(rhs);
+    let parallelism = if m.saturating_mul(n).saturating_mul(k) >= GEMM_PARALLEL_FROM {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    // Safety: as the caller promises.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            n as isize,
+            false,
+            a,
+            a_cs,
+            a_rs,
+            b,
+            b_cs,
+            b_rs,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
 }
 
 /// Whether the CPU runs these kernels.
@@ -558,24 +651,64 @@ mod tests {
     }
 
     #[test]
-    fn tensor_products_take_both_layouts_and_leave_the_rest_to_the_gemm() {
-        if !available() {
-            return;
-        }
+    fn tensor_products_take_both_layouts_and_tall_ones_through_the_gemm() {
         let device = Default::default();
-        let x =
-            Tensor::<CpuBackend, 2>::random([3, 64], burn::tensor::Distribution::Default, &device);
-        let w =
-            Tensor::<CpuBackend, 2>::random([64, 40], burn::tensor::Distribution::Default, &device);
-        let e =
-            Tensor::<CpuBackend, 2>::random([40, 64], burn::tensor::Distribution::Default, &device);
-        for rhs in [w, e.transpose()] {
-            let got = product(&x, &rhs).expect("a few-row product");
-            let want = x.clone().matmul(rhs.clone());
+        let random = |shape: [usize; 2]| {
+            Tensor::<CpuBackend, 2>::random(shape, burn::tensor::Distribution::Default, &device)
+        };
+        let close = |got: Tensor<CpuBackend, 2>, want: Tensor<CpuBackend, 2>| {
             let diff = (got - want).abs().max().into_scalar();
             assert!(diff < 1e-5, "{diff}");
+        };
+        let (x, w, e) = (random([3, 64]), random([64, 40]), random([40, 64]));
+        for rhs in [w.clone(), e.clone().transpose()] {
+            close(product(&x, &rhs).expect("a product"), x.clone().matmul(rhs));
         }
-        let tall = Tensor::<CpuBackend, 2>::zeros([MAX_ROWS + 1, 64], &device);
-        assert!(product(&tall, &Tensor::zeros([64, 8], &device)).is_none());
+        // More rows than the kernels take, and operands read transposed in place (the
+        // gradients' `dC · Bᵀ` and `Aᵀ · dC`).
+        let tall = random([MAX_ROWS + 30, 64]);
+        let wide = random([64, MAX_ROWS + 30]);
+        for (a, b) in [
+            (tall.clone(), w.clone()),
+            (tall.clone(), e.clone().transpose()),
+            (wide.clone().transpose(), w),
+            (wide.transpose(), e.transpose()),
+        ] {
+            close(product(&a, &b).expect("a product"), a.matmul(b));
+        }
+    }
+
+    /// The GEMM writes every element of its output and reads none: a buffer of NaNs comes back
+    /// as the product, and with `k = 0` as zeros.
+    #[test]
+    fn the_gemm_writes_its_whole_output_without_reading_it() {
+        let device = Default::default();
+        for (m, k, n) in [(70, 33, 21), (300, 600, 130), (5, 0, 7)] {
+            let a = Tensor::<CpuBackend, 2>::random(
+                [m, k],
+                burn::tensor::Distribution::Default,
+                &device,
+            );
+            let b = Tensor::<CpuBackend, 2>::random(
+                [k, n],
+                burn::tensor::Distribution::Default,
+                &device,
+            );
+            let (pa, pb) = (
+                a.clone().into_primitive().tensor(),
+                b.clone().into_primitive().tensor(),
+            );
+            let mut out = vec![f32::NAN; m * n];
+            // Safety: `out` holds `m × n` floats; the operands are fresh contiguous tensors.
+            unsafe { gemm_into(&pa, &pb, m, k, n, out.as_mut_ptr()) };
+            let want = if k == 0 {
+                vec![0.0; m * n]
+            } else {
+                a.matmul(b).into_data().to_vec::<f32>().unwrap()
+            };
+            for (g, w) in out.iter().zip(&want) {
+                assert!((g - w).abs() <= 1e-4 * w.abs().max(1.0), "{g} against {w}");
+            }
+        }
     }
 }

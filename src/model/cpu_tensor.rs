@@ -1,6 +1,7 @@
 //! The CPU backend's tensors as plain `f32` slices, for the kernels that work on raw floats
 //! ([`super::cpu_attention`], [`super::fused`]) and for writing weights out
-//! ([`super::weights`], through [`host_floats`], which any backend may call).
+//! ([`super::weights`], through [`host_floats`], which any backend may call); and new buffers
+//! for those kernels' outputs, written in parallel ([`filled`]).
 //!
 //! Reading a tensor through `into_data` copies its buffer whenever another handle shares it
 //! (a residual kept for the backward, a cached key), and copies again to realign it. A
@@ -8,12 +9,14 @@
 //! that buffer and copies only a strided view or another element type.
 
 use std::any::TypeId;
+use std::mem::MaybeUninit;
 use std::ops::Deref;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Tensor};
 use burn_flex::FlexTensor;
+use rayon::prelude::*;
 
 use super::matmul::cast;
 use crate::CpuBackend;
@@ -80,4 +83,35 @@ pub fn primitive_floats(p: FloatTensor<CpuBackend>) -> Floats {
     } else {
         Floats(FlexTensor::from_data(p.into_data().convert::<f32>()))
     }
+}
+
+/// `n` floats written by `f` over chunks of `chunk` (the last may be shorter), each chunk zeroed
+/// first by the thread that fills it: on rayon's pool when `parallel`, else on the calling
+/// thread. `vec![0.0; n]` would zero the whole buffer on the calling thread before any chunk
+/// starts, a serial pass over memory the chunks then write again.
+pub fn filled(
+    n: usize,
+    chunk: usize,
+    parallel: bool,
+    f: impl Fn(usize, &mut [f32]) + Sync + Send,
+) -> Vec<f32> {
+    let mut v: Vec<f32> = Vec::with_capacity(n);
+    let fill = |(i, c): (usize, &mut [MaybeUninit<f32>])| {
+        c.fill(MaybeUninit::new(0.0));
+        // Safety: every element of `c` was just written.
+        let c = unsafe { &mut *(c as *mut [MaybeUninit<f32>] as *mut [f32]) };
+        f(i, c);
+    };
+    let spare = &mut v.spare_capacity_mut()[..n];
+    if parallel {
+        spare
+            .par_chunks_mut(chunk.max(1))
+            .enumerate()
+            .for_each(fill);
+    } else {
+        spare.chunks_mut(chunk.max(1)).enumerate().for_each(fill);
+    }
+    // Safety: the chunks cover all `n` elements, and each was initialised.
+    unsafe { v.set_len(n) };
+    v
 }

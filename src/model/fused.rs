@@ -1,6 +1,8 @@
 //! The decoder's elementwise chains, each as one op: RMSNorm ([`rms_norm`]), RoPE with the heads
 //! moved before the positions ([`rope_heads_first`]), SwiGLU's `silu(gate) · up` ([`swiglu`]),
-//! and the move of heads before positions or back ([`swap_heads`]).
+//! the move of heads before positions or back ([`swap_heads`]), the key/value heads repeated for
+//! the query heads they serve ([`repeat_kv`]), and the log-probabilities of target tokens under
+//! logits ([`token_logprobs`]).
 //!
 //! Built from Burn tensor ops, each chain is several passes over memory (RMSNorm: a square, a
 //! mean, a square root, a reciprocal and two broadcast products; RoPE: a transposed view, two
@@ -16,8 +18,10 @@
 //! - every other backend (CUDA) runs the tensor ops, and its autodiff differentiates them.
 //!
 //! Each CPU pass does the arithmetic of the tensor ops, in the same order where it matters:
-//! RoPE is bit-identical; RMSNorm sums its squares in sixteen lanes instead of Burn's order, and
-//! SwiGLU's sigmoid uses [`exp_nonpositive`] (within 2 ulp of `exp`), both within a few ulp.
+//! RoPE and the repeated heads are bit-identical; RMSNorm sums its squares in sixteen lanes
+//! instead of Burn's order, SwiGLU's sigmoid uses [`exp_nonpositive`] (within 2 ulp of `exp`),
+//! and the log-probabilities sum their exponentials in sixteen lanes with it, all within a few
+//! ulp.
 //! Every row's result depends on that row alone, so a prompt prefilled in parts (a prefix-cache
 //! hit) gets the same rows as one prefilled whole.
 
@@ -29,14 +33,14 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::autodiff::NodeId;
 use burn::backend::Autodiff;
-use burn::tensor::activation::silu;
+use burn::tensor::activation::{log_softmax, silu};
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
-use burn::tensor::{Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive};
+use burn::tensor::{Int, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 use rayon::prelude::*;
 
 use super::cpu_attention::exp_nonpositive;
-use super::cpu_tensor::{floats, primitive_floats as host};
+use super::cpu_tensor::{filled, floats, primitive_floats as host};
 use super::matmul::cast;
 use crate::{CpuAutodiff, CpuBackend};
 
@@ -89,18 +93,6 @@ fn register<const N: usize>(
         if let Some(id) = parent {
             grads.register::<CpuBackend>(id, primitive(g, shape));
         }
-    }
-}
-
-/// Runs `f` over equal chunks of `out` (and the matching chunks of the inputs, by chunk index),
-/// on rayon's pool when there are enough elements.
-fn for_chunks(out: &mut [f32], chunk: usize, f: impl Fn(usize, &mut [f32]) + Sync + Send) {
-    if out.len() >= PARALLEL_FROM {
-        out.par_chunks_mut(chunk)
-            .enumerate()
-            .for_each(|(i, c)| f(i, c));
-    } else {
-        out.chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i, c));
     }
 }
 
@@ -180,18 +172,21 @@ fn inv_rms(row: &[f32], eps: f32) -> f32 {
 /// The forward over rows of `w.len()` elements.
 fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let dim = w.len();
-    let mut y = vec![0f32; x.len()];
     let rows_per = (PARALLEL_FROM / dim).max(1);
-    for_chunks(&mut y, rows_per * dim, |c, out| {
-        let x = &x[c * rows_per * dim..][..out.len()];
-        for (xr, yr) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-            let inv = inv_rms(xr, eps);
-            for ((y, x), w) in yr.iter_mut().zip(xr).zip(w) {
-                *y = x * inv * w;
+    filled(
+        x.len(),
+        rows_per * dim,
+        x.len() >= PARALLEL_FROM,
+        |c, out| {
+            let x = &x[c * rows_per * dim..][..out.len()];
+            for (xr, yr) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+                let inv = inv_rms(xr, eps);
+                for ((y, x), w) in yr.iter_mut().zip(xr).zip(w) {
+                    *y = x * inv * w;
+                }
             }
-        }
-    });
-    y
+        },
+    )
 }
 
 /// The gradients `(dx, dw)` of [`rms_norm_rows`] for `dy`. With `r = 1/sqrt(mean(x²) + eps)`
@@ -365,9 +360,8 @@ impl RopeDims {
 fn rope_rows(x: &[f32], cos: &[f32], sin: &[f32], dims: RopeDims) -> Vec<f32> {
     let RopeDims { s, h, d, .. } = dims;
     let half = d / 2;
-    let mut out = vec![0f32; x.len()];
     // One chunk per (batch row, head): its `s` positions.
-    for_chunks(&mut out, s * d, |bh, dst| {
+    filled(x.len(), s * d, x.len() >= PARALLEL_FROM, |bh, dst| {
         let (bi, hi) = (bh / h, bh % h);
         for (si, dst) in dst.chunks_exact_mut(d).enumerate() {
             let src = &x[((bi * s + si) * h + hi) * d..][..d];
@@ -378,8 +372,7 @@ fn rope_rows(x: &[f32], cos: &[f32], sin: &[f32], dims: RopeDims) -> Vec<f32> {
                 dst[i + half] = src[i + half] * c[i + half] + src[i] * sn[i + half];
             }
         }
-    });
-    out
+    })
 }
 
 /// The gradient of [`rope_rows`], `dy [b, h, s, d]` → `dx [b, s, h, d]`. RoPE is linear in
@@ -389,9 +382,8 @@ fn rope_rows(x: &[f32], cos: &[f32], sin: &[f32], dims: RopeDims) -> Vec<f32> {
 fn rope_grads(dy: &[f32], cos: &[f32], sin: &[f32], dims: RopeDims) -> Vec<f32> {
     let RopeDims { s, h, d, .. } = dims;
     let half = d / 2;
-    let mut dx = vec![0f32; dy.len()];
     // One chunk per (batch row, position): its `h` heads.
-    for_chunks(&mut dx, h * d, |bs, dst| {
+    filled(dy.len(), h * d, dy.len() >= PARALLEL_FROM, |bs, dst| {
         let (bi, si) = (bs / s, bs % s);
         let at = dims.table(bi, si);
         let (c, sn) = (&cos[at..at + d], &sin[at..at + d]);
@@ -402,8 +394,7 @@ fn rope_grads(dy: &[f32], cos: &[f32], sin: &[f32], dims: RopeDims) -> Vec<f32> 
                 dst[i + half] = src[i + half] * c[i + half] + -(src[i] * sn[i]);
             }
         }
-    });
-    dx
+    })
 }
 
 /// The autodiff node of [`rope_heads_first`] on the CPU backend.
@@ -474,9 +465,8 @@ fn sigmoid(x: f32) -> f32 {
 
 /// The forward, `gate · σ(gate) · up` (the SiLU product rounded first, as `silu(g) · u` does).
 fn swiglu_rows(gate: &[f32], up: &[f32]) -> Vec<f32> {
-    let mut y = vec![0f32; gate.len()];
     const CHUNK: usize = 1 << 12;
-    for_chunks(&mut y, CHUNK, |c, out| {
+    filled(gate.len(), CHUNK, gate.len() >= PARALLEL_FROM, |c, out| {
         let (g, u) = (
             &gate[c * CHUNK..][..out.len()],
             &up[c * CHUNK..][..out.len()],
@@ -484,8 +474,7 @@ fn swiglu_rows(gate: &[f32], up: &[f32]) -> Vec<f32> {
         for ((y, g), u) in out.iter_mut().zip(g).zip(u) {
             *y = g * sigmoid(*g) * u;
         }
-    });
-    y
+    })
 }
 
 /// The gradients `(d_gate, d_up)` of [`swiglu_rows`] for `dy`:
@@ -581,18 +570,16 @@ pub fn swap_heads<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
 
 /// The copy of [`swap_heads`] over raw floats.
 fn swap_rows(x: &[f32], [_, p, q, d]: [usize; 4]) -> Vec<f32> {
-    let mut out = vec![0f32; x.len()];
     if x.is_empty() {
-        return out;
+        return Vec::new();
     }
     // One chunk per (batch row, index along `q`): its `p` runs of `d`.
-    for_chunks(&mut out, p * d, |bq, dst| {
+    filled(x.len(), p * d, x.len() >= PARALLEL_FROM, |bq, dst| {
         let (bi, qi) = (bq / q, bq % q);
         for (pi, run) in dst.chunks_exact_mut(d).enumerate() {
             run.copy_from_slice(&x[((bi * p + pi) * q + qi) * d..][..d]);
         }
-    });
-    out
+    })
 }
 
 /// The autodiff node of [`swap_heads`] on the CPU backend.
@@ -623,6 +610,207 @@ fn swap_heads_tracked(x: Tensor<CpuAutodiff, 4>) -> Tensor<CpuAutodiff, 4> {
         Shape::from([b, q, p, d]),
     );
     record(SwapNode, [&x], || [b, p, q, d], y)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Key/value heads repeated for the query heads
+
+/// Repeats each key/value head to the query heads it serves: `[b, kv, n, d]` →
+/// `[b, heads, n, d]`, head `i` a copy of head `i / (heads / kv)`. On the CPU each output head
+/// is one copy, the heads in parallel; the gradient sums each group of `heads / kv` heads back
+/// into the head they copy, in order.
+pub fn repeat_kv<B: Backend>(x: Tensor<B, 4>, heads: usize) -> Tensor<B, 4> {
+    let [b, kv, n, d] = x.dims();
+    assert!(
+        kv > 0 && heads.is_multiple_of(kv),
+        "repeat_kv: {kv} key heads do not divide {heads}"
+    );
+    let groups = heads / kv;
+    if groups == 1 {
+        return x;
+    }
+    match route::<B>() {
+        Route::Ops => x
+            .unsqueeze_dim::<5>(2)
+            .expand([b, kv, groups, n, d])
+            .reshape([b, heads, n, d]),
+        Route::Cpu => {
+            let device = x.device();
+            let y = repeat_rows(&floats(x), groups, n * d);
+            tensor(y, [b, heads, n, d], &device)
+        }
+        Route::CpuAutodiff => cast(repeat_kv_tracked(cast(x), groups)),
+    }
+}
+
+/// Heads of `len` floats, each repeated `groups` times in place: head `i` of the output is head
+/// `i / groups` of `x`.
+fn repeat_rows(x: &[f32], groups: usize, len: usize) -> Vec<f32> {
+    let n = x.len() * groups;
+    filled(n, len, n >= PARALLEL_FROM, |i, dst| {
+        dst.copy_from_slice(&x[(i / groups) * len..][..len]);
+    })
+}
+
+/// The gradient of [`repeat_rows`]: each group of `groups` heads of `dy`, summed in order.
+fn repeat_grads(dy: &[f32], groups: usize, len: usize) -> Vec<f32> {
+    let n = dy.len() / groups;
+    filled(n, len, n >= PARALLEL_FROM, |i, dst| {
+        for r in 0..groups {
+            let src = &dy[(i * groups + r) * len..][..len];
+            dst.iter_mut().zip(src).for_each(|(a, b)| *a += b);
+        }
+    })
+}
+
+/// The autodiff node of [`repeat_kv`] on the CPU backend.
+#[derive(Debug)]
+struct RepeatKvNode;
+
+impl Backward<CpuBackend, 1> for RepeatKvNode {
+    /// The input's shape `[b, kv, n, d]` and the heads per key/value head.
+    type State = ([usize; 4], usize);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<CpuBackend>(&ops.node);
+        let ([b, kv, n, d], groups) = ops.state;
+        let dx = repeat_grads(&host(dy), groups, n * d);
+        register(
+            grads,
+            ops.parents.map(|p| p.map(|n| n.id)),
+            [(dx, Shape::from([b, kv, n, d]))],
+        );
+    }
+}
+
+fn repeat_kv_tracked(x: Tensor<CpuAutodiff, 4>, groups: usize) -> Tensor<CpuAutodiff, 4> {
+    let [b, kv, n, d] = x.dims();
+    let x = x.into_primitive().tensor();
+    let y = primitive(
+        repeat_rows(&host(x.primitive.clone()), groups, n * d),
+        Shape::from([b, kv * groups, n, d]),
+    );
+    record(RepeatKvNode, [&x], || ([b, kv, n, d], groups), y)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Log-probabilities of target tokens
+
+/// `log_softmax(logits)` at each position's target: `logits [b, s, vocab]`, `targets [b, s]`
+/// (ids below `vocab`) → `[b, s]`. On the CPU each row is one pass for its maximum and one for
+/// `lse = max + ln Σ e^(x − max)`, and the result `x[target] − lse`; the `[b, s, vocab]`
+/// log-softmax is never written. Under autodiff the node keeps the logits and each row's `lse`,
+/// and its backward writes `dx = g · (onehot(target) − e^(x − lse))` in one pass.
+pub fn token_logprobs<B: Backend>(
+    logits: Tensor<B, 3>,
+    targets: Tensor<B, 2, Int>,
+) -> Tensor<B, 2> {
+    let [b, s, vocab] = logits.dims();
+    assert_eq!(
+        targets.dims(),
+        [b, s],
+        "token_logprobs: targets do not match the logits' rows"
+    );
+    match route::<B>() {
+        Route::Ops => log_softmax(logits, 2)
+            .gather(2, targets.reshape([b, s, 1]))
+            .reshape([b, s]),
+        Route::Cpu => {
+            let device = logits.device();
+            let targets = target_ids(targets, vocab);
+            let (logp, _) = target_rows(&floats(logits), vocab, &targets);
+            tensor(logp, [b, s], &device)
+        }
+        Route::CpuAutodiff => {
+            let targets = target_ids(targets, vocab);
+            cast(token_logprobs_tracked(cast(logits), targets))
+        }
+    }
+}
+
+/// The target ids as indices, each checked against the vocabulary.
+fn target_ids<B: Backend>(targets: Tensor<B, 2, Int>, vocab: usize) -> Vec<usize> {
+    let ids = targets
+        .into_data()
+        .convert::<i64>()
+        .into_vec::<i64>()
+        .expect("converted to i64");
+    ids.into_iter()
+        .map(|t| match usize::try_from(t) {
+            Ok(t) if t < vocab => t,
+            _ => panic!("token_logprobs: target id {t} outside a vocabulary of {vocab}"),
+        })
+        .collect()
+}
+
+/// `(x[target] − lse, lse)` for each row of `vocab` logits.
+fn target_rows(x: &[f32], vocab: usize, targets: &[usize]) -> (Vec<f32>, Vec<f32>) {
+    let row = |(xr, &t): (&[f32], &usize)| {
+        let m = xr.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let mut lanes = [0f32; 16];
+        let mut chunks = xr.chunks_exact(16);
+        for c in &mut chunks {
+            for l in 0..16 {
+                lanes[l] += exp_nonpositive::<false>(c[l] - m);
+            }
+        }
+        let mut sum = lanes.iter().sum::<f32>();
+        for &v in chunks.remainder() {
+            sum += exp_nonpositive::<false>(v - m);
+        }
+        let lse = m + sum.ln();
+        (xr[t] - lse, lse)
+    };
+    let rows = x.chunks_exact(vocab).zip(targets);
+    if x.len() >= PARALLEL_FROM {
+        rows.collect::<Vec<_>>().into_par_iter().map(row).unzip()
+    } else {
+        rows.map(row).unzip()
+    }
+}
+
+/// `dx = g · (onehot(target) − e^(x − lse))`, row by row.
+fn target_grads(x: &[f32], vocab: usize, targets: &[usize], lse: &[f32], g: &[f32]) -> Vec<f32> {
+    filled(x.len(), vocab, x.len() >= PARALLEL_FROM, |r, dx| {
+        let (xr, gr) = (&x[r * vocab..][..vocab], g[r]);
+        for (d, &v) in dx.iter_mut().zip(xr) {
+            *d = -gr * exp_nonpositive::<false>((v - lse[r]).min(0.0));
+        }
+        dx[targets[r]] += gr;
+    })
+}
+
+/// The autodiff node of [`token_logprobs`] on the CPU backend.
+#[derive(Debug)]
+struct TokenLogprobsNode;
+
+impl Backward<CpuBackend, 1> for TokenLogprobsNode {
+    /// The logits, their row length, the targets and each row's `lse`.
+    type State = (FloatTensor<CpuBackend>, usize, Vec<usize>, Vec<f32>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let g = grads.consume::<CpuBackend>(&ops.node);
+        let (x, vocab, targets, lse) = ops.state;
+        let shape = x.shape();
+        let dx = target_grads(&host(x), vocab, &targets, &lse, &host(g));
+        register(grads, ops.parents.map(|p| p.map(|n| n.id)), [(dx, shape)]);
+    }
+}
+
+fn token_logprobs_tracked(
+    logits: Tensor<CpuAutodiff, 3>,
+    targets: Vec<usize>,
+) -> Tensor<CpuAutodiff, 2> {
+    let [b, s, vocab] = logits.dims();
+    let x = logits.into_primitive().tensor();
+    let (logp, lse) = target_rows(&host(x.primitive.clone()), vocab, &targets);
+    let y = primitive(logp, Shape::from([b, s]));
+    record(
+        TokenLogprobsNode,
+        [&x],
+        || (x.primitive.clone(), vocab, targets, lse),
+        y,
+    )
 }
 
 #[cfg(test)]
@@ -775,5 +963,100 @@ mod tests {
         let dg = relative(grad(&ga, &g_fused), grad(&gb, &g_ops));
         let du = relative(grad(&ua, &g_fused), grad(&ub, &g_ops));
         assert!(dg < 1e-5 && du < 1e-5, "d_gate {dg:e}, d_up {du:e}");
+    }
+
+    /// The log-softmax at the targets, as `log_softmax` and `gather` give it, forward and
+    /// backward; with a vocabulary the sixteen lanes do not divide and rows far apart in scale.
+    #[test]
+    fn token_logprobs_matches_the_tensor_ops_forward_and_backward() {
+        let (b, s, vocab) = (3, 40, 1003);
+        let x = random::<CpuBackend, 3>([b, s, vocab], 8.0);
+        let ids: Vec<i64> = (0..b * s).map(|i| (i * 7919 % vocab) as i64).collect();
+        let targets = || {
+            Tensor::<CpuBackend, 2, Int>::from_data(
+                TensorData::new(ids.clone(), [b, s]),
+                &Default::default(),
+            )
+        };
+        let ops = |x: Tensor<CpuBackend, 3>| {
+            log_softmax(x, 2)
+                .gather(2, targets().reshape([b, s, 1]))
+                .reshape([b, s])
+        };
+        let fused = token_logprobs(x.clone(), targets());
+        assert!(relative(fused, ops(x.clone())) < 1e-6);
+
+        let ad_targets = || {
+            Tensor::<CpuAutodiff, 2, Int>::from_data(
+                TensorData::new(ids.clone(), [b, s]),
+                &Default::default(),
+            )
+        };
+        let r = random::<CpuBackend, 2>([b, s], 1.0);
+        let xa = leaf(&x);
+        let g_fused = weigh(token_logprobs(xa.clone(), ad_targets()), &r).backward();
+        let xb = leaf(&x);
+        let y_ops = log_softmax(xb.clone(), 2)
+            .gather(2, ad_targets().reshape([b, s, 1]))
+            .reshape([b, s]);
+        let g_ops = weigh(y_ops, &r).backward();
+        let dx = relative(grad(&xa, &g_fused), grad(&xb, &g_ops));
+        assert!(dx < 1e-5, "dx {dx:e}");
+    }
+
+    #[test]
+    fn token_logprobs_are_log_softmax_at_the_targets() {
+        let logits: Tensor<CpuBackend, 3> = Tensor::from_data(
+            TensorData::new(vec![0.0f32, 1.0, 2.0, 3.0, 3.0, 3.0], [1, 2, 3]),
+            &Default::default(),
+        );
+        let targets: Tensor<CpuBackend, 2, Int> =
+            Tensor::from_data(TensorData::new(vec![2i64, 0], [1, 2]), &Default::default());
+        let lp = token_logprobs(logits, targets)
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
+        let lse = (1f32 + 1f32.exp() + 2f32.exp()).ln();
+        assert!((lp[0] - (2.0 - lse)).abs() < 1e-6);
+        assert!((lp[1] - (1f32 / 3.0).ln()).abs() < 1e-6);
+    }
+
+    #[test]
+    #[should_panic(expected = "target id 3 outside a vocabulary of 3")]
+    fn token_logprobs_refuses_a_target_outside_the_vocabulary() {
+        let logits = random::<CpuBackend, 3>([1, 1, 3], 1.0);
+        let targets: Tensor<CpuBackend, 2, Int> =
+            Tensor::from_data(TensorData::new(vec![3i64], [1, 1]), &Default::default());
+        token_logprobs(logits, targets);
+    }
+
+    #[test]
+    fn repeat_kv_matches_the_tensor_ops_forward_and_backward() {
+        // 2 key heads for 8 query heads, enough elements for the parallel path; and one
+        // sequence of 3 key heads for 6 on the calling thread.
+        for ([b, kv, n, d], heads) in [([2, 2, 70, 64], 8), ([1, 3, 5, 4], 6)] {
+            let x = random::<CpuBackend, 4>([b, kv, n, d], 1.0);
+            let ops = |x: Tensor<CpuBackend, 4>| {
+                x.unsqueeze_dim::<5>(2)
+                    .expand([b, kv, heads / kv, n, d])
+                    .reshape([b, heads, n, d])
+            };
+            assert_eq!(
+                floats(repeat_kv(x.clone(), heads)).to_vec(),
+                floats(ops(x.clone())).to_vec()
+            );
+            let r = random::<CpuBackend, 4>([b, heads, n, d], 1.0);
+            let xa = leaf(&x);
+            let g_fused = weigh(repeat_kv(xa.clone(), heads), &r).backward();
+            let xb = leaf(&x);
+            let y_ops = xb
+                .clone()
+                .unsqueeze_dim::<5>(2)
+                .expand([b, kv, heads / kv, n, d])
+                .reshape([b, heads, n, d]);
+            let g_ops = weigh(y_ops, &r).backward();
+            let dx = relative(grad(&xa, &g_fused), grad(&xb, &g_ops));
+            assert!(dx < 1e-6, "dx {dx:e}");
+        }
     }
 }

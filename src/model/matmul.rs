@@ -20,8 +20,10 @@
 //!
 //! Under autodiff the product is one graph node whose backward computes `dA = dC · Bᵀ` and
 //! `dB = Aᵀ · dC` the same way (Burn's own backward would run those on TF32 too). CPU backends
-//! run one plain product: their float32 matmul is exact. A product of a few rows on the CPU
-//! backend (a decode step's) runs [`super::cpu_matmul`]'s kernels instead of the GEMM.
+//! run one plain product: their float32 matmul is exact. On the CPU backend every product, and
+//! under autodiff both of its gradients through the same node, runs
+//! [`super::cpu_matmul::product`]: a decode step's few rows on its kernels, the rest on the GEMM
+//! written straight into a fresh buffer.
 
 // Without the `cuda` feature the three-product path runs only in this module's tests.
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -37,7 +39,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
-use crate::CpuBackend;
+use crate::{CpuAutodiff, CpuBackend};
 
 /// Veltkamp's splitter for float32 keeping at most 10 significant bits in `hi`: `2^14 + 1`.
 const SPLITTER: f64 = 16_385.0;
@@ -46,13 +48,21 @@ const SPLITTER: f64 = 16_385.0;
 /// Batch dimensions must match (no broadcasting), which every caller in the model satisfies.
 pub fn matmul<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
     #[cfg(feature = "cuda")]
+    if TypeId::of::<B>() == TypeId::of::<crate::device::CudaAutodiff>() {
+        use crate::device::CudaBackend;
+        return cast(tracked::<CudaBackend, D>(cast(a), cast(b)));
+    }
+    if TypeId::of::<B>() == TypeId::of::<CpuAutodiff>() {
+        return cast(tracked::<CpuBackend, D>(cast(a), cast(b)));
+    }
+    product(a, b)
+}
+
+/// The product on a backend without autodiff: the three-product sum where the backend's own
+/// matmul rounds (CUDA), [`super::cpu_matmul`]'s on the CPU backend, else the backend's own.
+fn product<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> Tensor<B, D> {
     if native_matmul_is_inexact::<B>() {
-        use crate::device::{CudaAutodiff, CudaBackend};
-        return if TypeId::of::<B>() == TypeId::of::<CudaAutodiff>() {
-            cast(tracked::<CudaBackend, D>(cast(a), cast(b)))
-        } else {
-            split_product(a, b)
-        };
+        return split_product(a, b);
     }
     if TypeId::of::<B>() == TypeId::of::<CpuBackend>() {
         let (a, b) = (cast::<B, CpuBackend, D>(a), cast::<B, CpuBackend, D>(b));
@@ -102,23 +112,26 @@ fn split_product<B: Backend, const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -
     three_products(a, b, |x, y| x.matmul(y))
 }
 
-/// The autodiff node: [`split_product`] forward, and both input gradients by it.
+/// The autodiff node of a product: [`product`] forward, and both input gradients by it
+/// (`dA = dC · Bᵀ`, `dB = Aᵀ · dC`, the transposes read in place). It keeps `A` only when `B`
+/// takes a gradient and `B` only when `A` does, as Burn's own product does, so a frozen
+/// weight's input is not held for the backward.
 #[derive(Debug)]
-struct SplitProduct<const D: usize>;
+struct Product<const D: usize>;
 
-impl<I: Backend, const D: usize> Backward<I, 2> for SplitProduct<D> {
-    type State = (FloatTensor<I>, FloatTensor<I>);
+impl<I: Backend, const D: usize> Backward<I, 2> for Product<D> {
+    type State = (Option<FloatTensor<I>>, Option<FloatTensor<I>>);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let d_c = inner::<I, D>(grads.consume::<I>(&ops.node));
         let (a, b) = ops.state;
         let [a_node, b_node] = ops.parents;
-        if let Some(node) = a_node {
-            let da = split_product(d_c.clone(), inner::<I, D>(b).transpose());
+        if let (Some(node), Some(b)) = (a_node, b) {
+            let da = product(d_c.clone(), inner::<I, D>(b).transpose());
             grads.register::<I>(node.id, da.into_primitive().tensor());
         }
-        if let Some(node) = b_node {
-            let db = split_product(inner::<I, D>(a).transpose(), d_c);
+        if let (Some(node), Some(a)) = (b_node, a) {
+            let db = product(inner::<I, D>(a).transpose(), d_c);
             grads.register::<I>(node.id, db.into_primitive().tensor());
         }
     }
@@ -128,6 +141,7 @@ fn inner<I: Backend, const D: usize>(p: FloatTensor<I>) -> Tensor<I, D> {
     Tensor::from_primitive(TensorPrimitive::Float(p))
 }
 
+/// [`product`] as one autodiff node ([`Product`]).
 fn tracked<I: Backend, const D: usize>(
     a: Tensor<Autodiff<I>, D>,
     b: Tensor<Autodiff<I>, D>,
@@ -138,18 +152,25 @@ fn tracked<I: Backend, const D: usize>(
         "matmul: batch dimensions must match, got {da:?} × {db:?}"
     );
     let (a, b) = (a.into_primitive().tensor(), b.into_primitive().tensor());
-    let c = split_product(
+    let c = product(
         inner::<I, D>(a.primitive.clone()),
         inner::<I, D>(b.primitive.clone()),
     )
     .into_primitive()
     .tensor();
-    let node = match SplitProduct::<D>
+    let (a_tracked, b_tracked) = (a.is_tracked(), b.is_tracked());
+    let node = match Product::<D>
         .prepare::<NoCheckpointing>([a.node.clone(), b.node.clone()])
         .compute_bound()
         .stateful()
     {
-        OpsKind::Tracked(prep) => prep.finish((a.primitive, b.primitive), c),
+        OpsKind::Tracked(prep) => prep.finish(
+            (
+                b_tracked.then_some(a.primitive),
+                a_tracked.then_some(b.primitive),
+            ),
+            c,
+        ),
         OpsKind::UnTracked(prep) => prep.finish(c),
     };
     Tensor::from_primitive(TensorPrimitive::Float(node))
@@ -300,6 +321,29 @@ mod tests {
             }
         }
         check([6, 9], [9, 5]);
+        // More rows than the few-row kernels take: the GEMM, forward and backward.
+        check([70, 33], [33, 21]);
         check([2, 3, 7, 4], [2, 3, 4, 6]);
+    }
+
+    /// A product with a frozen operand gives the other its gradient, as Burn's does.
+    #[test]
+    fn the_tracked_product_skips_a_frozen_operand() {
+        let dev = Default::default();
+        Ad::seed(&dev, 6);
+        let x = Tensor::<Ad, 2>::random([64, 24], Distribution::Normal(0.0, 1.0), &dev);
+        let w = Tensor::<Ad, 2>::random([24, 10], Distribution::Normal(0.0, 1.0), &dev);
+        let run = |f: &dyn Fn(Tensor<Ad, 2>, Tensor<Ad, 2>) -> Tensor<Ad, 2>| {
+            let x = x.clone().detach().require_grad();
+            let c = f(x.clone(), w.clone().detach());
+            let grads = (c.clone() * c).sum().backward();
+            x.grad(&grads).unwrap()
+        };
+        let ours = run(&|a, b| tracked::<B, 2>(a, b));
+        let want = run(&|a, b| a.matmul(b));
+        ours.into_data().assert_approx_eq::<f32>(
+            &want.into_data(),
+            Tolerance::<f32>::relative(1e-5).set_absolute(1e-4),
+        );
     }
 }

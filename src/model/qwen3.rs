@@ -23,11 +23,11 @@ use burn::tensor::module::embedding;
 use burn::tensor::{Int, Tensor, TensorData};
 use rayon::prelude::*;
 
-use super::attention::{cached_attention, causal_attention, prefixed_attention, repeat_kv};
+use super::attention::{cached_attention, causal_attention, prefixed_attention};
 use super::config::Qwen3Config;
 use super::cpu_matmul::{self, AdapterRows};
 use super::cpu_tensor::{floats, Floats};
-use super::fused::{rms_norm, rope_heads_first, swap_heads, swiglu};
+use super::fused::{repeat_kv, rms_norm, rope_heads_first, swap_heads, swiglu};
 use super::kv_cache::{KvCache, KvCacheError};
 use super::lora::Lora;
 use super::matmul::matmul;

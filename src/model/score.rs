@@ -7,19 +7,8 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
+use super::fused::token_logprobs;
 use super::qwen3::Qwen3;
-
-/// Log-probability of each target under `logits`: `logits [b, s, vocab]`, `targets [b, s]`
-/// (the token that follows each position) → `[b, s]`. Differentiable.
-pub fn token_logprobs<B: Backend>(
-    logits: Tensor<B, 3>,
-    targets: Tensor<B, 2, Int>,
-) -> Tensor<B, 2> {
-    let [b, s, _] = logits.dims();
-    log_softmax(logits, 2)
-        .gather(2, targets.reshape([b, s, 1]))
-        .reshape([b, s])
-}
 
 /// Log-probs of `response` tokens given `prompt`: `out[i] = log p(response[i] | prompt,
 /// response[..i])`. Empty when `response` is empty.

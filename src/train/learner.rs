@@ -14,11 +14,12 @@ use rand_chacha::ChaCha8Rng;
 
 use super::batch::{BatchLayout, LayoutError, OpdLossKind, Sample};
 use super::config::TrainConfig;
-use super::loss::{policy_loss, target_logprobs, token_logprobs, topk_reverse_kl, LossParams};
+use super::loss::{policy_loss, topk_reverse_kl, LossParams};
 use super::optim::{clip_coefficient, global_grad_norm, AdamW, AdamWParams};
 use super::packing::Packing;
 use crate::model::peft::adapter_to_safetensors;
 use crate::model::qwen3::rope_inv_freq;
+use crate::model::token_logprobs;
 use crate::model::{model_to_safetensors, Qwen3, Qwen3Config, SaveError};
 
 /// Token id used to right-pad batches (any id works: padding is after every real token and
@@ -377,14 +378,14 @@ impl<B: AutodiffBackend> BurnLearner<B> {
         let (b, w) = (layout.batch, layout.window);
         let floats = |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [b, w]), &device);
 
-        // Forward with gradient: the log-softmax `[b, w, vocab]` over the window, and the
-        // log-probs `[b, w]` of the sampled tokens.
-        let logp_all = log_softmax(window_logits(&self.policy, &layout, &packing), 2);
+        // Forward with gradient: the logits `[b, w, vocab]` over the window, and the log-probs
+        // `[b, w]` of the sampled tokens.
+        let logits = window_logits(&self.policy, &layout, &packing);
         let targets = Tensor::<B, 2, Int>::from_data(
             TensorData::new(layout.targets.clone(), [b, w]),
             &device,
         );
-        let logp_new = target_logprobs(logp_all.clone(), targets);
+        let logp_new = token_logprobs(logits.clone(), targets);
         let new_host = to_vec(logp_new.clone().detach());
 
         // Old log-probs: given, else the policy's own (identical to a recomputation, since the
@@ -438,7 +439,8 @@ impl<B: AutodiffBackend> BurnLearner<B> {
             },
         );
         // The top-k OPD term, a loss of its own beside the policy-gradient one.
-        let topk_kl = topk_k.map(|k| topk_term(samples, &layout, k, logp_all, &device));
+        let topk_kl =
+            topk_k.map(|k| topk_term(samples, &layout, k, log_softmax(logits, 2), &device));
         let scalar = |t: Tensor<B, 1>| -> f64 { t.detach().into_scalar().elem() };
         let loss = match &topk_kl {
             Some(t) => terms.loss.clone() + t.clone(),

@@ -1,28 +1,11 @@
-//! The OpenClaw-RL objective of docs/design.md §1 on tensors: per-token log-probabilities gathered from
-//! logits, the asymmetric clipped policy-gradient term, the k3 KL term, and their aggregation
+//! The OpenClaw-RL objective of docs/design.md §1 on tensors (the per-token log-probabilities
+//! it takes come from [`crate::model::token_logprobs`]): the asymmetric clipped policy-gradient term, the k3 KL term, and their aggregation
 //! (mean over each sample's response tokens, then over samples), with optional per-token
 //! truncated importance weights on the policy-gradient term; and the second OPD loss, the reverse
 //! KL over the teacher's top-k tokens plus a tail bin ([`topk_reverse_kl`]). Generic over the
 //! backend, so the same code runs differentiably under `Autodiff` and plainly for scoring.
 
-use burn::tensor::{activation::log_softmax, backend::Backend, Int, Tensor};
-
-/// Per-token log-probabilities of `targets` under `logits`.
-///
-/// `logits`: `[batch, window, vocab]`; `targets`: `[batch, window]` (the token each position
-/// predicts). Returns `[batch, window]` `log_softmax(logits)[b, t, targets[b, t]]`.
-pub fn token_logprobs<B: Backend>(
-    logits: Tensor<B, 3>,
-    targets: Tensor<B, 2, Int>,
-) -> Tensor<B, 2> {
-    target_logprobs(log_softmax(logits, 2), targets)
-}
-
-/// `logp[b, t, targets[b, t]]`: `logp` `[batch, window, vocab]` (a log-softmax), `targets`
-/// `[batch, window]` → `[batch, window]`.
-pub fn target_logprobs<B: Backend>(logp: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 2> {
-    logp.gather(2, targets.unsqueeze_dim(2)).squeeze_dim(2)
-}
+use burn::tensor::{backend::Backend, Int, Tensor};
 
 /// The largest log-sum [`tail_logprob`] takes: the tail keeps at least about 1e-7 of the mass,
 /// so its log stays finite when the top-k ids hold all of it (or more, through rounding).
@@ -177,6 +160,7 @@ pub fn policy_loss_weighted<B: Backend>(
 mod tests {
     use super::*;
     use crate::CpuBackend as B;
+    use burn::tensor::activation::log_softmax;
     use burn::tensor::TensorData;
 
     fn t2(v: &[f32], rows: usize) -> Tensor<B, 2> {
@@ -204,23 +188,6 @@ mod tests {
 
     fn scalar(t: Tensor<B, 1>) -> f32 {
         t.into_scalar()
-    }
-
-    #[test]
-    fn logprobs_are_log_softmax_at_targets() {
-        let logits: Tensor<B, 3> = Tensor::from_data(
-            TensorData::new(vec![0.0f32, 1.0, 2.0, 3.0, 3.0, 3.0], [1, 2, 3]),
-            &Default::default(),
-        );
-        let targets: Tensor<B, 2, Int> =
-            Tensor::from_data(TensorData::new(vec![2i64, 0], [1, 2]), &Default::default());
-        let lp = token_logprobs(logits, targets)
-            .into_data()
-            .to_vec::<f32>()
-            .unwrap();
-        let lse = (1f32 + 1f32.exp() + 2f32.exp()).ln();
-        assert!((lp[0] - (2.0 - lse)).abs() < 1e-6);
-        assert!((lp[1] - (1f32 / 3.0).ln()).abs() < 1e-6);
     }
 
     /// Hand-computed per-token values: ratio inside the range, clipped high with A > 0, clipped

@@ -4,12 +4,18 @@
 //! `layers.0.attn.q_proj.weight`), so it survives reloading the module from a checkpoint, where
 //! parameter ids are new.
 
+use std::any::TypeId;
 use std::collections::BTreeMap;
+use std::mem::MaybeUninit;
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor, TensorData};
+use rayon::prelude::*;
+
+use crate::model::cpu_tensor::floats;
+use crate::CpuBackend;
 
 /// AdamW hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -161,19 +167,8 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for StepMapper<'_, AB> {
         let p = tensor.inner();
         let shape = p.shape();
         let n = shape.num_elements();
-        let grad = if self.grad_scale != 1.0 {
-            grad.mul_scalar(self.grad_scale)
-        } else {
-            grad
-        }
-        .reshape([n]);
+        let grad = grad.reshape([n]);
         let key = self.path.join(".");
-        let AdamWParams {
-            lr,
-            betas: [beta1, beta2],
-            eps,
-            weight_decay,
-        } = self.params;
         let device = grad.device();
         let moments = self.state.remove(&key).unwrap_or_else(|| Moments {
             step: 0,
@@ -181,32 +176,21 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for StepMapper<'_, AB> {
             exp_avg_sq: Tensor::zeros([n], &device),
         });
         let step = moments.step + 1;
-        // Decoupled weight decay first, on the parameter itself.
+        let rule = Update::new(&self.params, step, self.grad_scale);
         let p = p.reshape([n]);
-        let p = if weight_decay != 0.0 {
-            p.mul_scalar(1.0 - lr * weight_decay)
-        } else {
-            p
-        };
-        // exp_avg.lerp_(grad, 1 - β1), i.e. m + (1-β1)(g - m) (torch's form for weight < 0.5).
-        let w = 1.0 - beta1;
-        let exp_avg = if w < 0.5 {
-            moments.exp_avg.clone() + (grad.clone() - moments.exp_avg).mul_scalar(w)
-        } else {
-            grad.clone() - (grad.clone() - moments.exp_avg).mul_scalar(1.0 - w)
-        };
-        // exp_avg_sq.mul_(β2).addcmul_(grad, grad, value=1-β2).
-        let exp_avg_sq =
-            moments.exp_avg_sq.mul_scalar(beta2) + grad.square().mul_scalar(1.0 - beta2);
-        let bias_correction1 = 1.0 - beta1.powi(step as i32);
-        let bias_correction2 = 1.0 - beta2.powi(step as i32);
-        let step_size = lr / bias_correction1;
-        let denom = exp_avg_sq
-            .clone()
-            .sqrt()
-            .div_scalar(bias_correction2.sqrt())
-            .add_scalar(eps);
-        let p = p - (exp_avg.clone() / denom).mul_scalar(step_size);
+        let (p, exp_avg, exp_avg_sq) =
+            if TypeId::of::<AB::InnerBackend>() == TypeId::of::<CpuBackend>() {
+                let (p, m, v) = rule.apply_floats(
+                    &floats(p),
+                    &floats(grad),
+                    &floats(moments.exp_avg),
+                    &floats(moments.exp_avg_sq),
+                );
+                let t = |x: Vec<f32>| Tensor::from_data(TensorData::new(x, [n]), &device);
+                (t(p), t(m), t(v))
+            } else {
+                rule.apply(p, grad, moments.exp_avg, moments.exp_avg_sq)
+            };
         self.state.insert(
             key,
             Moments {
@@ -223,8 +207,139 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for StepMapper<'_, AB> {
     }
 }
 
+/// A chunk of an output the update writes.
+type Out<'a> = &'a mut [MaybeUninit<f32>];
+
+/// One parameter's AdamW update at step `t`, the scalars of `torch.optim.AdamW` computed in f64
+/// and applied in f32, in its order: `g *= grad_scale`; `p *= 1 − lr·wd`;
+/// `m = lerp(m, g, 1 − β1)`; `v = β2·v + (1 − β2)·g²`; `denom = sqrt(v)/sqrt(1 − β2^t) + eps`;
+/// `p −= lr/(1 − β1^t) · m/denom`.
+#[derive(Debug, Clone, Copy)]
+struct Update {
+    grad_scale: f64,
+    decay: f64,
+    /// The lerp weight `1 − β1`.
+    w: f64,
+    beta2: f64,
+    sqrt_bias_correction2: f64,
+    eps: f64,
+    step_size: f64,
+}
+
+impl Update {
+    fn new(h: &AdamWParams, step: u64, grad_scale: f64) -> Self {
+        let [beta1, beta2] = h.betas;
+        Self {
+            grad_scale,
+            decay: 1.0 - h.lr * h.weight_decay,
+            w: 1.0 - beta1,
+            beta2,
+            sqrt_bias_correction2: (1.0 - beta2.powi(step as i32)).sqrt(),
+            eps: h.eps,
+            step_size: h.lr / (1.0 - beta1.powi(step as i32)),
+        }
+    }
+
+    /// The update as tensor ops: `(p, m, v)` after it.
+    fn apply<B: Backend>(
+        &self,
+        p: Tensor<B, 1>,
+        grad: Tensor<B, 1>,
+        exp_avg: Tensor<B, 1>,
+        exp_avg_sq: Tensor<B, 1>,
+    ) -> (Tensor<B, 1>, Tensor<B, 1>, Tensor<B, 1>) {
+        let grad = if self.grad_scale != 1.0 {
+            grad.mul_scalar(self.grad_scale)
+        } else {
+            grad
+        };
+        // Decoupled weight decay first, on the parameter itself.
+        let p = if self.decay != 1.0 {
+            p.mul_scalar(self.decay)
+        } else {
+            p
+        };
+        // exp_avg.lerp_(grad, 1 - β1), i.e. m + w(g - m) (torch's form for w < 0.5).
+        let exp_avg = if self.w < 0.5 {
+            exp_avg.clone() + (grad.clone() - exp_avg).mul_scalar(self.w)
+        } else {
+            grad.clone() - (grad.clone() - exp_avg).mul_scalar(1.0 - self.w)
+        };
+        // exp_avg_sq.mul_(β2).addcmul_(grad, grad, value=1-β2).
+        let exp_avg_sq =
+            exp_avg_sq.mul_scalar(self.beta2) + grad.square().mul_scalar(1.0 - self.beta2);
+        let denom = exp_avg_sq
+            .clone()
+            .sqrt()
+            .div_scalar(self.sqrt_bias_correction2)
+            .add_scalar(self.eps);
+        let p = p - (exp_avg.clone() / denom).mul_scalar(self.step_size);
+        (p, exp_avg, exp_avg_sq)
+    }
+
+    /// [`Update::apply`] over raw floats in one pass (the CPU backend), chunks in parallel:
+    /// the same f32 operations in the same order, element by element.
+    fn apply_floats(
+        &self,
+        p: &[f32],
+        grad: &[f32],
+        exp_avg: &[f32],
+        exp_avg_sq: &[f32],
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        const CHUNK: usize = 1 << 14;
+        let n = p.len();
+        assert!(
+            grad.len() == n && exp_avg.len() == n && exp_avg_sq.len() == n,
+            "AdamW: a parameter of {n} elements with moments or gradient of another size"
+        );
+        let f = |x: f64| x as f32;
+        let (scale, decay, w, beta2) =
+            (f(self.grad_scale), f(self.decay), f(self.w), f(self.beta2));
+        let (one_minus_w, one_minus_beta2) = (f(1.0 - self.w), f(1.0 - self.beta2));
+        let (sqrt_bc2, eps, step_size) = (
+            f(self.sqrt_bias_correction2),
+            f(self.eps),
+            f(self.step_size),
+        );
+        let (scaled, decayed, lerp_up) = (self.grad_scale != 1.0, self.decay != 1.0, self.w < 0.5);
+        let mut out: [Vec<f32>; 3] = std::array::from_fn(|_| Vec::with_capacity(n));
+        let [po, mo, vo] = &mut out;
+        let run = |(c, ((po, mo), vo)): (usize, ((Out<'_>, Out<'_>), Out<'_>))| {
+            let at = c * CHUNK;
+            for i in 0..po.len() {
+                let j = at + i;
+                let g = if scaled { grad[j] * scale } else { grad[j] };
+                let p = if decayed { p[j] * decay } else { p[j] };
+                let m = exp_avg[j];
+                let m = if lerp_up {
+                    m + (g - m) * w
+                } else {
+                    g - (g - m) * one_minus_w
+                };
+                let v = exp_avg_sq[j] * beta2 + g * g * one_minus_beta2;
+                let denom = v.sqrt() / sqrt_bc2 + eps;
+                po[i].write(p - m / denom * step_size);
+                mo[i].write(m);
+                vo[i].write(v);
+            }
+        };
+        let chunks = po.spare_capacity_mut()[..n]
+            .par_chunks_mut(CHUNK)
+            .zip(mo.spare_capacity_mut()[..n].par_chunks_mut(CHUNK))
+            .zip(vo.spare_capacity_mut()[..n].par_chunks_mut(CHUNK))
+            .enumerate();
+        chunks.for_each(run);
+        for v in &mut out {
+            // Safety: the chunks covered all `n` elements of each output, and wrote each.
+            unsafe { v.set_len(n) };
+        }
+        let [p, m, v] = out;
+        (p, m, v)
+    }
+}
+
 /// The global L2 norm of the gradients of every float parameter of `module` (parameters without
-/// a gradient count as zero), accumulated in f64.
+/// a gradient count as zero), accumulated in f64 (on the CPU backend each square too).
 pub fn global_grad_norm<AB, M>(module: &M, grads: &GradientsParams) -> f64
 where
     AB: AutodiffBackend,
@@ -238,8 +353,15 @@ where
     impl<AB: AutodiffBackend> ModuleVisitor<AB> for NormVisitor<'_, AB> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
             if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
-                let s: f64 = g.square().sum().into_scalar().elem();
-                self.sum_sq += s;
+                self.sum_sq += if TypeId::of::<AB::InnerBackend>() == TypeId::of::<CpuBackend>() {
+                    // One parallel pass over the raw floats, summed in f64.
+                    floats(g)
+                        .par_chunks(1 << 14)
+                        .map(|c| c.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>())
+                        .sum::<f64>()
+                } else {
+                    g.square().sum().into_scalar().elem()
+                };
             }
         }
     }
@@ -368,5 +490,40 @@ mod tests {
         assert_eq!(clip_coefficient(0.5, 1.0), 1.0);
         assert!((clip_coefficient(4.0, 1.0) - 1.0 / (4.0 + 1e-6)).abs() < 1e-15);
         assert_eq!(clip_coefficient(4.0, 0.0), 1.0);
+    }
+
+    /// The one-pass update over raw floats does what the tensor ops do, on a parameter large
+    /// enough for several parallel chunks, with clipping and weight decay, at both lerp forms.
+    #[test]
+    fn the_cpu_update_is_the_tensor_ops_update() {
+        use burn::tensor::Distribution;
+        type B = crate::CpuBackend;
+        let n = 70_001;
+        let d = Default::default();
+        let r = |s: f64| Tensor::<B, 1>::random([n], Distribution::Normal(0.0, s), &d);
+        let (p, g, m) = (r(1.0), r(0.1), r(0.01));
+        let v = r(1e-3).abs();
+        for (beta1, grad_scale) in [(0.9, 0.37), (0.3, 1.0)] {
+            let h = AdamWParams {
+                lr: 1e-3,
+                betas: [beta1, 0.999],
+                eps: 1e-8,
+                weight_decay: 0.01,
+            };
+            let rule = Update::new(&h, 3, grad_scale);
+            let want = rule.apply(p.clone(), g.clone(), m.clone(), v.clone());
+            let got = rule.apply_floats(
+                &floats(p.clone()),
+                &floats(g.clone()),
+                &floats(m.clone()),
+                &floats(v.clone()),
+            );
+            for (got, want) in [(got.0, want.0), (got.1, want.1), (got.2, want.2)] {
+                let want = want.into_data().to_vec::<f32>().unwrap();
+                for (a, b) in got.iter().zip(&want) {
+                    assert!((a - b).abs() <= 1e-6 * b.abs().max(1e-6), "{a} against {b}");
+                }
+            }
+        }
     }
 }
