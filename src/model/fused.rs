@@ -42,6 +42,7 @@ use rayon::prelude::*;
 use super::cpu_attention::exp_nonpositive;
 use super::cpu_tensor::{filled, floats, primitive_floats as host};
 use super::matmul::cast;
+use super::sampling::log_sum_exp;
 use crate::{CpuAutodiff, CpuBackend};
 
 /// Below this many elements a pass runs on the calling thread: a decode step's few rows are not
@@ -698,9 +699,10 @@ fn repeat_kv_tracked(x: Tensor<CpuAutodiff, 4>, groups: usize) -> Tensor<CpuAuto
 
 /// `log_softmax(logits)` at each position's target: `logits [b, s, vocab]`, `targets [b, s]`
 /// (ids below `vocab`) → `[b, s]`. On the CPU each row is one pass for its maximum and one for
-/// `lse = max + ln Σ e^(x − max)`, and the result `x[target] − lse`; the `[b, s, vocab]`
-/// log-softmax is never written. Under autodiff the node keeps the logits and each row's `lse`,
-/// and its backward writes `dx = g · (onehot(target) − e^(x − lse))` in one pass.
+/// `lse = max + ln Σ e^(x − max)` ([`log_sum_exp`], the sampler's), and the result
+/// `x[target] − lse`; the `[b, s, vocab]` log-softmax is never written. Under autodiff the node
+/// keeps the logits and each row's `lse`, and its backward writes
+/// `dx = g · (onehot(target) − e^(x − lse))` in one pass.
 pub fn token_logprobs<B: Backend>(
     logits: Tensor<B, 3>,
     targets: Tensor<B, 2, Int>,
@@ -746,19 +748,7 @@ fn target_ids<B: Backend>(targets: Tensor<B, 2, Int>, vocab: usize) -> Vec<usize
 /// `(x[target] − lse, lse)` for each row of `vocab` logits.
 fn target_rows(x: &[f32], vocab: usize, targets: &[usize]) -> (Vec<f32>, Vec<f32>) {
     let row = |(xr, &t): (&[f32], &usize)| {
-        let m = xr.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-        let mut lanes = [0f32; 16];
-        let mut chunks = xr.chunks_exact(16);
-        for c in &mut chunks {
-            for l in 0..16 {
-                lanes[l] += exp_nonpositive::<false>(c[l] - m);
-            }
-        }
-        let mut sum = lanes.iter().sum::<f32>();
-        for &v in chunks.remainder() {
-            sum += exp_nonpositive::<false>(v - m);
-        }
-        let lse = m + sum.ln();
+        let lse = log_sum_exp(xr);
         (xr[t] - lse, lse)
     };
     let rows = x.chunks_exact(vocab).zip(targets);
@@ -1057,6 +1047,26 @@ mod tests {
             let g_ops = weigh(y_ops, &r).backward();
             let dx = relative(grad(&xa, &g_fused), grad(&xb, &g_ops));
             assert!(dx < 1e-6, "dx {dx:e}");
+        }
+    }
+
+    /// A token sampled at temperature 1 carries the log-prob that scoring its logits gives,
+    /// bit for bit.
+    #[test]
+    fn a_sampled_token_carries_the_scored_log_prob() {
+        use rand::SeedableRng;
+        let logits = random::<CpuBackend, 3>([1, 1, 5000], 3.0);
+        let row = floats(logits.clone()).to_vec();
+        let params = super::super::sampling::SamplingParams::default();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        for _ in 0..5 {
+            let (tok, lp) = super::super::sampling::sample_token(&row, &params, &mut rng);
+            let targets: Tensor<CpuBackend, 2, Int> = Tensor::from_data(
+                TensorData::new(vec![i64::from(tok)], [1, 1]),
+                &Default::default(),
+            );
+            let scored = floats(token_logprobs(logits.clone(), targets))[0];
+            assert_eq!(lp.to_bits(), scored.to_bits(), "{lp} against {scored}");
         }
     }
 }

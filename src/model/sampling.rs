@@ -6,8 +6,12 @@
 //! temperature 0, under `softmax(logits)`). That is what scoring the same tokens with the same
 //! weights and temperature in one forward pass returns, so old log-probs match.
 
+use std::borrow::Cow;
+
 use rand::Rng;
 use serde::{Deserialize, Serialize};
+
+use super::cpu_attention::exp_nonpositive;
 
 /// How to pick tokens and when to stop.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -80,13 +84,41 @@ impl SamplingParams {
     }
 }
 
+/// `ln Σ eˣ` over one row of logits, in f32: the row's maximum, then the exponentials of
+/// `x − max` ([`exp_nonpositive`], within 2 ulp of `exp`) summed in sixteen lanes. The sampler
+/// and the trainer's token log-probabilities ([`super::fused::token_logprobs`]) both take it, so
+/// a token sampled at temperature 1 carries exactly the log-prob that scoring the same logits
+/// gives it.
+pub fn log_sum_exp(row: &[f32]) -> f32 {
+    let m = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let mut lanes = [0f32; 16];
+    let mut chunks = row.chunks_exact(16);
+    for c in &mut chunks {
+        for l in 0..16 {
+            lanes[l] += exp_nonpositive::<false>(c[l] - m);
+        }
+    }
+    let mut sum = lanes.iter().sum::<f32>();
+    for &v in chunks.remainder() {
+        sum += exp_nonpositive::<false>(v - m);
+    }
+    m + sum.ln()
+}
+
+/// The row divided by the temperature (as is at 0, greedy, and at 1).
+fn scaled(logits: &[f32], temperature: f32) -> Cow<'_, [f32]> {
+    if temperature > 0.0 && temperature != 1.0 {
+        Cow::Owned(logits.iter().map(|x| x / temperature).collect())
+    } else {
+        Cow::Borrowed(logits)
+    }
+}
+
 /// `log_softmax(logits / t)` over the whole row (t = 1 when `temperature` is 0).
 pub fn log_softmax_scaled(logits: &[f32], temperature: f32) -> Vec<f32> {
-    let t = if temperature > 0.0 { temperature } else { 1.0 };
-    let scaled: Vec<f64> = logits.iter().map(|&x| x as f64 / t as f64).collect();
-    let max = scaled.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-    let lse = max + scaled.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
-    scaled.iter().map(|x| (x - lse) as f32).collect()
+    let x = scaled(logits, temperature);
+    let lse = log_sum_exp(&x);
+    x.iter().map(|v| v - lse).collect()
 }
 
 /// A sampled token's log-prob under the model's own distribution, `log_softmax(logits)`: no
@@ -126,7 +158,6 @@ pub fn sample_token<R: Rng + ?Sized>(
     params: &SamplingParams,
     rng: &mut R,
 ) -> (u32, f32) {
-    let logp = log_softmax_scaled(logits, params.temperature);
     if params.temperature == 0.0 {
         // Greedy: the first maximum, as torch.argmax.
         let mut best = 0;
@@ -135,8 +166,28 @@ pub fn sample_token<R: Rng + ?Sized>(
                 best = i;
             }
         }
-        return (best as u32, logp[best]);
+        return (best as u32, logits[best] - log_sum_exp(logits));
     }
+    let x = scaled(logits, params.temperature);
+    if (params.top_k == 0 || params.top_k >= x.len()) && params.top_p >= 1.0 {
+        // Nothing truncated: the inverse CDF in id order, over weights `e^(x − max)`.
+        let m = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let weights: Vec<f32> = x.iter().map(|&v| exp_nonpositive::<false>(v - m)).collect();
+        let lse = log_sum_exp(&x);
+        let mass: f64 = weights.iter().map(|&w| f64::from(w)).sum();
+        let mut u = rng.random::<f64>() * mass;
+        for (tok, &w) in weights.iter().enumerate() {
+            if u < f64::from(w) {
+                return (tok as u32, x[tok] - lse);
+            }
+            u -= f64::from(w);
+        }
+        // Rounding left `u` past the last weight: the last token that has any.
+        let tok = weights.iter().rposition(|&w| w > 0.0).unwrap_or(0);
+        return (tok as u32, x[tok] - lse);
+    }
+    let lse = log_sum_exp(&x);
+    let logp: Vec<f32> = x.iter().map(|v| v - lse).collect();
     // Candidates by decreasing probability.
     let mut order: Vec<usize> = (0..logp.len()).collect();
     order.sort_by(|&a, &b| logp[b].total_cmp(&logp[a]).then(a.cmp(&b)));
@@ -242,5 +293,26 @@ mod tests {
         };
         assert_eq!(draw(3), draw(3));
         assert_ne!(draw(3), draw(4));
+    }
+
+    /// Without truncation each token comes up as often as its probability says.
+    #[test]
+    fn untruncated_sampling_follows_the_softmax() {
+        let logits = [1.0f32, 0.0, 2.0, -1.0, 0.5];
+        let logp = log_softmax_scaled(&logits, 1.0);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let draws = 20_000;
+        let mut seen = [0usize; 5];
+        for _ in 0..draws {
+            let (t, lp) = sample_token(&logits, &params(1.0, 1.0, 0), &mut rng);
+            assert_eq!(lp, logp[t as usize]);
+            seen[t as usize] += 1;
+        }
+        for (i, &n) in seen.iter().enumerate() {
+            let p = f64::from(logp[i].exp());
+            let sd = (p * (1.0 - p) / draws as f64).sqrt();
+            let f = n as f64 / draws as f64;
+            assert!((f - p).abs() < 5.0 * sd, "token {i}: {f} against {p}");
+        }
     }
 }

@@ -66,11 +66,13 @@ pub fn score_response_topk<B: Backend>(
         Tensor::<B, 2, Int>::from_data(TensorData::new(seq[..width].to_vec(), [1, width]), &device);
     let logits = model.forward(inputs); // [1, width, vocab]
     let vocab = logits.dims()[2];
-    let logp = log_softmax(logits.slice([0..1, p - 1..p - 1 + n, 0..vocab]), 2); // [1, n, vocab]
+    let window = logits.slice([0..1, p - 1..p - 1 + n, 0..vocab]); // [1, n, vocab]
     let targets =
         Tensor::<B, 2, Int>::from_data(TensorData::new(seq[p..].to_vec(), [1, n]), &device);
-    let (top, top_ids) = logp.clone().topk_with_indices(k, 2); // [1, n, k] each
-    let chosen = logp.gather(2, targets.reshape([1, n, 1])).reshape([n]);
+    // The response's own log-probs as `score_response` gives them; the top-k from the full
+    // log-softmax.
+    let chosen = token_logprobs(window.clone(), targets).reshape([n]);
+    let (top, top_ids) = log_softmax(window, 2).topk_with_indices(k, 2); // [1, n, k] each
     ScoredTopK {
         logprobs: chosen.into_data().convert::<f32>().to_vec().expect("f32"),
         k,
