@@ -751,11 +751,13 @@ fn target_rows(x: &[f32], vocab: usize, targets: &[usize]) -> (Vec<f32>, Vec<f32
         let lse = log_sum_exp(xr);
         (xr[t] - lse, lse)
     };
-    let rows = x.chunks_exact(vocab).zip(targets);
     if x.len() >= PARALLEL_FROM {
-        rows.collect::<Vec<_>>().into_par_iter().map(row).unzip()
+        x.par_chunks_exact(vocab)
+            .zip(targets.par_iter())
+            .map(row)
+            .unzip()
     } else {
-        rows.map(row).unzip()
+        x.chunks_exact(vocab).zip(targets).map(row).unzip()
     }
 }
 

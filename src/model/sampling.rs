@@ -90,19 +90,30 @@ impl SamplingParams {
 /// a token sampled at temperature 1 carries exactly the log-prob that scoring the same logits
 /// gives it.
 pub fn log_sum_exp(row: &[f32]) -> f32 {
-    let m = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let m = row_max(row);
+    m + lane_sum(row, |v| exp_nonpositive::<false>(v - m)).ln()
+}
+
+/// The row's largest value.
+fn row_max(row: &[f32]) -> f32 {
+    row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+}
+
+/// `Σ f(v)` over the row in sixteen lanes, then the lanes, then the remainder: the order
+/// [`log_sum_exp`] sums in, so equal terms give equal sums whoever adds them.
+fn lane_sum(row: &[f32], f: impl Fn(f32) -> f32) -> f32 {
     let mut lanes = [0f32; 16];
     let mut chunks = row.chunks_exact(16);
     for c in &mut chunks {
         for l in 0..16 {
-            lanes[l] += exp_nonpositive::<false>(c[l] - m);
+            lanes[l] += f(c[l]);
         }
     }
     let mut sum = lanes.iter().sum::<f32>();
     for &v in chunks.remainder() {
-        sum += exp_nonpositive::<false>(v - m);
+        sum += f(v);
     }
-    m + sum.ln()
+    sum
 }
 
 /// The row divided by the temperature (as is at 0, greedy, and at 1).
@@ -170,10 +181,11 @@ pub fn sample_token<R: Rng + ?Sized>(
     }
     let x = scaled(logits, params.temperature);
     if (params.top_k == 0 || params.top_k >= x.len()) && params.top_p >= 1.0 {
-        // Nothing truncated: the inverse CDF in id order, over weights `e^(x − max)`.
-        let m = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        // Nothing truncated: the inverse CDF in id order, over weights `e^(x − max)`; their
+        // lane sum is the one `log_sum_exp` takes, so the log-prob is bit for bit its.
+        let m = row_max(&x);
         let weights: Vec<f32> = x.iter().map(|&v| exp_nonpositive::<false>(v - m)).collect();
-        let lse = log_sum_exp(&x);
+        let lse = m + lane_sum(&weights, |w| w).ln();
         let mass: f64 = weights.iter().map(|&w| f64::from(w)).sum();
         let mut u = rng.random::<f64>() * mass;
         for (tok, &w) in weights.iter().enumerate() {

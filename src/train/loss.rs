@@ -1,5 +1,6 @@
 //! The OpenClaw-RL objective of docs/design.md §1 on tensors (the per-token log-probabilities
-//! it takes come from [`crate::model::token_logprobs`]): the asymmetric clipped policy-gradient term, the k3 KL term, and their aggregation
+//! it takes come from [`crate::model::token_logprobs`]): the asymmetric clipped policy-gradient
+//! term, the k3 KL term, and their aggregation
 //! (mean over each sample's response tokens, then over samples), with optional per-token
 //! truncated importance weights on the policy-gradient term; and the second OPD loss, the reverse
 //! KL over the teacher's top-k tokens plus a tail bin ([`topk_reverse_kl`]). Generic over the
