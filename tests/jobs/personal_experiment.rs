@@ -39,18 +39,19 @@ fn clawrl_json(args: &[&std::ffi::OsStr]) -> Value {
         .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {stdout}\n{stderr}"))
 }
 
-/// `clawrl sft` of the shortened warm start (the example's `[sft]` with 300 steps, what
-/// [`personal_run::run_experiment`] asks for), cached under [`cache`]: its outcome.
+/// `clawrl sft` of the shortened warm start ([`personal_run::shortened_example`]'s `[sft]`, the
+/// one [`personal_run::run_experiment`] asks for), cached under [`cache`]: its outcome.
 fn sft() -> Value {
     let cache = cache();
+    let file = Path::new(env!("CARGO_TARGET_TMPDIR")).join("personal-shortened.toml");
+    let t = personal_run::shortened_example(&cache, 1);
+    std::fs::write(&file, toml::to_string(&t).unwrap()).unwrap();
     clawrl_json(&[
         "sft".as_ref(),
         "--config".as_ref(),
-        example_path().as_os_str(),
+        file.as_os_str(),
         "--cache-dir".as_ref(),
         cache.as_os_str(),
-        "--steps".as_ref(),
-        "300".as_ref(),
     ])
 }
 
@@ -114,8 +115,15 @@ fn warm_start_is_a_cached_hf_checkpoint() {
     }
     let ck =
         clawrl::model::load_checkpoint::<clawrl::CpuBackend>(&dir, &Default::default()).unwrap();
-    let layers = example()["sft"]["layers"].as_integer().unwrap();
-    assert_eq!(ck.config.num_hidden_layers as i64, layers);
+    let sft = &personal_run::shortened_example(&cache(), 1)["sft"];
+    assert_eq!(
+        ck.config.num_hidden_layers as i64,
+        sft["layers"].as_integer().unwrap()
+    );
+    assert_eq!(
+        ck.config.hidden_size as i64,
+        sft["hidden"].as_integer().unwrap()
+    );
     assert_eq!(ck.stop_token_ids(), vec![2]);
 }
 

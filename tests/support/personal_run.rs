@@ -192,10 +192,30 @@ impl Drop for PersonalRun {
     }
 }
 
-/// The personal experiment shortened (`examples/personal.toml` with a 300-step warm start cached
-/// under `cache`, `updates` updates measured at 0 and at the end, 32 train and 16 held-out tasks
-/// per user), run by the built binary as a user runs it, `clawrl run --json --out DIR/run
-/// DIR/experiment.toml`: the JSON report it prints, panicking with its stderr if it failed.
+/// `examples/personal.toml` shortened for the suite: its warm start cached under `cache`, 300
+/// steps of a smaller policy (hidden 64, intermediate 192: the path is what the tests check, not
+/// how far the example's size learns), and `updates` updates measured at 0 and at the end, 32
+/// train and 16 held-out tasks per user.
+#[allow(dead_code)] // the `jobs` binary's; `serving` shares this file
+pub fn shortened_example(cache: &Path, updates: i64) -> toml::Table {
+    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/personal.toml");
+    let mut t: toml::Table = toml::from_str(&std::fs::read_to_string(example).unwrap()).unwrap();
+    t.insert("cache_dir".into(), cache.display().to_string().into());
+    let sft = t["sft"].as_table_mut().unwrap();
+    sft.insert("steps".into(), 300.into());
+    sft.insert("hidden".into(), 64.into());
+    sft.insert("intermediate".into(), 192.into());
+    let x = t["experiment"].as_table_mut().unwrap();
+    x.insert("updates".into(), updates.into());
+    x.insert("eval_at".into(), vec![0, updates].into());
+    x.insert("train_tasks_per_user".into(), 32.into());
+    x.insert("eval_tasks_per_user".into(), 16.into());
+    t
+}
+
+/// The [`shortened_example`] run by the built binary as a user runs it, `clawrl run --json --out
+/// DIR/run DIR/experiment.toml`: the JSON report it prints, panicking with its stderr if it
+/// failed.
 #[allow(dead_code)] // the `jobs` binary's; `serving` shares this file
 pub fn run_experiment(dir: &Path, cache: &Path, updates: i64) -> serde_json::Value {
     run_experiment_with(dir, cache, updates, &[])
@@ -209,15 +229,7 @@ pub fn run_experiment_with(
     updates: i64,
     args: &[&str],
 ) -> serde_json::Value {
-    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/personal.toml");
-    let mut t: toml::Table = toml::from_str(&std::fs::read_to_string(example).unwrap()).unwrap();
-    t.insert("cache_dir".into(), cache.display().to_string().into());
-    t["sft"]["steps"] = 300.into();
-    let x = t["experiment"].as_table_mut().unwrap();
-    x.insert("updates".into(), updates.into());
-    x.insert("eval_at".into(), vec![0, updates].into());
-    x.insert("train_tasks_per_user".into(), 32.into());
-    x.insert("eval_tasks_per_user".into(), 16.into());
+    let t = shortened_example(cache, updates);
     let file = dir.join("experiment.toml");
     std::fs::write(&file, toml::to_string(&t).unwrap()).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_clawrl"))
