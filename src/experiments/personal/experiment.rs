@@ -24,7 +24,8 @@
 //! version served then). Training traffic thus stops when the trainer reaches that version; the driver then waits until the gateway serves it and
 //! measures with side turns (`X-Turn-Type: side`, never recorded or trained on) that name it
 //! (`X-Clawrl-Version`: the gateway answers 409 if another version serves), and lets the users
-//! talk again.
+//! talk again. A sample answered by an older version than the one trained is never dropped: its
+//! advantage carries truncated importance weights ([`ExperimentFile::job_spec`]).
 //!
 //! **Personalization score.** For each held-out task (half student, half teacher, from the
 //! held-out split of [`super::corpus::Split`]) the gateway samples `eval_samples` first
@@ -411,8 +412,13 @@ impl ExperimentFile {
                     ("clip", toml::Value::Float(train.eps_clip)),
                     ("clip_high", toml::Value::Float(train.eps_clip_high)),
                     ("kl", toml::Value::Float(x.kl_coef)),
-                    // Samples wait at most until the next measurement: none is ever dropped.
-                    ("staleness", int(x.updates.max(1))),
+                    // No sample is dropped. One answered by an older version than the one
+                    // being trained (the users keep talking while a step runs) has its
+                    // advantage scaled per token by the truncated importance weight
+                    // `min(exp(trainer − rollout), 2)`: the token's probability under the
+                    // policy being trained over that under the version that sampled it.
+                    ("staleness", int(0)),
+                    ("staleness_mode", "importance".into()),
                 ]),
             ),
             // The driver stops each job; this only bounds a run that hangs.
@@ -1703,6 +1709,12 @@ mod tests {
             .unwrap();
         assert_eq!(spec.method.kind, MethodKind::Combined);
         assert_eq!(spec.optim.batch_size, 16);
+        // No sample is dropped; one answered by an older version is importance-weighted.
+        assert_eq!(spec.optim.staleness, 0);
+        assert_eq!(
+            spec.optim.staleness_mode,
+            clawrl::job::StalenessPolicy::Importance
+        );
         let g = spec.gateway.as_ref().unwrap();
         assert_eq!(g.on_session_end, clawrl::gateway::session::EndPolicy::Drop);
         let err = |t: String| {
