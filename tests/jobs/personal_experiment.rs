@@ -43,9 +43,14 @@ fn clawrl_json(args: &[&std::ffi::OsStr]) -> Value {
 /// one [`personal_run::run_experiment`] asks for), cached under [`cache`]: its outcome.
 fn sft() -> Value {
     let cache = cache();
-    let file = Path::new(env!("CARGO_TARGET_TMPDIR")).join("personal-shortened.toml");
-    let t = personal_run::shortened_example(&cache, 1);
-    std::fs::write(&file, toml::to_string(&t).unwrap()).unwrap();
+    // Written once per test process: tests call this at once, and none may read it half written.
+    static FILE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    let file = FILE.get_or_init(|| {
+        let file = Path::new(env!("CARGO_TARGET_TMPDIR")).join("personal-shortened.toml");
+        let t = personal_run::shortened_example(&cache, 1);
+        std::fs::write(&file, toml::to_string(&t).unwrap()).unwrap();
+        file
+    });
     clawrl_json(&[
         "sft".as_ref(),
         "--config".as_ref(),
