@@ -112,9 +112,12 @@ fn run(sessions: u64, secs: u64, update_secs: u64, train: bool) -> Run {
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     let (stop_server, rx) = tokio::sync::oneshot::channel::<()>();
     let server = rt.spawn(async move {
-        gw.serve(listener, async {
-            let _ = rx.await;
-        })
+        gw.serve(
+            listener,
+            Box::pin(async {
+                let _ = rx.await;
+            }),
+        )
         .await
     });
 

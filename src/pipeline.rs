@@ -32,6 +32,7 @@ use clawrl_actors::loops::{
     RolloutWorker, StalenessMode, StopCondition, Subscriber, TrainSample, TrainerConfig,
     TrainerEvent, TrainerStats, TurnSource,
 };
+use futures::future::BoxFuture;
 use ractor::{Actor, ActorRef};
 use serde::{Deserialize, Serialize};
 
@@ -497,7 +498,17 @@ pub(crate) fn step_records(job: ActorRef<JobMsg<TrainSample>>) -> Subscriber {
 }
 
 /// Runs a job to its stop condition.
-pub async fn run_job(
+pub fn run_job<'a>(
+    spec: &'a JobSpec,
+    file: &'a str,
+    options: RunOptions,
+) -> BoxFuture<'a, Result<RunReport, RunError>> {
+    // Boxed here, so the future's body is compiled once, in this crate: a caller in another
+    // crate that awaited the `async fn` itself would compile the whole body again.
+    Box::pin(run_job_body(spec, file, options))
+}
+
+async fn run_job_body(
     spec: &JobSpec,
     file: &str,
     options: RunOptions,

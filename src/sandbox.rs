@@ -44,6 +44,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use serde::Serialize;
 
 /// The host uid (and gid) the sandboxed command runs as (it is uid/gid 1000 inside).
@@ -166,8 +167,10 @@ pub enum SandboxError {
 /// Runs one command in a fresh sandbox and waits for it (at most `limits.timeout`, plus the
 /// time to tear the sandbox down). Dropping the future kills the sandbox. Must be polled inside
 /// a tokio runtime with the IO and time drivers enabled.
-pub async fn exec(spec: &SandboxSpec) -> Result<ExecOutput, SandboxError> {
-    run::exec(spec).await
+pub fn exec(spec: &SandboxSpec) -> BoxFuture<'_, Result<ExecOutput, SandboxError>> {
+    // Boxed here, so the future's body is compiled once, in this crate: a caller in another
+    // crate that awaited the `async fn` itself would compile the whole body again.
+    Box::pin(run::exec(spec))
 }
 
 /// How a sandbox's memory and process limits are enforced on this host.

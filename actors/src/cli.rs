@@ -15,6 +15,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use quinn::{RecvStream, SendStream};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
@@ -382,7 +383,17 @@ where
 }
 
 /// Sends one request to the node of `config` and returns its reply.
-pub async fn request(
+pub fn request<'a>(
+    config: &'a NodeConfig,
+    req: &'a CliRequest,
+    timeout: Duration,
+) -> BoxFuture<'a, Result<CliReply, ClientError>> {
+    // Boxed here, so the future's body is compiled once, in this crate: a caller in another
+    // crate that awaited the `async fn` itself would compile the whole body again.
+    Box::pin(request_body(config, req, timeout))
+}
+
+async fn request_body(
     config: &NodeConfig,
     req: &CliRequest,
     timeout: Duration,
@@ -418,7 +429,16 @@ pub struct SavedBlob {
 
 /// Publishes the file at `path`, read on this machine, as a blob on the node of `config`: its
 /// bytes follow the request on the CLI stream.
-pub async fn publish_blob(
+pub fn publish_blob<'a>(
+    config: &'a NodeConfig,
+    path: &'a Path,
+    timeout: Duration,
+) -> BoxFuture<'a, Result<PublishedBlob, ClientError>> {
+    // Boxed, as [`request`] is.
+    Box::pin(publish_blob_body(config, path, timeout))
+}
+
+async fn publish_blob_body(
     config: &NodeConfig,
     path: &Path,
     timeout: Duration,
@@ -467,7 +487,17 @@ pub async fn publish_blob(
 /// Fetches blob `id` from the node of `config` and writes it to the file `path` on this
 /// machine. The bytes go to a temporary file beside `path`, which replaces `path` only once
 /// they are all there and hash to the blake3 the node announced.
-pub async fn save_blob(
+pub fn save_blob<'a>(
+    config: &'a NodeConfig,
+    id: &'a str,
+    path: &'a Path,
+    timeout: Duration,
+) -> BoxFuture<'a, Result<SavedBlob, ClientError>> {
+    // Boxed, as [`request`] is.
+    Box::pin(save_blob_body(config, id, path, timeout))
+}
+
+async fn save_blob_body(
     config: &NodeConfig,
     id: &str,
     path: &Path,

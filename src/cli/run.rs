@@ -586,7 +586,7 @@ fn run_embedded(
                     poll: POLL,
                     on_listening: Some(on_listening),
                 };
-                run_gateway_job(&spec, &file, options, interrupted())
+                run_gateway_job(&spec, &file, options, Box::pin(interrupted()))
                     .await
                     .map(|r| Report::Personal(Box::new(r)))
                     .map_err(anyhow::Error::new)

@@ -185,7 +185,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
                 let _ = ctrl_c.await;
             }
         };
-        gateway.serve(listener, shutdown).await?;
+        gateway.serve(listener, Box::pin(shutdown)).await?;
         anyhow::Ok(())
     })
 }

@@ -19,7 +19,6 @@
 //! the serving version in the answer's `X-Clawrl-Version`) and touches no session.
 
 use std::convert::Infallible;
-use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
@@ -34,6 +33,7 @@ use axum::routing::{get, post};
 use axum::Extension;
 use axum::{Json, Router};
 use burn::tensor::backend::Backend;
+use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value as Json_};
 use tokio::sync::mpsc;
@@ -458,10 +458,20 @@ impl Gateway {
     /// Serves on `listener` until `shutdown` resolves; sessions idle past the timeout are ended
     /// as they expire. At shutdown every open session ends (its last turn kept or dropped as
     /// configured) and every queued record is written before this returns.
-    pub async fn serve(
+    pub fn serve(
         self,
         listener: tokio::net::TcpListener,
-        shutdown: impl Future<Output = ()> + Send + 'static,
+        shutdown: BoxFuture<'static, ()>,
+    ) -> BoxFuture<'static, Result<(), GatewayError>> {
+        // Boxed here, so the future's body is compiled once, in this crate: a caller in another
+        // crate that awaited the `async fn` itself would compile the whole body again.
+        Box::pin(self.serve_body(listener, shutdown))
+    }
+
+    async fn serve_body(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: BoxFuture<'static, ()>,
     ) -> Result<(), GatewayError> {
         let router = self.router();
         let sweeper = {

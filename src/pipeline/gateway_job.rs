@@ -40,6 +40,7 @@ use clawrl_actors::loops::{
     ProgressReport, RecorderStats, StepOutcome, StopCause, ToolCallAction, TrainSample,
     TrainerStats, Turn, TurnSource,
 };
+use futures::future::BoxFuture;
 use ractor::ActorRef;
 use serde::Serialize;
 use serde_json::Value;
@@ -299,11 +300,22 @@ fn served_action(response: &Value, raw: String) -> Action {
 }
 
 /// Runs a `personal` job until its stop condition or `shutdown`, on `[policy] device`.
-pub async fn run_gateway_job(
+pub fn run_gateway_job<'a>(
+    spec: &'a JobSpec,
+    file: &'a str,
+    options: GatewayJobOptions,
+    shutdown: BoxFuture<'static, ()>,
+) -> BoxFuture<'a, Result<GatewayJobReport, GatewayJobError>> {
+    // Boxed here, so the future's body is compiled once, in this crate: a caller in another
+    // crate that awaited the `async fn` itself would compile the whole body again.
+    Box::pin(run_gateway_job_body(spec, file, options, shutdown))
+}
+
+async fn run_gateway_job_body(
     spec: &JobSpec,
     file: &str,
     options: GatewayJobOptions,
-    shutdown: impl Future<Output = ()> + Send + 'static,
+    shutdown: BoxFuture<'static, ()>,
 ) -> Result<GatewayJobReport, GatewayJobError> {
     if spec.kind != JobKind::Personal {
         return Err(GatewayJobError::NotPersonal { file: file.into() });
@@ -538,9 +550,12 @@ where
     // Serve. The dashboard shows each model id's records: the run's, or each agent's own.
     gateway.dashboard_runs(agents.iter().map(|a| (a.model.clone(), a.out.clone())));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(gateway.serve(listener, async move {
-        let _ = stop_rx.await;
-    }));
+    let server = tokio::spawn(gateway.serve(
+        listener,
+        Box::pin(async move {
+            let _ = stop_rx.await;
+        }),
+    ));
     if let Some(f) = options.on_listening {
         let served = agents.iter().map(|a| a.model.as_str()).collect::<Vec<_>>();
         f(addr, &served.join(","));

@@ -172,9 +172,12 @@ async fn switch_versions(lora: Option<LoraConfig>) {
     let base = format!("http://{}", listener.local_addr().unwrap());
     let (stop_server, rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
-        gw.serve(listener, async {
-            let _ = rx.await;
-        })
+        gw.serve(
+            listener,
+            Box::pin(async {
+                let _ = rx.await;
+            }),
+        )
         .await
         .unwrap();
     });

@@ -42,9 +42,12 @@ impl Server {
         let base = format!("http://{}", listener.local_addr().unwrap());
         let (stop, rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
-            gw.serve(listener, async {
-                let _ = rx.await;
-            })
+            gw.serve(
+                listener,
+                Box::pin(async {
+                    let _ = rx.await;
+                }),
+            )
             .await
             .unwrap();
         });

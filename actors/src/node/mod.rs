@@ -82,6 +82,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures::future::BoxFuture;
 use ractor::{Actor, ActorRef};
 use ractor_cluster::{NodeServer, NodeServerMessage};
 
@@ -176,7 +177,16 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Node {
     /// Starts a node from its config: certificates, endpoint, actor runtime, local actors, the
     /// accept loop and the maintenance loop.
-    pub async fn start(config: &NodeConfig, options: NodeOptions) -> Result<Node, NodeError> {
+    pub fn start<'a>(
+        config: &'a NodeConfig,
+        options: NodeOptions,
+    ) -> BoxFuture<'a, Result<Node, NodeError>> {
+        // Boxed here, so the future's body is compiled once, in this crate: a caller in
+        // another crate that awaited the `async fn` itself would compile the whole body again.
+        Box::pin(Self::start_body(config, options))
+    }
+
+    async fn start_body(config: &NodeConfig, options: NodeOptions) -> Result<Node, NodeError> {
         let identity = tls::load_identity(config)?;
         if config.has_role(Role::Control) && options.validator.is_none() {
             return Err(NodeError::Invalid(
@@ -322,7 +332,12 @@ impl Node {
 
     /// Runs until Ctrl-C or SIGTERM, then closes the endpoint and stops the local actors. On
     /// SIGHUP it re-reads the config file's `[tls] deny` list ([`Node::set_denied`]).
-    pub async fn run_until_signal(self) {
+    pub fn run_until_signal(self) -> BoxFuture<'static, ()> {
+        // Boxed, as [`Node::start`] is.
+        Box::pin(self.run_until_signal_body())
+    }
+
+    async fn run_until_signal_body(self) {
         #[cfg(unix)]
         {
             use tokio::signal::unix::{signal, SignalKind};
@@ -355,7 +370,12 @@ impl Node {
     }
 
     /// Closes every connection and stops the local actors.
-    pub async fn shutdown(&self) {
+    pub fn shutdown(&self) -> BoxFuture<'_, ()> {
+        // Boxed, as [`Node::start`] is.
+        Box::pin(self.shutdown_body())
+    }
+
+    async fn shutdown_body(&self) {
         tracing::info!("node `{}` shutting down", self.inner.name);
         self.inner.endpoint.close(0u32.into(), b"shutdown");
         self.supervisor.stop(Some("shutdown".into()));

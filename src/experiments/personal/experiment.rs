@@ -1339,9 +1339,14 @@ async fn run_method(
             let _ = addr_tx.send(addr);
         })),
     };
-    let job = run_gateway_job(&spec, origin, options, async move {
-        let _ = stop_rx.await;
-    });
+    let job = run_gateway_job(
+        &spec,
+        origin,
+        options,
+        Box::pin(async move {
+            let _ = stop_rx.await;
+        }),
+    );
     let driver = async move {
         let driven = match addr_rx.await {
             Ok(addr) => {

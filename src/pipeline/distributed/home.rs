@@ -17,6 +17,7 @@ use clawrl_actors::loops::{
 };
 use clawrl_actors::member::EnvSpec;
 use clawrl_actors::node::{Node, NodeConnector};
+use futures::future::BoxFuture;
 use ractor::{Actor, ActorRef};
 
 use super::env_host::{EnvHost, EnvHostArgs};
@@ -402,7 +403,17 @@ pub struct ServicesError {
 
 /// Starts what a `clawrl node` runs for jobs, by its roles: a [`RolloutHost`] (`rollout`), an
 /// [`EnvHost`] per environment kind of `envs`, and the [`JobRunner`] (`trainer`).
-pub async fn start_node_services(
+pub fn start_node_services<'a>(
+    node: &'a Node,
+    config: &'a NodeConfig,
+    envs: &'a [EnvSpec],
+) -> BoxFuture<'a, Result<(), ServicesError>> {
+    // Boxed here, so the future's body is compiled once, in this crate: a caller in another
+    // crate that awaited the `async fn` itself would compile the whole body again.
+    Box::pin(start_node_services_body(node, config, envs))
+}
+
+async fn start_node_services_body(
     node: &Node,
     config: &NodeConfig,
     envs: &[EnvSpec],
