@@ -23,10 +23,10 @@ use clawrl_actors::rpc;
 use ractor::message::{BoxedDowncastErr, SerializedMessage};
 use ractor::{ActorCell, ActorRef, Message, RpcReplyPort};
 
-use crate::faults::{
+use super::faults::{
     assert_completed, n, served_versions, without_ansi, Cluster, FIXTURE, LONG, ONE_AT_A_TIME,
 };
-use crate::util::*;
+use super::util::*;
 
 const CALL: Duration = Duration::from_secs(20);
 

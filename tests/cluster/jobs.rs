@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::util::*;
+use super::util::*;
 
 #[test]
 fn root_cluster_toml_runs_a_single_node_that_takes_jobs_and_names_bad_keys() {

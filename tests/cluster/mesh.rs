@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::util::*;
+use super::util::*;
 
 const JOIN_LIMIT: Duration = Duration::from_secs(20);
 

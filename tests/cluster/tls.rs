@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::util::*;
+use super::util::*;
 
 #[test]
 fn a_node_with_a_certificate_from_another_ca_is_refused() {

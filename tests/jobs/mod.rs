@@ -1,7 +1,4 @@
 //! Jobs end to end: the judge, the method's samples, the trainer pipeline, `clawrl run` with every job kind, and their faults.
-//!
-//! One test binary of modules: every module here shares one build and link of the
-//! crates it tests.
 
 mod agent_jobs;
 mod crash_run;
@@ -12,8 +9,6 @@ mod judge_parse;
 mod judge_votes;
 mod personal_experiment;
 mod personal_job;
-#[path = "../support/personal_run.rs"]
-mod personal_run;
 mod pipeline_e2e;
 mod pipeline_faults;
 mod run_cli;

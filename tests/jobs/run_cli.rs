@@ -49,7 +49,7 @@ fn demo_runs_with_a_json_summary_and_control_keeps_the_counts() {
         .sum();
     assert_eq!(produced, sum, "{t}");
     // The train/serve gap over the job: the rollout's log-probs against the trainer's own.
-    crate::pipeline_e2e::check_gap(&t["logprob_gap"], "the job's summary");
+    super::pipeline_e2e::check_gap(&t["logprob_gap"], "the job's summary");
     let turns = s["counts"]["turns"].as_u64().unwrap();
     assert!(turns > 0);
     assert!(Path::new(s["records_dir"].as_str().unwrap()).is_dir());

@@ -30,9 +30,9 @@ use clawrl::{CpuAutodiff, CpuBackend};
 use clawrl_actors::loops::PolicyReplica;
 use serde_json::{json, Value};
 
-use crate::cli::{case_files, clawrl};
-use crate::train_offline_cli::{write_reference_samples, write_train_toml};
-use crate::train_parity::{f32s, reference_samples, reference_train_config, u32s};
+use super::cli::{case_files, clawrl};
+use super::train_offline_cli::{write_reference_samples, write_train_toml};
+use super::train_parity::{f32s, reference_samples, reference_train_config, u32s};
 
 type B = CpuBackend;
 

@@ -1,7 +1,4 @@
 //! The policy and the trainer: Qwen3 checkpoints, parity with the reference fixtures, the engine, the learner, and their CLI commands.
-//!
-//! One test binary of modules: every module here shares one build and link of the
-//! crates it tests.
 
 mod checkpoint;
 mod cli;

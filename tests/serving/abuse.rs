@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::http::{body, metrics_as, post, post_as, Server};
+use super::http::{body, metrics_as, post, post_as, Server};
 
 /// Long enough for anything a working gateway does here, however loaded the machine.
 const BOUND: Duration = Duration::from_secs(60);

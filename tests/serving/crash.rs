@@ -53,7 +53,7 @@ fn answered_turns_survive_a_sigkill_in_the_served_journal() {
         .stderr(Stdio::inherit())
         .spawn()
         .expect("starting clawrl serve");
-    let base = crate::venv::served_address(&mut child);
+    let base = super::venv::served_address(&mut child);
 
     let rt = tokio::runtime::Runtime::new().unwrap();
     let answers: Vec<(String, String)> = rt.block_on(async {

@@ -5,13 +5,13 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use crate::venv::run;
+use super::venv::run;
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
 /// A venv with `openai`, created once and cached under `target/`.
 fn venv_python() -> PathBuf {
-    crate::venv::venv_python(
+    super::venv::venv_python(
         &Path::new(ROOT).join("target/gateway-openai-venv"),
         "openai",
         "openai",
@@ -51,7 +51,7 @@ fn openai_python_sdk_chat_streaming_and_tools() {
             .spawn()
             .expect("starting clawrl serve"),
     );
-    let base = crate::venv::served_address(&mut child.0);
+    let base = super::venv::served_address(&mut child.0);
     run(
         Command::new(&py)
             .arg(Path::new(ROOT).join("tests/gateway/openai_sdk_check.py"))

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use super::venv::{run, venv_python};
 use crate::personal_run::PersonalRun;
-use crate::venv::{run, venv_python};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 const KEY: &str = "sk-openclaw-test";

@@ -287,7 +287,7 @@ fn shown_version(state: &Value) -> Option<u64> {
 
 /// Python's `tensorboard` reading `dir`: tag → [(step, value)].
 fn tensorboard_scalars(dir: &Path) -> BTreeMap<String, Vec<(u64, f64)>> {
-    let py = crate::venv::venv_python(
+    let py = super::venv::venv_python(
         &Path::new(ROOT).join("target/tensorboard-venv"),
         "tensorboard",
         "tensorboard",
@@ -299,7 +299,7 @@ ea = EventAccumulator(sys.argv[1], size_guidance={"scalars": 0})
 ea.Reload()
 print(json.dumps({t: [[e.step, e.value] for e in ea.Scalars(t)] for t in ea.Tags()["scalars"]}))
 "#;
-    let out = crate::venv::run(
+    let out = super::venv::run(
         Command::new(py).args(["-c", script]).arg(dir),
         "reading the event files with tensorboard's EventAccumulator",
     );
@@ -324,7 +324,7 @@ impl Served {
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
-        let base = crate::venv::served_address(&mut child);
+        let base = super::venv::served_address(&mut child);
         Served { child, base }
     }
 

@@ -1,8 +1,8 @@
 //! A `personal` job run by the built binary (`clawrl run --json --out OUT SPEC`): the spec of a
 //! small one over the fixture policy, a chat request to it, the gateway address it announces on stderr, the stderr
 //! kept for failure messages, and the JSON summary it prints after SIGTERM ([`spawn_run`]
-//! starts any job kind the same way). Shared by the
-//! `jobs` and `serving` test binaries (`#[path]`).
+//! starts any job kind the same way). Shared by the `jobs` and `serving` areas of the test
+//! suite.
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
