@@ -5,8 +5,8 @@
 
 mod cluster;
 mod env;
+mod gateway;
 mod jobs;
 mod model;
 #[path = "support/personal_run.rs"]
 mod personal_run;
-mod serving;

@@ -1,7 +1,7 @@
 //! A `personal` job run by the built binary (`clawrl run --json --out OUT SPEC`): the spec of a
 //! small one over the fixture policy, a chat request to it, the gateway address it announces on stderr, the stderr
 //! kept for failure messages, and the JSON summary it prints after SIGTERM ([`spawn_run`]
-//! starts any job kind the same way). Shared by the `jobs` and `serving` areas of the test
+//! starts any job kind the same way). Shared by the `jobs` and `gateway` areas of the test
 //! suite.
 
 use std::io::{BufRead, BufReader, Read};
@@ -196,7 +196,6 @@ impl Drop for PersonalRun {
 /// steps of a smaller policy (hidden 64, intermediate 192: the path is what the tests check, not
 /// how far the example's size learns), and `updates` updates measured at 0 and at the end, 32
 /// train and 16 held-out tasks per user.
-#[allow(dead_code)] // the `jobs` binary's; `serving` shares this file
 pub fn shortened_example(cache: &Path, updates: i64) -> toml::Table {
     let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/personal.toml");
     let mut t: toml::Table = toml::from_str(&std::fs::read_to_string(example).unwrap()).unwrap();
@@ -216,13 +215,11 @@ pub fn shortened_example(cache: &Path, updates: i64) -> toml::Table {
 /// The [`shortened_example`] run by the built binary as a user runs it, `clawrl run --json --out
 /// DIR/run DIR/experiment.toml`: the JSON report it prints, panicking with its stderr if it
 /// failed.
-#[allow(dead_code)] // the `jobs` binary's; `serving` shares this file
 pub fn run_experiment(dir: &Path, cache: &Path, updates: i64) -> serde_json::Value {
     run_experiment_with(dir, cache, updates, &[])
 }
 
 /// [`run_experiment`] with more arguments to `clawrl run` (such as `--seeds 1,2`).
-#[allow(dead_code)] // the `jobs` binary's; `serving` shares this file
 pub fn run_experiment_with(
     dir: &Path,
     cache: &Path,
