@@ -23,9 +23,9 @@ use clawrl_actors::loops::{PolicyReplica, WeightAnnounce};
 
 use crate::model::peft::adapter_from_safetensors;
 use crate::model::{
-    model_from_safetensors, spawn_engine, AdapterLoadError, EngineError, EngineHandle,
-    EngineOptions, GenerationRequest, GenerationResult, LoadError, LoraConfig, LoraError, Qwen3,
-    Qwen3Config,
+    model_from_safetensors_as, spawn_engine, AdapterLoadError, EngineError, EngineHandle,
+    EngineOptions, GenerationRequest, GenerationResult, LinearLayout, LoadError, LoraConfig,
+    LoraError, Qwen3, Qwen3Config,
 };
 use crate::train::learner::VersionedWeights;
 
@@ -92,7 +92,12 @@ impl<B: Backend> VersionWeights<B> {
         device: &B::Device,
     ) -> Result<Qwen3<B>, VersionLoadError> {
         match self {
-            VersionWeights::Full => Ok(model_from_safetensors::<B>(config, bytes, device)?),
+            VersionWeights::Full => Ok(model_from_safetensors_as::<B>(
+                config,
+                bytes,
+                device,
+                LinearLayout::decoding::<B>(),
+            )?),
             VersionWeights::Adapter { base, config: lora } => {
                 let file = format!("the adapter of weight version {version}");
                 let adapter = adapter_from_safetensors(bytes, lora.clone(), config, &file)?;
@@ -192,6 +197,10 @@ impl<B: Backend> EnginePolicy<B> {
                 };
             }
         }
+        // Whole weights get an engine of their own, kept as a decode step runs fastest (a
+        // copy when `model` shares its weights, as the learner's starting policy does; every
+        // later version is a copy anyway).
+        let model = model.into_layout(LinearLayout::decoding::<B>());
         let engine = spawn_engine(Arc::new(model), self.tokenizer.clone(), self.options);
         ServedVersion { version, engine }
     }

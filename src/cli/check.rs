@@ -23,7 +23,7 @@ use clawrl::device::{Device, InferenceTask, TrainingTask};
 use clawrl::model::chat::parse_json_value;
 use clawrl::model::{
     load_checkpoint, load_model, spawn_engine, EngineHandle, EngineOptions, GenerationRequest,
-    LoraConfig, LoraTarget, LoraWeights, Qwen3, SamplingParams, StreamEvent,
+    LinearLayout, LoraConfig, LoraTarget, LoraWeights, Qwen3, SamplingParams, StreamEvent,
 };
 use clawrl::train::learner::BurnLearner;
 use clawrl::train::{Sample, TrainConfig};
@@ -549,7 +549,7 @@ impl InferenceTask for GenerateSpeed<'_> {
         let (cfg, model) = load_model::<B>(s.dir, &device)
             .with_context(|| format!("loading {}", s.dir.display()))?;
         let engine = spawn_engine(
-            Arc::new(model),
+            Arc::new(model.into_layout(LinearLayout::decoding::<B>())),
             None,
             EngineOptions {
                 max_batch: s.batch,
@@ -635,6 +635,8 @@ impl InferenceTask for PrefillSpeed<'_> {
         let s = self.0;
         let (cfg, model) = load_model::<B>(s.dir, &device)
             .with_context(|| format!("loading {}", s.dir.display()))?;
+        // As the generation engine's owners keep its weights.
+        let model = model.into_layout(LinearLayout::decoding::<B>());
         let ids = prompt_ids(s.prompt, 0, cfg.vocab_size);
         let prefill = || -> anyhow::Result<usize> {
             let mut cache = model.new_cache(s.prompt);

@@ -20,7 +20,8 @@ use clawrl::model::chat::{parse_json_value, validate_messages, validate_tools};
 use clawrl::model::checkpoint::load_tokenizer_files;
 use clawrl::model::{
     apply_adapter, load_adapter, load_checkpoint, load_model, save_checkpoint_dir, spawn_engine,
-    Checkpoint, EngineOptions, FinishReason, GenerationRequest, Qwen3, Qwen3Config, SamplingParams,
+    Checkpoint, EngineOptions, FinishReason, GenerationRequest, LinearLayout, Qwen3, Qwen3Config,
+    SamplingParams,
 };
 use clawrl::CpuBackend;
 
@@ -372,7 +373,7 @@ where
     let tokenizer = Arc::new(ck.tokenizer);
     let max_context = ck.config.max_position_embeddings;
     let engine = spawn_engine(
-        Arc::new(ck.model),
+        Arc::new(ck.model.into_layout(LinearLayout::decoding::<B>())),
         Some(tokenizer.clone()),
         EngineOptions {
             max_batch: 1,

@@ -16,7 +16,7 @@ use super::opd::{enhance_messages, OpdError};
 
 use crate::model::{
     load_checkpoint, score_response, score_response_topk, spawn_engine, ChatError, ChatTemplate,
-    EngineHandle, EngineOptions, GenerationRequest, LoadError, Qwen3,
+    EngineHandle, EngineOptions, GenerationRequest, LinearLayout, LoadError, Qwen3,
 };
 use crate::rl::{combine, AdvantageError, AdvantageWeights, CombinedSample};
 
@@ -63,7 +63,10 @@ impl EngineGenerator {
         let ck = load_checkpoint::<crate::CpuBackend>(dir, &Default::default())?;
         let stop = ck.stop_token_ids();
         let tokenizer = Arc::new(ck.tokenizer);
-        let engine = spawn_engine(Arc::new(ck.model), Some(tokenizer.clone()), options);
+        let model = ck
+            .model
+            .into_layout(LinearLayout::decoding::<crate::CpuBackend>());
+        let engine = spawn_engine(Arc::new(model), Some(tokenizer.clone()), options);
         Ok(Self::new(engine, ck.chat_template, tokenizer, stop, seed))
     }
 }

@@ -11,7 +11,7 @@ use serde_json::Value as Json;
 
 use super::chat::{ChatError, ChatTemplate, Prompt};
 use super::config::{ConfigError, Qwen3Config};
-use super::qwen3::Qwen3;
+use super::qwen3::{LinearLayout, Qwen3};
 use super::weights::{model_to_safetensors, SaveError, TensorSource};
 
 /// Why a required file of a checkpoint or adapter directory could not be read.
@@ -359,7 +359,7 @@ pub fn load_model<B: Backend>(
 ) -> Result<(Qwen3Config, Qwen3<B>), LoadError> {
     let config = load_config(dir)?;
     let buffers = read_weight_files(dir)?;
-    let model = TensorSource::new(&buffers)?.build(&config, device)?;
+    let model = TensorSource::new(&buffers)?.build(&config, device, LinearLayout::InOut)?;
     Ok((config, model))
 }
 
@@ -372,7 +372,7 @@ pub fn load_model_as<B: Backend>(
     device: &B::Device,
 ) -> Result<Qwen3<B>, LoadError> {
     let buffers = read_weight_files(dir)?;
-    TensorSource::new(&buffers)?.build(config, device)
+    TensorSource::new(&buffers)?.build(config, device, LinearLayout::InOut)
 }
 
 /// Loads a whole Hugging Face checkpoint directory.

@@ -33,8 +33,13 @@
 //! the GEMM's order: a decode step and a prefill of the same tokens agree to rounding, as they
 //! did before (the GEMM has its own path for one row).
 //!
-//! The few-row kernels use AVX-512 and run where the CPU has it; elsewhere (and for more than
-//! [`MAX_ROWS`] rows) the product goes to the GEMM.
+//! Both kernels use AVX-512 where the CPU has it. On a CPU with AVX2 and FMA but not AVX-512,
+//! only the transposed kernel runs ([`rows_dot8`]: eight lanes, three rows of the weight by four
+//! rows of `x` per tile): a row-major kernel of eight lanes lost to the GEMM there, because a
+//! block of `W`'s rows is that many read streams, while a transposed `W` is read front to back
+//! in one. The generation engine's weights are therefore kept `[out, in]` on such CPUs
+//! ([`transposed_weights_decode_faster`], `LinearLayout::decoding`). Elsewhere, and for more than [`MAX_ROWS`] rows, the
+//! product goes to the GEMM.
 
 // The kernels exist for x86-64 only; elsewhere every product stays with the GEMM.
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -102,10 +107,10 @@ pub fn product<const D: usize>(
     )))
 }
 
-/// [`times`] for a product of at most [`MAX_ROWS`] rows whose `W` lies as [`Rhs`] says, on a
-/// CPU with AVX-512; `None` otherwise.
+/// [`times`] for a product of at most [`MAX_ROWS`] rows whose `W` lies as [`Rhs`] says, where
+/// this CPU has a kernel for that layout; `None` otherwise.
 fn few_rows(lhs: &FlexTensor, rhs: &FlexTensor, m: usize, k: usize, n: usize) -> Option<Vec<f32>> {
-    if m > MAX_ROWS || !available() {
+    if m > MAX_ROWS || kernels() == Kernels::None {
         return None;
     }
     let layout = rhs.layout();
@@ -122,6 +127,9 @@ fn few_rows(lhs: &FlexTensor, rhs: &FlexTensor, m: usize, k: usize, n: usize) ->
         },
         _ => return None,
     };
+    if !kernels().takes(&w) {
+        return None;
+    }
     let x = super::cpu_tensor::primitive_floats(lhs.clone());
     times(&x, m, k, w, n)
 }
@@ -203,19 +211,52 @@ unsafe fn gemm_into(
     }
 }
 
-/// Whether the CPU runs these kernels.
-fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+/// Which of this module's kernels the CPU runs.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kernels {
+    /// Both layouts, sixteen lanes.
+    Avx512,
+    /// The transposed layout, eight lanes.
+    Avx2,
+    /// None: every product goes to the GEMM.
+    None,
+}
+
+impl Kernels {
+    /// Whether a product with this right-hand operand runs here.
+    fn takes(self, w: &Rhs<'_>) -> bool {
+        match self {
+            Kernels::Avx512 => true,
+            Kernels::Avx2 => matches!(w, Rhs::Transposed { .. }),
+            Kernels::None => false,
+        }
     }
 }
 
-/// `x [m, k]` (row-major) times `w`: `[m, n]` row-major, or `None` without AVX-512.
+/// The kernels this CPU runs.
+fn kernels() -> Kernels {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return Kernels::Avx512;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            return Kernels::Avx2;
+        }
+    }
+    Kernels::None
+}
+
+/// Whether a few rows times a linear weight run faster on this CPU with the weight stored
+/// `[out, in]` and read transposed (a CPU with AVX2 and FMA but not AVX-512, where only the
+/// transposed kernel runs) than stored `[in, out]`.
+pub fn transposed_weights_decode_faster() -> bool {
+    kernels() == Kernels::Avx2
+}
+
+/// `x [m, k]` (row-major) times `w`: `[m, n]` row-major, or `None` where this CPU has no kernel
+/// for `w`'s layout.
 ///
 /// Panics when `m` is 0 or above [`MAX_ROWS`], or `w` is too short for `k × n`.
 pub fn times(x: &[f32], m: usize, k: usize, w: Rhs<'_>, n: usize) -> Option<Vec<f32>> {
@@ -232,14 +273,17 @@ pub fn times(x: &[f32], m: usize, k: usize, w: Rhs<'_>, n: usize) -> Option<Vec<
         Rhs::RowMajor { w, ld } => assert!(ld >= n && w.len() >= (k - 1) * ld + n),
         Rhs::Transposed { w, ld } => assert!(ld >= k && w.len() >= (n - 1) * ld + k),
     }
-    if !available() {
+    let kernels = kernels();
+    if !kernels.takes(&w) {
         return None;
     }
     let mut out = vec![0.0f32; m * n];
     #[cfg(target_arch = "x86_64")]
-    match w {
-        Rhs::RowMajor { w, ld } => rows_times(x, m, k, w, ld, n, &mut out),
-        Rhs::Transposed { w, ld } => rows_dot(x, m, k, w, ld, n, &mut out),
+    match (kernels, w) {
+        (Kernels::Avx512, Rhs::RowMajor { w, ld }) => rows_times(x, m, k, w, ld, n, &mut out),
+        (Kernels::Avx512, Rhs::Transposed { w, ld }) => rows_dot(x, m, k, w, ld, n, &mut out),
+        (Kernels::Avx2, Rhs::Transposed { w, ld }) => rows_dot8(x, m, k, w, ld, n, &mut out),
+        _ => unreachable!("`takes` admitted no other pair"),
     }
     Some(out)
 }
@@ -258,8 +302,8 @@ pub struct AdapterRows<'a> {
 }
 
 /// `delta [m, n]` for `x [m, k]`: each group's rows get `(scaling · x_row A) B` of their own
-/// adapter, every other row zeros; `None` without AVX-512. Each group reads only its own `A`
-/// and `B` and multiplies only its own rows.
+/// adapter, every other row zeros; `None` without AVX-512 (the adapters are row-major). Each
+/// group reads only its own `A` and `B` and multiplies only its own rows.
 pub fn adapter_delta(
     x: &[f32],
     m: usize,
@@ -267,7 +311,7 @@ pub fn adapter_delta(
     n: usize,
     groups: &[AdapterRows<'_>],
 ) -> Option<Vec<f32>> {
-    if !available() {
+    if kernels() != Kernels::Avx512 {
         return None;
     }
     let mut delta = vec![0.0f32; m * n];
@@ -550,6 +594,124 @@ unsafe fn dot(
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Transposed W, eight lanes
+
+/// `out[r, j] = x[r] · E[j]` for `E [n, k]` row-major (`ld` apart), on AVX2 and FMA.
+///
+/// Tiles of `J` rows of `E` by `R ≤ 4` rows of `x` keep `J · R` sums of eight lanes in
+/// registers while `k` streams by (`J` loads of `E` and `R` of `x` per `J · R` fused
+/// multiply-adds). Each block of `E`'s rows goes through every group of `x`'s rows while it is
+/// in the first-level cache, so `E` is read from memory once, front to back. `J` is 3 with
+/// four rows (twelve sums, three `E` vectors and one of `x`: all sixteen registers), and more
+/// with fewer rows, where the sums alone would not hide the multiply-adds' latency.
+#[cfg(target_arch = "x86_64")]
+fn rows_dot8(x: &[f32], m: usize, k: usize, e: &[f32], ld: usize, n: usize, out: &mut [f32]) {
+    let block = match m {
+        1 => 6,
+        2 => 4,
+        _ => 3,
+    };
+    let y = OutPtr(out.as_mut_ptr());
+    split(n, block, k * n, |start, end| {
+        for j in (start..end).step_by(block) {
+            let rows_of_e = (end - j).min(block);
+            for r0 in (0..m).step_by(4) {
+                let rows = (m - r0).min(4);
+                // Safety: AVX2 and FMA were detected (`times`); rows `j..j + rows_of_e` of E
+                // lie in `e` (checked in `times`), rows `r0..r0 + rows` of x in `x`, and this
+                // task owns columns `j..j + rows_of_e` of the output.
+                unsafe {
+                    dot8_fn(rows_of_e, rows)(
+                        x.as_ptr().add(r0 * k),
+                        k,
+                        e.as_ptr().add(j * ld),
+                        ld,
+                        y.at(r0 * n + j),
+                        n,
+                    );
+                }
+            }
+        }
+    });
+}
+
+/// A tile of [`rows_dot8`], [`dot8`] for some `J` and `R`.
+#[cfg(target_arch = "x86_64")]
+type Dot8Fn = unsafe fn(*const f32, usize, *const f32, usize, *mut f32, usize);
+
+/// The tile for `j` rows of E by `r` rows of x.
+#[cfg(target_arch = "x86_64")]
+fn dot8_fn(j: usize, r: usize) -> Dot8Fn {
+    macro_rules! tiles {
+        ($($j:literal, $r:literal);*) => {
+            match (j, r) {
+                $(($j, $r) => dot8::<$j, $r>,)*
+                _ => unreachable!("no tile of {j} rows of E by {r} of x"),
+            }
+        };
+    }
+    tiles!(1, 1; 2, 1; 3, 1; 4, 1; 5, 1; 6, 1; 1, 2; 2, 2; 3, 2; 4, 2; 1, 3; 2, 3; 3, 3;
+        1, 4; 2, 4; 3, 4)
+}
+
+/// `out[r · ld_out + p] = x[r] · E[p]` for `r < R`, `p < J`, `x`'s rows `k` apart: eight lanes
+/// per sum along `k`, then a fixed tree across the lanes, then the last `k mod 8` products in
+/// order, so a sum's order depends on `k` alone.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot8<const J: usize, const R: usize>(
+    x: *const f32,
+    k: usize,
+    e: *const f32,
+    ld: usize,
+    out: *mut f32,
+    ld_out: usize,
+) {
+    // `acc[r][p]`: row `r` of x with row `p` of E.
+    let mut acc = [[_mm256_setzero_ps(); J]; R];
+    let whole = k - k % 8;
+    for i in (0..whole).step_by(8) {
+        let ev: [__m256; J] = std::array::from_fn(|p| _mm256_loadu_ps(e.add(p * ld + i)));
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let xv = _mm256_loadu_ps(x.add(r * k + i));
+            for (a, ev) in acc.iter_mut().zip(&ev) {
+                *a = _mm256_fmadd_ps(*ev, xv, *a);
+            }
+        }
+    }
+    let zero = _mm256_setzero_ps();
+    for (g, rows) in acc.chunks(4).enumerate() {
+        for p in 0..J {
+            let lane = |i: usize| rows.get(i).map_or(zero, |row| row[p]);
+            let mut sums = [0.0f32; 4];
+            _mm_storeu_ps(
+                sums.as_mut_ptr(),
+                sum_lanes(lane(0), lane(1), lane(2), lane(3)),
+            );
+            for (i, &sum) in sums.iter().enumerate().take(rows.len()) {
+                let r = 4 * g + i;
+                let mut s = sum;
+                for t in whole..k {
+                    s = (*x.add(r * k + t)).mul_add(*e.add(p * ld + t), s);
+                }
+                *out.add(r * ld_out + p) = s;
+            }
+        }
+    }
+}
+
+/// The sums of the eight lanes of each of `a`, `b`, `c`, `d`, in that order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn sum_lanes(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+    let abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_add_ps(
+        _mm256_castps256_ps128(abcd),
+        _mm256_extractf128_ps::<1>(abcd),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -594,7 +756,7 @@ mod tests {
 
     #[test]
     fn row_major_products_match_float64_for_every_row_count_and_ragged_shapes() {
-        if !available() {
+        if kernels() != Kernels::Avx512 {
             return;
         }
         // Column counts that end mid-vector and mid-panel, row counts of every tile shape, and
@@ -616,7 +778,7 @@ mod tests {
 
     #[test]
     fn transposed_products_match_float64_for_every_row_count_and_ragged_shapes() {
-        if !available() {
+        if kernels() == Kernels::None {
             return;
         }
         for (k, n, ld) in [(37, 21, 37), (70, 131, 75), (512, 1000, 512)] {
@@ -631,9 +793,6 @@ mod tests {
 
     #[test]
     fn a_row_gets_the_same_bits_whatever_rows_share_its_batch() {
-        if !available() {
-            return;
-        }
         let (k, n) = (300, 900);
         let w = draw(k * n, 3);
         let e = draw(n * k, 4);
@@ -642,6 +801,9 @@ mod tests {
             Rhs::RowMajor { w: &w, ld: n },
             Rhs::Transposed { w: &e, ld: k },
         ] {
+            if !kernels().takes(&rhs) {
+                continue;
+            }
             let all = times(&x, MAX_ROWS, k, rhs, n).unwrap();
             for m in 1..MAX_ROWS {
                 let some = times(&x, m, k, rhs, n).unwrap();

@@ -509,6 +509,17 @@ impl<B: Backend> Qwen3<B> {
         device: &B::Device,
         get: &mut WeightGetter<'_, E>,
     ) -> Result<Self, E> {
+        Self::build_as(cfg, device, LinearLayout::InOut, get)
+    }
+
+    /// [`build`](Self::build), keeping the linear weights as `layout` says (asked for
+    /// transposed only for [`LinearLayout::InOut`]).
+    pub fn build_as<E>(
+        cfg: &Qwen3Config,
+        device: &B::Device,
+        layout: LinearLayout,
+        get: &mut WeightGetter<'_, E>,
+    ) -> Result<Self, E> {
         let (h, i, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
         let (nq, nkv) = (cfg.num_attention_heads, cfg.num_kv_heads());
         let eps = cfg.rms_norm_eps;
@@ -531,11 +542,14 @@ impl<B: Backend> Qwen3<B> {
         }
         let final_norm = vector("model.norm.weight", h)?;
         let embed = get("model.embed_tokens.weight", &[cfg.vocab_size, h], false)?;
-        // Linear weights: HF [out, in] → Burn [in, out].
+        // Linear weights: HF [out, in] → Burn [in, out], kept as `layout` says.
+        let transposed = layout == LinearLayout::InOut;
         let mut matrix = |name: &str, out: usize, inp: usize| -> Result<Param<Tensor<B, 2>>, E> {
-            let data = get(name, &[out, inp], true)?;
-            Ok(Param::from_tensor(Tensor::from_data(
-                TensorData::new(data, [inp, out]),
+            let data = get(name, &[out, inp], transposed)?;
+            Ok(Param::from_tensor(layout.tensor(
+                data,
+                [out, inp],
+                transposed,
                 device,
             )))
         };
@@ -602,6 +616,30 @@ impl<B: Backend> Qwen3<B> {
             rope_inv_freq: rope_inv_freq(d, cfg.rope_theta(), cfg.storage_dtype()),
             max_position_embeddings: cfg.max_position_embeddings,
         })
+    }
+
+    /// This model with its linear weights (each block's seven, and an untied LM head) kept as
+    /// `layout` says. The weights' values are the same, and so is every product up to the order
+    /// of its sums; a weight already kept so is left as it is.
+    pub fn into_layout(mut self, layout: LinearLayout) -> Self {
+        for layer in &mut self.layers {
+            let (a, m) = (&mut layer.self_attn, &mut layer.mlp);
+            for w in [
+                &mut a.q_proj,
+                &mut a.k_proj,
+                &mut a.v_proj,
+                &mut a.o_proj,
+                &mut m.gate_proj,
+                &mut m.up_proj,
+                &mut m.down_proj,
+            ] {
+                layout.apply(w);
+            }
+        }
+        if let Some(w) = &mut self.lm_head {
+            layout.apply(w);
+        }
+        self
     }
 
     /// Vocabulary size.
@@ -843,6 +881,87 @@ fn row_groups<'a, B: Backend>(models: &[&'a Qwen3<B>]) -> Vec<(Vec<usize>, &'a Q
         }
     }
     groups
+}
+
+/// How a model keeps a linear weight `W [in, out]` in memory. Products read either in place,
+/// so the choice changes speed, never values.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum LinearLayout {
+    /// `[in, out]`, row-major: how the learner keeps the weights it trains (its optimizer
+    /// updates a parameter and its gradient as two buffers of the same order).
+    InOut,
+    /// `[out, in]` (Hugging Face's order), read through a transposed view. Only the CPU
+    /// backend's tensors are kept so; on any other backend this is [`InOut`](Self::InOut).
+    OutIn,
+}
+
+impl LinearLayout {
+    /// The layout a tensor of backend `B` is kept in when this one is asked for.
+    fn on<B: Backend>(self) -> Self {
+        if TypeId::of::<B>() == TypeId::of::<CpuBackend>() {
+            self
+        } else {
+            LinearLayout::InOut
+        }
+    }
+
+    /// The layout a decode step on backend `B` runs fastest from: [`OutIn`](Self::OutIn) on
+    /// the CPU backend where a few rows times a transposed weight have the faster kernel
+    /// ([`cpu_matmul::transposed_weights_decode_faster`]), else [`InOut`](Self::InOut). The
+    /// generation engine's owners load their weights this way.
+    pub fn decoding<B: Backend>() -> Self {
+        match cpu_matmul::transposed_weights_decode_faster() {
+            true => LinearLayout::OutIn.on::<B>(),
+            false => LinearLayout::InOut,
+        }
+    }
+
+    /// The `[in, out]` tensor for a linear weight given as Hugging Face's `[out, in]` data
+    /// (`transposed`: already as `[in, out]`).
+    fn tensor<B: Backend>(
+        self,
+        data: Vec<f32>,
+        [out, inp]: [usize; 2],
+        transposed: bool,
+        device: &B::Device,
+    ) -> Tensor<B, 2> {
+        match (self.on::<B>(), transposed) {
+            (LinearLayout::InOut, true) => {
+                Tensor::from_data(TensorData::new(data, [inp, out]), device)
+            }
+            (LinearLayout::OutIn, false) => {
+                Tensor::<B, 2>::from_data(TensorData::new(data, [out, inp]), device).transpose()
+            }
+            (layout, true) => layout.tensor(transpose(&data, inp, out), [out, inp], false, device),
+            (layout, false) => layout.tensor(transpose(&data, out, inp), [out, inp], true, device),
+        }
+    }
+
+    /// Whether the `[in, out]` tensor `w` is kept as this layout asks.
+    fn holds<B: Backend>(self, w: &Tensor<B, 2>) -> bool {
+        let kept = if TypeId::of::<B>() == TypeId::of::<CpuBackend>() {
+            let cpu: Tensor<CpuBackend, 2> = super::matmul::cast(w.clone());
+            match cpu.into_primitive().tensor().layout().strides() {
+                [1, _] if w.dims()[1] > 1 => LinearLayout::OutIn,
+                _ => LinearLayout::InOut,
+            }
+        } else {
+            LinearLayout::InOut
+        };
+        kept == self.on::<B>()
+    }
+
+    /// Keeps the parameter `w` this way.
+    fn apply<B: Backend>(self, w: &mut Param<Tensor<B, 2>>) {
+        let t = w.val();
+        if self.holds(&t) {
+            return;
+        }
+        let [inp, out] = t.dims();
+        // `floats` reads the view in its logical order: `[in, out]`, row-major.
+        let data = floats(t.clone()).to_vec();
+        *w = Param::from_tensor(self.tensor(data, [out, inp], true, &t.device()));
+    }
 }
 
 /// Transposes a row-major `[r, c]` matrix into a row-major `[c, r]` one.

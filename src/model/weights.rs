@@ -13,7 +13,9 @@ use super::checkpoint::LoadError;
 use super::config::Qwen3Config;
 use super::cpu_tensor::{host_floats, HostFloats};
 use super::lora::{base_and_adapter, effective_weight, LoraTarget};
-use super::qwen3::{hf_weight_shapes, transpose, transpose_into, transpose_map, Qwen3};
+use super::qwen3::{
+    hf_weight_shapes, transpose, transpose_into, transpose_map, LinearLayout, Qwen3,
+};
 
 /// Errors while serializing a model.
 #[derive(Debug, thiserror::Error)]
@@ -144,13 +146,14 @@ impl<'a> TensorSource<'a> {
         }
     }
 
-    /// Builds the model from these tensors.
+    /// Builds the model from these tensors, its linear weights kept as `layout` says.
     pub(crate) fn build<B: Backend>(
         &self,
         cfg: &Qwen3Config,
         device: &B::Device,
+        layout: LinearLayout,
     ) -> Result<Qwen3<B>, LoadError> {
-        Qwen3::build(cfg, device, &mut |name, shape, transposed| {
+        Qwen3::build_as(cfg, device, layout, &mut |name, shape, transposed| {
             self.get(name, shape, transposed)
         })
     }
@@ -162,12 +165,22 @@ pub fn model_from_safetensors<B: Backend>(
     bytes: &[u8],
     device: &B::Device,
 ) -> Result<Qwen3<B>, LoadError> {
+    model_from_safetensors_as(cfg, bytes, device, LinearLayout::InOut)
+}
+
+/// [`model_from_safetensors`], the linear weights kept as `layout` says.
+pub fn model_from_safetensors_as<B: Backend>(
+    cfg: &Qwen3Config,
+    bytes: &[u8],
+    device: &B::Device,
+    layout: LinearLayout,
+) -> Result<Qwen3<B>, LoadError> {
     cfg.validate().map_err(|e| LoadError::Config {
         file: "<config>".into(),
         source: e,
     })?;
     let buffers = [("<safetensors blob>".to_string(), bytes)];
-    TensorSource::new(&buffers)?.build(cfg, device)
+    TensorSource::new(&buffers)?.build(cfg, device, layout)
 }
 
 /// A named f32 tensor: `(Hugging Face name, shape, row-major data)`.

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use burn::module::Module;
 use burn::tensor::{Int, Tensor, TensorData};
 use clawrl::model::{
-    load_checkpoint, load_model, model_from_safetensors, model_to_safetensors, save_checkpoint_dir,
-    LoadError, Qwen3, Qwen3Config,
+    load_checkpoint, load_model, model_from_safetensors, model_from_safetensors_as,
+    model_to_safetensors, save_checkpoint_dir, LinearLayout, LoadError, Qwen3, Qwen3Config,
 };
 use clawrl::{CpuAutodiff, CpuBackend};
 use safetensors::{Dtype, SafeTensors};
@@ -128,6 +128,39 @@ fn weight_blob_round_trip_is_exact_tied_and_untied() {
     assert_eq!(logits(&m), logits(&r));
     // A tied config cannot take an untied model.
     assert!(model_to_safetensors(&m, &cfg).is_err());
+}
+
+/// The linear weights kept `[out, in]` (read through a transposed view) hold the same values as
+/// kept `[in, out]`, whether loaded so or relaid, and back; the logits agree to rounding (the
+/// products' sums may be taken in another order), tied and untied.
+#[test]
+fn both_linear_layouts_hold_the_same_weights() {
+    let (cfg, model) = load_model::<B>(&fixture_dir(), &Default::default()).unwrap();
+    let mut untied = cfg.clone();
+    untied.tie_word_embeddings = false;
+    for (cfg, model) in [
+        (cfg.clone(), model),
+        (
+            untied.clone(),
+            Qwen3::<B>::init(&untied, &Default::default(), 7),
+        ),
+    ] {
+        let blob = model_to_safetensors(&model, &cfg).unwrap();
+        let loaded =
+            model_from_safetensors_as::<B>(&cfg, &blob, &Default::default(), LinearLayout::OutIn)
+                .unwrap();
+        let relaid = model.clone().into_layout(LinearLayout::OutIn);
+        let back = relaid.clone().into_layout(LinearLayout::InOut);
+        for m in [&loaded, &relaid, &back] {
+            assert_eq!(model_to_safetensors(m, &cfg).unwrap(), blob);
+            let (want, got) = (logits(&model), logits(m));
+            let scale = want.iter().fold(0f32, |s, x| s.max(x.abs()));
+            for (g, w) in got.iter().zip(&want) {
+                assert!((g - w).abs() <= 1e-5 * scale, "{g} against {w}");
+            }
+        }
+        assert_eq!(logits(&back), logits(&model));
+    }
 }
 
 #[test]

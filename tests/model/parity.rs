@@ -1,12 +1,13 @@
 //! Parity of the Qwen3 policy with Hugging Face `transformers` on the tiny fixture
 //! (`tests/fixtures/qwen3-tiny/expected.json`): prompt text, input ids, last logits, greedy
-//! continuation and its log-probs, for all four cases.
+//! continuation and its log-probs, for all four cases; the greedy continuation with the linear
+//! weights kept either way ([`LinearLayout`]).
 
 use std::path::{Path, PathBuf};
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
-use clawrl::model::{load_checkpoint, Checkpoint};
+use clawrl::model::{load_checkpoint, Checkpoint, LinearLayout};
 use clawrl::CpuBackend;
 use minijinja::Value;
 
@@ -102,7 +103,14 @@ fn last_logits_match_transformers() {
 #[test]
 fn kv_cache_greedy_matches_transformers() {
     let ck = load();
-    let m = &ck.model;
+    for layout in [LinearLayout::InOut, LinearLayout::OutIn] {
+        greedy_matches_transformers(&ck, layout);
+    }
+}
+
+/// The prefill's logits, and 16 greedy steps with their log-probs, of every case.
+fn greedy_matches_transformers(ck: &Checkpoint<B>, layout: LinearLayout) {
+    let m = &ck.model.clone().into_layout(layout);
     for (i, case) in cases().iter().enumerate() {
         let ids = ints(&case.get_attr("input_ids").unwrap());
         let want_ids = ints(&case.get_attr("greedy_16").unwrap());
@@ -113,7 +121,7 @@ fn kv_cache_greedy_matches_transformers() {
         let got_last: Vec<f32> = logits.clone().into_data().to_vec().unwrap();
         assert!(
             rel_err(&got_last, &want_last) < 1e-4,
-            "case {i}: prefill logits"
+            "case {i}, {layout:?}: prefill logits"
         );
         let mut got_ids = Vec::new();
         let mut got_lp = Vec::new();
@@ -129,11 +137,11 @@ fn kv_cache_greedy_matches_transformers() {
             let out = m.decode_step(&[best as u32], &mut [&mut cache]).unwrap();
             logits = out.reshape([ck.config.vocab_size]);
         }
-        assert_eq!(got_ids, want_ids, "case {i}: greedy ids");
+        assert_eq!(got_ids, want_ids, "case {i}, {layout:?}: greedy ids");
         for (k, (g, w)) in got_lp.iter().zip(&want_lp).enumerate() {
             assert!(
                 (*g as f64 - w).abs() < 1e-4,
-                "case {i} step {k}: logprob {g} vs {w}"
+                "case {i}, {layout:?}, step {k}: logprob {g} vs {w}"
             );
         }
     }

@@ -18,7 +18,9 @@ use clawrl_actors::rpc::Rpc;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::wire::{AdapterServing, RolloutReply, RolloutRequest};
-use crate::model::{model_from_safetensors, EngineOptions, GenerationRequest, Qwen3Config};
+use crate::model::{
+    model_from_safetensors_as, EngineOptions, GenerationRequest, LinearLayout, Qwen3Config,
+};
 use crate::serve::{EnginePolicy, VersionWeights};
 use crate::CpuBackend;
 
@@ -62,7 +64,13 @@ async fn fetch_base(
         .map_err(|e| format!("the job's base: {e}"))?;
     let config = config.clone();
     let base = tokio::task::spawn_blocking(move || {
-        model_from_safetensors::<CpuBackend>(&config, &bytes, &Default::default())
+        // The base engine shares these tensors, so they are loaded as it decodes fastest.
+        model_from_safetensors_as::<CpuBackend>(
+            &config,
+            &bytes,
+            &Default::default(),
+            LinearLayout::decoding::<CpuBackend>(),
+        )
     })
     .await
     .map_err(|e| format!("loading the job's base: the task died: {e}"))?
