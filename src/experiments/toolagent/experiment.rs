@@ -47,7 +47,7 @@ use clawrl::job::{JobSpec, JobSpecError};
 use clawrl::model::checkpoint::load_model_as;
 use clawrl::model::{
     load_checkpoint, spawn_engine, Checkpoint, EngineError, EngineOptions, GenerationRequest,
-    LoadError, Qwen3, SamplingParams,
+    LinearLayout, LoadError, Qwen3, SamplingParams,
 };
 use clawrl::pipeline::policy::action_of;
 use clawrl::pipeline::{run_job, RunError, RunOptions, RunReport};
@@ -835,7 +835,9 @@ pub fn run(
     let tasks_file = run_dir.join("train_tasks.jsonl");
     write_task_file(&train, &tasks_file).map_err(|e| FileError::write(&tasks_file, e))?;
     let base = if x.eval_at.first() == Some(&0) {
-        let m = world.measure(Arc::new(world.ck.model.clone()), &eval_env, &held, 0)?;
+        let decoding = LinearLayout::decoding::<clawrl::CpuBackend>();
+        let model = world.ck.model.clone().into_layout(decoding);
+        let m = world.measure(Arc::new(model), &eval_env, &held, 0)?;
         tracing::info!(
             success = m.success,
             tool_use = m.tool_use,
@@ -903,7 +905,8 @@ pub fn run(
         for &u in x.eval_at.iter().filter(|&&u| u > 0) {
             let dir = job.checkpoint_dir.join(format!("step-{u:08}"));
             let model =
-                load_model_as::<clawrl::CpuBackend>(&dir, &world.ck.config, &Default::default())?;
+                load_model_as::<clawrl::CpuBackend>(&dir, &world.ck.config, &Default::default())?
+                    .into_layout(LinearLayout::decoding::<clawrl::CpuBackend>());
             let m = world.measure(Arc::new(model), &eval_env, &held, u)?;
             tracing::info!(
                 arm = arm.name(),
