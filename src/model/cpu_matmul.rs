@@ -28,18 +28,18 @@
 //! low-rank adapters through the same kernels, each adapter over its own rows.
 //!
 //! Each output sums its `k` products in an order that depends on `k` alone (row-major: one
-//! fused multiply-add chain from `k = 0` up; transposed: sixteen lanes, then a fixed tree), so a
-//! row's result does not depend on the other rows, the batch size or the thread count. It is not
-//! the GEMM's order: a decode step and a prefill of the same tokens agree to rounding, as they
-//! did before (the GEMM has its own path for one row).
+//! fused multiply-add chain from `k = 0` up; transposed: sixteen lanes, or eight, then a fixed
+//! tree), so a row's result does not depend on the other rows, the batch size or the thread
+//! count. It is not the GEMM's order: a decode step and a prefill of the same tokens agree to
+//! rounding, as they did before (the GEMM has its own path for one row).
 //!
 //! Both kernels use AVX-512 where the CPU has it. On a CPU with AVX2 and FMA but not AVX-512,
 //! only the transposed kernel runs ([`rows_dot8`]: eight lanes, three rows of the weight by four
 //! rows of `x` per tile): a row-major kernel of eight lanes lost to the GEMM there, because a
 //! block of `W`'s rows is that many read streams, while a transposed `W` is read front to back
 //! in one. The generation engine's weights are therefore kept `[out, in]` on such CPUs
-//! ([`transposed_weights_decode_faster`], `LinearLayout::decoding`). Elsewhere, and for more than [`MAX_ROWS`] rows, the
-//! product goes to the GEMM.
+//! ([`transposed_weights_decode_faster`], `LinearLayout::decoding`). Elsewhere, and for more
+//! than [`MAX_ROWS`] rows, the product goes to the GEMM.
 
 // The kernels exist for x86-64 only; elsewhere every product stays with the GEMM.
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
