@@ -20,8 +20,8 @@ use clawrl::model::peft::{adapter_from_safetensors, adapter_to_safetensors};
 use clawrl::model::qwen3::rope_inv_freq;
 use clawrl::model::{
     load_adapter, load_checkpoint, load_model, model_from_safetensors, model_to_safetensors,
-    save_adapter, spawn_engine, AdapterLoadError, EngineOptions, GenerationRequest, LoraConfig,
-    LoraTarget, LoraWeights, Qwen3, SamplingParams,
+    save_adapter, spawn_engine, AdapterLoadError, EngineOptions, GenerationRequest, LinearLayout,
+    LoraConfig, LoraTarget, LoraWeights, Qwen3, SamplingParams,
 };
 use clawrl::serve::{EnginePolicy, VersionLoadError, VersionWeights};
 use clawrl::train::checkpoint::{self, CheckpointError};
@@ -1083,12 +1083,25 @@ fn other_adapter(cfg: &clawrl::model::Qwen3Config, like: &LoraConfig, seed: u64)
 }
 
 /// Rows of one decode batch over different adapters (and the base itself) give each row what
-/// its own model gives it decoding alone.
+/// its own model gives it decoding alone, with the base's linear weights kept either way; the
+/// two layouts agree.
 #[test]
 fn a_batch_of_rows_over_different_adapters_decodes_as_each_alone() {
-    let (cfg, with_fixture) = adapted::<B>();
-    let lora = with_fixture.lora_config().unwrap();
-    let base = with_fixture.clone().without_lora();
+    let in_out = mixed_batch_decodes_as_each_alone(LinearLayout::InOut);
+    let out_in = mixed_batch_decodes_as_each_alone(LinearLayout::OutIn);
+    let d = max_abs(&in_out, &out_in);
+    assert!(d < 1e-4, "the layouts' mixed batches differ by {d}");
+}
+
+/// The mixed batch's outputs, every step's, each row checked against its model alone.
+fn mixed_batch_decodes_as_each_alone(layout: LinearLayout) -> Vec<f32> {
+    let (cfg, adapted) = adapted::<B>();
+    let lora = adapted.lora_config().unwrap();
+    let base = adapted.clone().without_lora().into_layout(layout);
+    let with_fixture = base
+        .clone()
+        .with_lora(&adapted.lora_weights(&lora).unwrap())
+        .unwrap();
     let second = base
         .clone()
         .with_lora(&other_adapter(&cfg, &lora, 5))
@@ -1112,6 +1125,7 @@ fn a_batch_of_rows_over_different_adapters_decodes_as_each_alone() {
     }
     let vocab = cfg.vocab_size;
     let mut tokens = vec![11u32, 12, 13, 14];
+    let mut outputs = Vec::new();
     for step in 0..3 {
         let mut caches: Vec<_> = together.iter_mut().collect();
         let mixed: Vec<f32> = base
@@ -1128,8 +1142,12 @@ fn a_batch_of_rows_over_different_adapters_decodes_as_each_alone() {
                 .to_vec()
                 .unwrap();
             let d = max_abs(&mixed[i * vocab..(i + 1) * vocab], &own);
-            assert!(d < 1e-4, "step {step} row {i}: max abs diff {d}");
+            assert!(
+                d < 1e-4,
+                "{layout:?}, step {step} row {i}: max abs diff {d}"
+            );
         }
+        outputs.extend(mixed);
         tokens = tokens.iter().map(|t| t + 7).collect();
     }
     // The adapters matter: the rows of the base and of each adapter differ.
@@ -1139,6 +1157,7 @@ fn a_batch_of_rows_over_different_adapters_decodes_as_each_alone() {
     };
     assert!(max_abs(&row(prompts[0], &base), &row(prompts[0], &with_fixture)) > 1e-3);
     assert!(max_abs(&row(prompts[0], &base), &row(prompts[0], &second)) > 1e-3);
+    outputs
 }
 
 /// One engine serves the base and two attached adapters at once: each request gets what an
