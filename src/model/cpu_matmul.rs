@@ -25,7 +25,8 @@
 //!
 //! Columns (or embedding rows) are split in contiguous ranges across the rayon pool when the
 //! weight holds at least [`PARALLEL_FROM`] elements. [`adapter_delta`] runs a mixed batch's
-//! low-rank adapters through the same kernels, each adapter over its own rows.
+//! low-rank adapters through the row-major kernel (or, without AVX-512, the GEMM), each adapter
+//! over its own rows.
 //!
 //! Each output sums its `k` products in an order that depends on `k` alone (row-major: one
 //! fused multiply-add chain from `k = 0` up; transposed: sixteen lanes, or eight, then a fixed
@@ -302,18 +303,16 @@ pub struct AdapterRows<'a> {
 }
 
 /// `delta [m, n]` for `x [m, k]`: each group's rows get `(scaling · x_row A) B` of their own
-/// adapter, every other row zeros; `None` without AVX-512 (the adapters are row-major). Each
-/// group reads only its own `A` and `B` and multiplies only its own rows.
+/// adapter, every other row zeros. Each group reads only its own `A` and `B` (row-major, in
+/// place) and multiplies only its own rows: through the row-major kernel where the CPU has it,
+/// else through the GEMM.
 pub fn adapter_delta(
     x: &[f32],
     m: usize,
     k: usize,
     n: usize,
     groups: &[AdapterRows<'_>],
-) -> Option<Vec<f32>> {
-    if kernels() != Kernels::Avx512 {
-        return None;
-    }
+) -> Vec<f32> {
     let mut delta = vec![0.0f32; m * n];
     for g in groups {
         for rows in g.rows.chunks(MAX_ROWS) {
@@ -321,10 +320,9 @@ pub fn adapter_delta(
             for &r in rows {
                 xg.extend_from_slice(&x[r * k..(r + 1) * k]);
             }
-            let a = Rhs::RowMajor { w: g.a, ld: g.rank };
-            let mut h = times(&xg, rows.len(), k, a, g.rank)?;
+            let mut h = row_major_times(&xg, rows.len(), k, g.a, g.rank);
             h.iter_mut().for_each(|v| *v *= g.scaling);
-            let d = times(&h, rows.len(), g.rank, Rhs::RowMajor { w: g.b, ld: n }, n)?;
+            let d = row_major_times(&h, rows.len(), g.rank, g.b, n);
             for (&r, d) in rows.iter().zip(d.chunks(n)) {
                 delta[r * n..(r + 1) * n]
                     .iter_mut()
@@ -333,7 +331,43 @@ pub fn adapter_delta(
             }
         }
     }
-    Some(delta)
+    delta
+}
+
+/// `x [m, k] · W [k, n]` for a row-major `W` (`n` apart) and `1 ≤ m ≤ MAX_ROWS`: [`times`]
+/// where this CPU has the row-major kernel, else the GEMM on the calling thread.
+fn row_major_times(x: &[f32], m: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
+    if let Some(y) = times(x, m, k, Rhs::RowMajor { w, ld: n }, n) {
+        return y;
+    }
+    let mut out: Vec<f32> = Vec::with_capacity(m * n);
+    // Safety: `times` checked that `x` holds `m × k` and `w` `k × n` floats; the GEMM writes all
+    // `m × n` elements of `out` without reading them (see `gemm_times`).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            x.as_ptr(),
+            1,
+            k as isize,
+            w.as_ptr(),
+            1,
+            n as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+        out.set_len(m * n);
+    }
+    out
 }
 
 /// The output, written by several threads at disjoint places.
@@ -808,6 +842,51 @@ mod tests {
             for m in 1..MAX_ROWS {
                 let some = times(&x, m, k, rhs, n).unwrap();
                 assert_eq!(some, all[..m * n], "{m} rows");
+            }
+        }
+    }
+
+    /// Each group's rows get `(scaling · x A) B` of their own adapter, a row in no group gets
+    /// zeros, on every CPU (the row-major kernel or the GEMM).
+    #[test]
+    fn adapter_deltas_go_to_their_own_rows_only() {
+        let (m, k, n) = (7, 40, 33);
+        let x = draw(m * k, 1);
+        let adapters = [
+            (3, 0.5f32, draw(k * 3, 2), draw(3 * n, 3)),
+            (5, 2.0, draw(k * 5, 4), draw(5 * n, 5)),
+        ];
+        let rows = [vec![0, 4, 5], vec![2, 6]];
+        let groups: Vec<AdapterRows> = adapters
+            .iter()
+            .zip(&rows)
+            .map(|((rank, scaling, a, b), rows)| AdapterRows {
+                rows: rows.clone(),
+                a,
+                b,
+                rank: *rank,
+                scaling: *scaling,
+            })
+            .collect();
+        let delta = adapter_delta(&x, m, k, n, &groups);
+        for r in 0..m {
+            let got = &delta[r * n..(r + 1) * n];
+            match rows.iter().position(|rows| rows.contains(&r)) {
+                None => assert!(got.iter().all(|&v| v == 0.0), "row {r} has no adapter"),
+                Some(g) => {
+                    let (rank, scaling, a, b) = &adapters[g];
+                    let xr = &x[r * k..(r + 1) * k];
+                    let h = reference(xr, 1, k, *rank, |i, c| a[i * rank + c]);
+                    for (c, got) in got.iter().enumerate() {
+                        let want: f64 = (0..*rank)
+                            .map(|j| *scaling as f64 * h[j] * b[j * n + c] as f64)
+                            .sum();
+                        assert!(
+                            (*got as f64 - want).abs() <= 1e-5,
+                            "row {r} col {c}: {got} against {want}"
+                        );
+                    }
+                }
             }
         }
     }
