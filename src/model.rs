@@ -35,8 +35,8 @@ pub mod weights;
 
 pub use chat::{ChatError, ChatTemplate, Prompt};
 pub use checkpoint::{
-    load_checkpoint, load_config, load_model, save_checkpoint_dir, Checkpoint, LoadError,
-    ReadError, TokenizerFiles,
+    load_checkpoint, load_checkpoint_in, load_config, load_model, load_model_in,
+    save_checkpoint_dir, Checkpoint, LoadError, ReadError, TokenizerFiles,
 };
 pub use config::{ConfigError, Qwen3Config};
 pub use engine::{

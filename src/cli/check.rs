@@ -22,8 +22,9 @@ use serde_json::json;
 use clawrl::device::{Device, InferenceTask, TrainingTask};
 use clawrl::model::chat::parse_json_value;
 use clawrl::model::{
-    load_checkpoint, load_model, spawn_engine, EngineHandle, EngineOptions, GenerationRequest,
-    LinearLayout, LoraConfig, LoraTarget, LoraWeights, Qwen3, SamplingParams, StreamEvent,
+    load_checkpoint, load_model, load_model_in, spawn_engine, EngineHandle, EngineOptions,
+    GenerationRequest, LinearLayout, LoraConfig, LoraTarget, LoraWeights, Qwen3, SamplingParams,
+    StreamEvent,
 };
 use clawrl::train::learner::BurnLearner;
 use clawrl::train::{Sample, TrainConfig};
@@ -80,7 +81,8 @@ pub enum CheckCommand {
         no_packing: bool,
         /// Generate, decode: attach this many fresh LoRA adapters (rank `--adapter-rank` on
         /// every linear layer, alpha twice the rank) to the one engine and spread the requests
-        /// over them (request `i` on adapter `i mod N`); 0 runs the base alone.
+        /// over them (request `i` on adapter `i mod N`); 0 runs the base alone. Train: 1 trains
+        /// such an adapter over the frozen base, kept as a LoRA job keeps it.
         #[arg(long, default_value_t = 0)]
         adapters: usize,
         /// The rank of `--adapters`.
@@ -157,8 +159,11 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
                 "--shared-prefix and --no-packing apply to --workload train only"
             );
             anyhow::ensure!(
-                adapters == 0 || matches!(workload, Workload::Generate | Workload::Decode),
-                "--adapters applies to --workload generate and decode only"
+                adapters == 0
+                    || matches!(workload, Workload::Generate | Workload::Decode)
+                    || (adapters == 1 && matches!(workload, Workload::Train)),
+                "--adapters applies to --workload generate and decode, and to train as 1 (a \
+                 learner trains one adapter)"
             );
             let adapters = match adapters {
                 0 => None,
@@ -507,7 +512,8 @@ struct Shape<'a> {
     shared_prefix: usize,
     /// Train: whether the learner packs shared prefixes.
     packing: bool,
-    /// Generate: how many adapters of which shape the requests are spread over.
+    /// Generate: how many adapters of which shape the requests are spread over. Train: the
+    /// shape of the one adapter trained.
     adapters: Option<(usize, LoraConfig)>,
 }
 
@@ -654,8 +660,17 @@ impl TrainingTask for TrainSpeed<'_> {
     type Output = anyhow::Result<Vec<f64>>;
     fn run<B: AutodiffBackend>(self, device: B::Device) -> Self::Output {
         let s = self.0;
-        let (cfg, model) = load_model::<B>(s.dir, &device)
+        // With an adapter, the base is frozen and kept as a LoRA job keeps it.
+        let layout = match s.adapters {
+            None => LinearLayout::InOut,
+            Some(_) => LinearLayout::decoding::<B::InnerBackend>(),
+        };
+        let (cfg, model) = load_model_in::<B>(s.dir, &device, layout)
             .with_context(|| format!("loading {}", s.dir.display()))?;
+        let model = match &s.adapters {
+            None => model,
+            Some((_, lora)) => model.with_lora(&LoraWeights::fresh(lora, &cfg, 1))?,
+        };
         let vocab = cfg.vocab_size;
         let train = TrainConfig {
             lr: 1e-5,

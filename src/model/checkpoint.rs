@@ -357,9 +357,18 @@ pub fn load_model<B: Backend>(
     dir: &Path,
     device: &B::Device,
 ) -> Result<(Qwen3Config, Qwen3<B>), LoadError> {
+    load_model_in(dir, device, LinearLayout::InOut)
+}
+
+/// [`load_model`] with the linear weights kept as `layout` says.
+pub fn load_model_in<B: Backend>(
+    dir: &Path,
+    device: &B::Device,
+    layout: LinearLayout,
+) -> Result<(Qwen3Config, Qwen3<B>), LoadError> {
     let config = load_config(dir)?;
     let buffers = read_weight_files(dir)?;
-    let model = TensorSource::new(&buffers)?.build(&config, device, LinearLayout::InOut)?;
+    let model = TensorSource::new(&buffers)?.build(&config, device, layout)?;
     Ok((config, model))
 }
 
@@ -380,7 +389,17 @@ pub fn load_checkpoint<B: Backend>(
     dir: &Path,
     device: &B::Device,
 ) -> Result<Checkpoint<B>, LoadError> {
-    let (config, model) = load_model(dir, device)?;
+    load_checkpoint_in(dir, device, LinearLayout::InOut)
+}
+
+/// [`load_checkpoint`] with the linear weights kept as `layout` says (what a model that will
+/// not train them, or only serve, may ask for: see [`LinearLayout`]).
+pub fn load_checkpoint_in<B: Backend>(
+    dir: &Path,
+    device: &B::Device,
+    layout: LinearLayout,
+) -> Result<Checkpoint<B>, LoadError> {
+    let (config, model) = load_model_in(dir, device, layout)?;
     let (tokenizer, chat_template, files) = load_tokenizer_files(dir)?;
     Ok(Checkpoint {
         config,

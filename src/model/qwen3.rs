@@ -31,7 +31,7 @@ use super::fused::{repeat_kv, rms_norm, rope_heads_first, swap_heads, swiglu};
 use super::kv_cache::{KvCache, KvCacheError};
 use super::lora::Lora;
 use super::matmul::matmul;
-use crate::CpuBackend;
+use crate::{CpuAutodiff, CpuBackend};
 
 /// Root-mean-square layer norm over the last dimension (no bias, no mean subtraction).
 #[derive(Module, Debug)]
@@ -637,6 +637,15 @@ impl<B: Backend> Qwen3<B> {
         self
     }
 
+    /// How this model keeps its linear weights (read off its first block's `q_proj`; every
+    /// constructor and [`into_layout`](Self::into_layout) keeps them all one way).
+    pub fn linear_layout(&self) -> LinearLayout {
+        match self.layers.first() {
+            Some(layer) => LinearLayout::of(&layer.self_attn.q_proj.val()),
+            None => LinearLayout::InOut,
+        }
+    }
+
     /// Vocabulary size.
     pub fn vocab_size(&self) -> usize {
         self.embed_tokens.dims()[0]
@@ -886,14 +895,16 @@ pub enum LinearLayout {
     /// updates a parameter and its gradient as two buffers of the same order).
     InOut,
     /// `[out, in]` (Hugging Face's order), read through a transposed view. Only the CPU
-    /// backend's tensors are kept so; on any other backend this is [`InOut`](Self::InOut).
+    /// backend's tensors, with or without autodiff, are kept so; on any other backend this is
+    /// [`InOut`](Self::InOut). A learner keeps in it only weights it does not train (a LoRA
+    /// job's frozen base): the products read either order in place, the optimizer does not.
     OutIn,
 }
 
 impl LinearLayout {
     /// The layout a tensor of backend `B` is kept in when this one is asked for.
     fn on<B: Backend>(self) -> Self {
-        if TypeId::of::<B>() == TypeId::of::<CpuBackend>() {
+        if cpu_kind::<B>().is_some() {
             self
         } else {
             LinearLayout::InOut
@@ -934,16 +945,22 @@ impl LinearLayout {
 
     /// Whether the `[in, out]` tensor `w` is kept as this layout asks.
     fn holds<B: Backend>(self, w: &Tensor<B, 2>) -> bool {
-        let kept = if TypeId::of::<B>() == TypeId::of::<CpuBackend>() {
-            let cpu: Tensor<CpuBackend, 2> = super::matmul::cast(w.clone());
-            match cpu.into_primitive().tensor().layout().strides() {
-                [1, _] if w.dims()[1] > 1 => LinearLayout::OutIn,
-                _ => LinearLayout::InOut,
+        Self::of(w) == self.on::<B>()
+    }
+
+    /// How the `[in, out]` tensor `w` is kept.
+    fn of<B: Backend>(w: &Tensor<B, 2>) -> Self {
+        let cpu: Option<Tensor<CpuBackend, 2>> = match cpu_kind::<B>() {
+            Some(CpuKind::Plain) => Some(super::matmul::cast(w.clone())),
+            Some(CpuKind::Autodiff) => {
+                Some(super::matmul::cast::<B, CpuAutodiff, 2>(w.clone()).inner())
             }
-        } else {
-            LinearLayout::InOut
+            None => None,
         };
-        kept == self.on::<B>()
+        match cpu.map(|t| t.into_primitive().tensor().layout().strides().to_vec()) {
+            Some(strides) if strides[0] == 1 && w.dims()[1] > 1 => LinearLayout::OutIn,
+            _ => LinearLayout::InOut,
+        }
     }
 
     /// Keeps the parameter `w` this way.
@@ -953,9 +970,30 @@ impl LinearLayout {
             return;
         }
         let [inp, out] = t.dims();
-        // `floats` reads the view in its logical order: `[in, out]`, row-major.
-        let data = floats(t.clone()).to_vec();
+        // Read in the view's logical order: `[in, out]`, row-major.
+        let data = t.clone().into_data().convert::<f32>().into_vec::<f32>();
+        let data = data.expect("a float tensor's data as f32");
         *w = Param::from_tensor(self.tensor(data, [out, inp], true, &t.device()));
+    }
+}
+
+/// Which CPU backend `B` is, if it is one.
+#[derive(Clone, Copy)]
+enum CpuKind {
+    /// [`CpuBackend`].
+    Plain,
+    /// [`CpuAutodiff`], the learner's backend over it.
+    Autodiff,
+}
+
+fn cpu_kind<B: Backend>() -> Option<CpuKind> {
+    let b = TypeId::of::<B>();
+    if b == TypeId::of::<CpuBackend>() {
+        Some(CpuKind::Plain)
+    } else if b == TypeId::of::<CpuAutodiff>() {
+        Some(CpuKind::Autodiff)
+    } else {
+        None
     }
 }
 

@@ -37,7 +37,9 @@ use super::{
 };
 use crate::job::JobSpec;
 use crate::model::checkpoint::load_model_as;
-use crate::model::{load_checkpoint, ChatTemplate, EngineOptions, LoraWeights, Qwen3, Qwen3Config};
+use crate::model::{
+    load_checkpoint_in, ChatTemplate, EngineOptions, LinearLayout, LoraWeights, Qwen3, Qwen3Config,
+};
 use crate::serve::VersionWeights;
 use crate::train::learner::BurnLearner;
 use crate::CpuBackend;
@@ -79,9 +81,18 @@ impl<AB: AutodiffBackend> LoadedPolicy<AB> {
         count: usize,
     ) -> Result<Vec<Self>, RunError> {
         let ckpt_dir = spec.resolve(&spec.policy.checkpoint);
-        let ck = load_checkpoint::<AB>(&ckpt_dir, &device).map_err(|e| RunError::Checkpoint {
-            path: ckpt_dir.clone(),
-            message: e.to_string(),
+        // A LoRA job's base is frozen, and the job's engine decodes from the learner's own
+        // tensors: they are kept as decoding wants them. Whole weights train, so they stay
+        // `[in, out]`.
+        let layout = match spec.policy.lora {
+            Some(_) => LinearLayout::decoding::<AB::InnerBackend>(),
+            None => LinearLayout::InOut,
+        };
+        let ck = load_checkpoint_in::<AB>(&ckpt_dir, &device, layout).map_err(|e| {
+            RunError::Checkpoint {
+                path: ckpt_dir.clone(),
+                message: e.to_string(),
+            }
         })?;
         let stop_ids = ck.stop_token_ids();
         let tokenizer = Arc::new(ck.tokenizer);

@@ -8,7 +8,10 @@ use std::path::Path;
 use std::time::Duration;
 
 use clawrl::job::JobSpec;
+use clawrl::model::LinearLayout;
+use clawrl::pipeline::parts::LoadedPolicy;
 use clawrl::pipeline::{run_job, RunOptions, RunReport};
+use clawrl::serve::VersionWeights;
 use serde_json::Value;
 
 const TASKS: &str = r#"{"id": "greet", "instruction": "Say hello.", "replies": ["No, wrong. Hint: greet me by name, Ada.", "Thanks, great."]}
@@ -441,6 +444,21 @@ async fn a_lora_job_serves_and_scores_adapter_versions() {
         1,
     );
     assert!(spec.contains(lora));
+
+    // The job's engine decodes from the learner's frozen base, kept as decoding wants it, and
+    // the learner's whole-weights counterpart keeps `[in, out]`, which its optimizer needs.
+    let parsed = JobSpec::parse(&spec, "job.toml").unwrap();
+    let policy = LoadedPolicy::<clawrl::CpuAutodiff>::load(&parsed, Default::default()).unwrap();
+    let VersionWeights::Adapter { base, .. } = policy.version_weights() else {
+        panic!("a LoRA job's versions are adapters");
+    };
+    let decoding = LinearLayout::decoding::<clawrl::CpuBackend>();
+    assert_eq!(base.linear_layout(), decoding);
+    assert_eq!(policy.serving_model().linear_layout(), decoding);
+    let whole = JobSpec::parse(&spec_text("combined"), "job.toml").unwrap();
+    let whole = LoadedPolicy::<clawrl::CpuAutodiff>::load(&whole, Default::default()).unwrap();
+    assert_eq!(whole.serving_model().linear_layout(), LinearLayout::InOut);
+
     let (r, rec) = run_spec("combined", &spec).await;
     check_common("combined", &r, &rec);
     assert_eq!(r.trainer.failed_attempts, 0, "{:?}", r.trainer);

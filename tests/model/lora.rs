@@ -76,9 +76,17 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
 
 /// The base checkpoint with the fixture adapter applied, computing as a float32 base does.
 fn adapted<Bk: burn::tensor::backend::Backend>() -> (clawrl::model::Qwen3Config, Qwen3<Bk>) {
+    adapted_in(LinearLayout::InOut)
+}
+
+/// [`adapted`] with the base's linear weights kept as `layout` says.
+fn adapted_in<Bk: burn::tensor::backend::Backend>(
+    layout: LinearLayout,
+) -> (clawrl::model::Qwen3Config, Qwen3<Bk>) {
     let (cfg, mut model) = load_model::<Bk>(&base_dir(), &Default::default()).unwrap();
     model.rope_inv_freq = rope_inv_freq(cfg.head_dim(), cfg.rope_theta(), None);
     let peft = load_adapter(&adapter_dir(), &cfg).unwrap();
+    let model = model.into_layout(layout);
     (cfg, model.with_lora(&peft.weights).unwrap())
 }
 
@@ -205,9 +213,26 @@ fn fixture_q_proj_after(exp: &Value) -> (Vec<f32>, Vec<f32>) {
 
 #[test]
 fn adapter_only_step_matches_peft_and_leaves_the_base_unchanged() {
+    // A LoRA job's learner keeps its frozen base as decoding wants it: the step must not
+    // depend on the order.
+    let in_out = adapter_only_step(LinearLayout::InOut);
+    let out_in = adapter_only_step(LinearLayout::OutIn);
+    assert_eq!(
+        in_out, out_in,
+        "the base's fingerprint depends on its layout"
+    );
+}
+
+/// The PEFT fixture's adapter-only step over a base kept as `layout` says; gives the base's
+/// fingerprint.
+fn adapter_only_step(layout: LinearLayout) -> String {
+    eprintln!("base kept {layout:?}");
     let exp = expected()["train_step"].clone();
     let samples = reference_samples();
-    let (cfg, model) = adapted::<CpuAutodiff>();
+    let (cfg, model) = adapted_in::<CpuAutodiff>(layout);
+    assert_eq!(model.linear_layout(), layout);
+    // What a LoRA job's engine decodes from: the learner's base tensors, shared, as they are.
+    assert_eq!(model.valid().without_lora().linear_layout(), layout);
     let lora_cfg = load_adapter(&adapter_dir(), &cfg).unwrap().weights.config;
     let base_before = base_tensors(&model.valid());
     let mut learner = BurnLearner::new(
@@ -283,6 +308,7 @@ fn adapter_only_step_matches_peft_and_leaves_the_base_unchanged() {
             "base tensor {i} changed"
         );
     }
+    policy.base_fingerprint()
 }
 
 #[test]
