@@ -3,6 +3,7 @@
 
     scripts/lora_real_size.py --model DIR [--clawrl target/release/clawrl] [--out DIR]
                               [--rank 16] [--steps 2] [--max-new-tokens 16]
+                              [--method binary|combined]
 
 DIR is a Hugging Face Qwen3 checkpoint with the tokenizer files (for the Qwen3-0.6B shape with
 random weights and the real tokenizer: `scripts/bench_reference.py make-model --config
@@ -14,6 +15,8 @@ scripted judge scores them +1 and -1) until the trainer has taken `--steps` step
 serves the last version. It then stops the job (SIGTERM) and prints, as JSON: the process's peak
 RSS (sampled every 0.5 s, so also for a job the kernel kills for memory), each step's time,
 export and publish time, the size of a version on the wire, and the gateway's install time.
+`--method combined` adds the OPD teacher the job runs for it (the judge here gives no hints, so
+it trains on the binary term; the teacher's weights are what it adds to the peak).
 
 Standard library only.
 """
@@ -32,7 +35,7 @@ from pathlib import Path
 KEY = "sk-lora-real-size"
 
 
-def spec(model: Path, out: Path, rank: int, max_new: int) -> str:
+def spec(model: Path, out: Path, rank: int, max_new: int, method: str) -> str:
     lora = (
         f'lora = {{ r = {rank}, alpha = {2 * rank}, targets = ["q_proj", "k_proj", "v_proj", '
         f'"o_proj", "gate_proj", "up_proj", "down_proj"] }}'
@@ -60,7 +63,7 @@ votes = 1
 rules = [{{ pattern = "(?i)thanks", score = 1 }}, {{ pattern = "(?i)wrong", score = -1 }}]
 default_score = 0
 [method]
-kind = "binary"
+kind = "{method}"
 [optim]
 batch_size = 2
 lr = 1e-4
@@ -101,6 +104,7 @@ def main():
     ap.add_argument("--rank", type=int, default=16, help="0: full fine-tuning, for comparison")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--method", choices=["binary", "combined"], default="binary")
     a = ap.parse_args()
 
     out = a.out.resolve()
@@ -108,7 +112,7 @@ def main():
         subprocess.run(["rm", "-rf", str(out)], check=True)
     out.mkdir(parents=True)
     job = out / "job.toml"
-    job.write_text(spec(a.model.resolve(), out / "run", a.rank, a.max_new_tokens))
+    job.write_text(spec(a.model.resolve(), out / "run", a.rank, a.max_new_tokens, a.method))
     started = time.time()
     child = subprocess.Popen(
         [a.clawrl, "run", "--json", "--out", str(out / "run"), str(job)],
@@ -223,6 +227,7 @@ def main():
     result = {
         "model": str(a.model),
         "rank": a.rank,
+        "method": a.method,
         "peak_rss_mib": peak[0],
         "startup_s": round(listening_s, 1),
         "turn_s": [round(x, 2) for x in turn_s],

@@ -17,6 +17,7 @@
 //! trainer publishes its first version to the subscribers it starts with; the teacher subscribes
 //! last; the supervisor starts once the teacher serves (its first judged turn may need it).
 
+use std::any::Any;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -143,9 +144,14 @@ impl<AB: AutodiffBackend> LoadedPolicy<AB> {
     }
 
     /// [`version_weights`](Self::version_weights) for a reader on the CPU whatever device the
-    /// learner uses (the OPD teacher): with `policy.lora`, its own copy of the base, read from
-    /// the checkpoint under the learner's config.
+    /// learner uses (the OPD teacher): with `policy.lora`, the learner's own base when the
+    /// learner is on the CPU too (shared, as the serving side shares it: the base is frozen),
+    /// else a copy of the base read from the checkpoint under the learner's config.
     pub fn cpu_version_weights(&self) -> Result<VersionWeights<CpuBackend>, RunError> {
+        let shared: Box<dyn Any> = Box::new(self.version_weights());
+        if let Ok(weights) = shared.downcast::<VersionWeights<CpuBackend>>() {
+            return Ok(*weights);
+        }
         match self.learner.policy().valid().lora_config() {
             None => Ok(VersionWeights::Full),
             Some(config) => {

@@ -455,6 +455,17 @@ async fn a_lora_job_serves_and_scores_adapter_versions() {
     let decoding = LinearLayout::decoding::<clawrl::CpuBackend>();
     assert_eq!(base.linear_layout(), decoding);
     assert_eq!(policy.serving_model().linear_layout(), decoding);
+    // The OPD teacher of a job whose learner is on the CPU reads the same base tensors, not
+    // a copy of its own.
+    let VersionWeights::Adapter { base: teacher, .. } = policy.cpu_version_weights().unwrap()
+    else {
+        panic!("a LoRA job's teacher reads adapters");
+    };
+    let first_weight = |m: &clawrl::model::Qwen3<clawrl::CpuBackend>| {
+        let w = m.layers[0].self_attn.q_proj.val();
+        w.into_primitive().tensor().bytes().as_ptr()
+    };
+    assert_eq!(first_weight(&teacher), first_weight(&base));
     let whole = JobSpec::parse(&spec_text("combined"), "job.toml").unwrap();
     let whole = LoadedPolicy::<clawrl::CpuAutodiff>::load(&whole, Default::default()).unwrap();
     assert_eq!(whole.serving_model().linear_layout(), LinearLayout::InOut);
