@@ -16,7 +16,7 @@ serves the last version. It then stops the job (SIGTERM) and prints, as JSON: th
 RSS (sampled every 0.5 s, so also for a job the kernel kills for memory), each step's time,
 export and publish time, the size of a version on the wire, and the gateway's install time.
 `--method combined` adds the OPD teacher the job runs for it (the judge here gives no hints, so
-it trains on the binary term; the teacher's weights are what it adds to the peak).
+it trains on the binary term): the difference in peak RSS is what the teacher costs.
 
 Standard library only.
 """
