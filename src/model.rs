@@ -47,10 +47,11 @@ pub use fused::token_logprobs;
 pub use kv_cache::{KvCache, KvCacheError};
 pub use lora::{LoraConfig, LoraConfigError, LoraError, LoraTarget, LoraWeights};
 pub use peft::{apply_adapter, load_adapter, save_adapter, AdapterLoadError, AdapterSaveError};
-pub use qwen3::{LinearLayout, Qwen3};
+pub use qwen3::{LinearLayout, Qwen3, WeightData};
 pub use sampling::{RawLogprobs, SamplingParams};
 pub use score::{score_batch, score_response, score_response_topk, ScoredTopK};
 pub use tool_call::{parse_tool_calls, ParsedResponse, ToolCall, ToolCallError};
 pub use weights::{
-    model_from_safetensors, model_from_safetensors_as, model_to_safetensors, SaveError,
+    model_from_safetensors, model_from_safetensors_as, model_from_shared_safetensors,
+    model_to_safetensors, model_to_safetensors_into, SaveError,
 };

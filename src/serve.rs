@@ -23,7 +23,7 @@ use clawrl_actors::loops::{PolicyReplica, WeightAnnounce};
 
 use crate::model::peft::adapter_from_safetensors;
 use crate::model::{
-    model_from_safetensors_as, spawn_engine, AdapterLoadError, EngineError, EngineHandle,
+    model_from_shared_safetensors, spawn_engine, AdapterLoadError, EngineError, EngineHandle,
     EngineOptions, GenerationRequest, GenerationResult, LinearLayout, LoadError, LoraConfig,
     LoraError, Qwen3, Qwen3Config,
 };
@@ -83,16 +83,17 @@ pub enum VersionWeights<B: Backend> {
 
 impl<B: Backend> VersionWeights<B> {
     /// The model weight version `version`'s blob `bytes` describes, read under `config` on
-    /// `device`.
+    /// `device`. Whole weights kept as the blob stores them are views of it, not copies
+    /// ([`model_from_shared_safetensors`]).
     pub fn model(
         &self,
         config: &Qwen3Config,
         version: u64,
-        bytes: &[u8],
+        bytes: &Bytes,
         device: &B::Device,
     ) -> Result<Qwen3<B>, VersionLoadError> {
         match self {
-            VersionWeights::Full => Ok(model_from_safetensors_as::<B>(
+            VersionWeights::Full => Ok(model_from_shared_safetensors::<B>(
                 config,
                 bytes,
                 device,
@@ -217,7 +218,7 @@ where
     type Loaded = ServedVersion;
     type LoadError = VersionLoadError;
 
-    fn load(&self, version: u64, weights: &[u8]) -> Result<ServedVersion, VersionLoadError> {
+    fn load(&self, version: u64, weights: &Bytes) -> Result<ServedVersion, VersionLoadError> {
         match (&self.weights, &self.base_engine) {
             (VersionWeights::Adapter { config: lora, .. }, Some(engine)) => {
                 ServedVersion::attach(engine, lora, &self.config, version, weights)

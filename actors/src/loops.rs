@@ -80,8 +80,9 @@ pub trait PolicyReplica: Send + Sync + 'static {
     type LoadError: std::error::Error + Send + Sync + 'static;
 
     /// Builds a servable version from a weight blob. Blocking and possibly slow: the worker
-    /// calls it on a blocking thread, never on its message loop.
-    fn load(&self, version: u64, weights: &[u8]) -> Result<Self::Loaded, Self::LoadError>;
+    /// calls it on a blocking thread, never on its message loop. The blob is shared (its
+    /// bulk-plane copy), so the version may keep views of it rather than copies.
+    fn load(&self, version: u64, weights: &Bytes) -> Result<Self::Loaded, Self::LoadError>;
 
     /// Generates `request` on `loaded`.
     fn generate(

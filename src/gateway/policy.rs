@@ -92,7 +92,7 @@ pub struct PolicyStats {
     pub last_install_s: f64,
 }
 
-type Loader = dyn Fn(u64, &[u8]) -> Result<ServedVersion, VersionLoadError> + Send + Sync;
+type Loader = dyn Fn(u64, &Bytes) -> Result<ServedVersion, VersionLoadError> + Send + Sync;
 
 struct Inner {
     current: RwLock<Arc<ServedVersion>>,
@@ -146,7 +146,7 @@ impl GatewayPolicy {
         let replica =
             EnginePolicy::<B>::with_weights(update_config, weights, tokenizer, options, device);
         let serving = replica.serve_model(version, model);
-        let loader = move |version: u64, bytes: &[u8]| replica.load(version, bytes);
+        let loader = move |version: u64, bytes: &Bytes| replica.load(version, bytes);
         Self::serving(serving, Box::new(loader))
     }
 
@@ -162,7 +162,7 @@ impl GatewayPolicy {
         let engine = base.current().engine().base();
         let lora = adapter.config.clone();
         let serving = ServedVersion::new(version, engine.attach(adapter));
-        let loader = move |version: u64, bytes: &[u8]| {
+        let loader = move |version: u64, bytes: &Bytes| {
             ServedVersion::attach(&engine, &lora, &update_config, version, bytes)
         };
         Self::serving(serving, Box::new(loader))

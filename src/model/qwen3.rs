@@ -465,7 +465,56 @@ pub fn hf_weight_shapes(cfg: &Qwen3Config) -> Vec<(String, Vec<usize>)> {
 /// Supplies one weight by Hugging Face name and shape (see [`Qwen3::build`]), row-major; when
 /// the flag is set, a 2-D weight comes transposed (`[in, out]` for a linear layer's
 /// `[out, in]`), so that a source can decode and transpose in one pass.
-pub type WeightGetter<'a, E> = dyn FnMut(&str, &[usize], bool) -> Result<Vec<f32>, E> + 'a;
+pub type WeightGetter<'a, E> = dyn FnMut(&str, &[usize], bool) -> Result<WeightData, E> + 'a;
+
+/// The f32 elements of one weight as a [`WeightGetter`] hands them over.
+pub enum WeightData {
+    /// Decoded into a vector of their own.
+    Owned(Vec<f32>),
+    /// Little-endian f32 bytes, 4-byte aligned, in a buffer the source shares: the tensor
+    /// keeps a reference into the buffer instead of a copy, so the buffer lives as long as
+    /// the tensor (a replica's received version, which its bulk store holds anyway).
+    Shared(bytes::Bytes),
+}
+
+impl From<Vec<f32>> for WeightData {
+    fn from(v: Vec<f32>) -> Self {
+        WeightData::Owned(v)
+    }
+}
+
+impl WeightData {
+    /// Whether `bytes` may be [`WeightData::Shared`]: their f32 values read in place only on a
+    /// little-endian host and at an address a `f32` may sit at.
+    pub fn shareable(bytes: &[u8]) -> bool {
+        cfg!(target_endian = "little")
+            && bytes.len().is_multiple_of(4)
+            && (bytes.as_ptr() as usize).is_multiple_of(std::mem::align_of::<f32>())
+    }
+
+    /// The tensor data of `shape`, sharing the bytes when they are shared.
+    fn into_tensor_data(self, shape: &[usize]) -> TensorData {
+        match self {
+            WeightData::Owned(v) => TensorData::new(v, shape.to_vec()),
+            WeightData::Shared(b) => TensorData::from_bytes(
+                burn::tensor::Bytes::from_shared(b, burn::tensor::AllocationProperty::Native),
+                shape.to_vec(),
+                burn::tensor::DType::F32,
+            ),
+        }
+    }
+
+    /// The values in a vector of their own (a copy when shared).
+    fn into_vec(self) -> Vec<f32> {
+        match self {
+            WeightData::Owned(v) => v,
+            WeightData::Shared(b) => {
+                let (words, _) = b.as_chunks::<4>();
+                words.iter().map(|w| f32::from_le_bytes(*w)).collect()
+            }
+        }
+    }
+}
 
 impl<B: Backend> Qwen3<B> {
     /// A randomly initialised model: normal(0, `initializer_range`) weights drawn from a
@@ -478,7 +527,7 @@ impl<B: Backend> Qwen3<B> {
         Self::build(cfg, device, &mut |name, shape, transposed| {
             let n: usize = shape.iter().product();
             if name.ends_with("norm.weight") {
-                return Ok::<_, std::convert::Infallible>(vec![1.0; n]);
+                return Ok::<_, std::convert::Infallible>(vec![1.0; n].into());
             }
             // Drawn in Hugging Face order whatever the layout asked, so a seed means one model.
             let w: Vec<f32> = (0..n)
@@ -491,7 +540,8 @@ impl<B: Backend> Qwen3<B> {
             Ok(match (transposed, shape) {
                 (true, &[r, c]) => transpose(&w, r, c),
                 _ => w,
-            })
+            }
+            .into())
         })
         .unwrap_or_else(|e| match e {})
     }
@@ -521,7 +571,7 @@ impl<B: Backend> Qwen3<B> {
         let mut vector = |name: &str, n: usize| -> Result<Param<Tensor<B, 1>>, E> {
             let data = get(name, &[n], false)?;
             Ok(Param::from_tensor(Tensor::<B, 1>::from_data(
-                TensorData::new(data, [n]),
+                data.into_tensor_data(&[n]),
                 device,
             )))
         };
@@ -592,7 +642,7 @@ impl<B: Backend> Qwen3<B> {
             });
         }
         let embed_tokens = Param::from_tensor(Tensor::<B, 2>::from_data(
-            TensorData::new(embed, [cfg.vocab_size, h]),
+            embed.into_tensor_data(&[cfg.vocab_size, h]),
             device,
         ));
         let lm_head = if cfg.tie_word_embeddings {
@@ -903,7 +953,7 @@ pub enum LinearLayout {
 
 impl LinearLayout {
     /// The layout a tensor of backend `B` is kept in when this one is asked for.
-    fn on<B: Backend>(self) -> Self {
+    pub(crate) fn on<B: Backend>(self) -> Self {
         if cpu_kind::<B>().is_some() {
             self
         } else {
@@ -926,20 +976,26 @@ impl LinearLayout {
     /// (`transposed`: already as `[in, out]`).
     fn tensor<B: Backend>(
         self,
-        data: Vec<f32>,
+        data: WeightData,
         [out, inp]: [usize; 2],
         transposed: bool,
         device: &B::Device,
     ) -> Tensor<B, 2> {
         match (self.on::<B>(), transposed) {
             (LinearLayout::InOut, true) => {
-                Tensor::from_data(TensorData::new(data, [inp, out]), device)
+                Tensor::from_data(data.into_tensor_data(&[inp, out]), device)
             }
             (LinearLayout::OutIn, false) => {
-                Tensor::<B, 2>::from_data(TensorData::new(data, [out, inp]), device).transpose()
+                Tensor::<B, 2>::from_data(data.into_tensor_data(&[out, inp]), device).transpose()
             }
-            (layout, true) => layout.tensor(transpose(&data, inp, out), [out, inp], false, device),
-            (layout, false) => layout.tensor(transpose(&data, out, inp), [out, inp], true, device),
+            (layout, true) => {
+                let t = transpose(&data.into_vec(), inp, out);
+                layout.tensor(t.into(), [out, inp], false, device)
+            }
+            (layout, false) => {
+                let t = transpose(&data.into_vec(), out, inp);
+                layout.tensor(t.into(), [out, inp], true, device)
+            }
         }
     }
 
@@ -973,7 +1029,7 @@ impl LinearLayout {
         // Read in the view's logical order: `[in, out]`, row-major.
         let data = t.clone().into_data().convert::<f32>().into_vec::<f32>();
         let data = data.expect("a float tensor's data as f32");
-        *w = Param::from_tensor(self.tensor(data, [out, inp], true, &t.device()));
+        *w = Param::from_tensor(self.tensor(data.into(), [out, inp], true, &t.device()));
     }
 }
 

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
+use bytes::Bytes;
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{Dtype, SafeTensors};
 
@@ -14,7 +15,7 @@ use super::config::Qwen3Config;
 use super::cpu_tensor::{host_floats, HostFloats};
 use super::lora::{base_and_adapter, effective_weight, LoraTarget};
 use super::qwen3::{
-    hf_weight_shapes, transpose, transpose_into, transpose_map, LinearLayout, Qwen3,
+    hf_weight_shapes, transpose, transpose_into, transpose_map, LinearLayout, Qwen3, WeightData,
 };
 
 /// Errors while serializing a model.
@@ -76,10 +77,13 @@ pub(crate) struct TensorSource<'a> {
     files: Vec<(String, SafeTensors<'a>)>,
     /// Tensor name → index into `files`.
     index: HashMap<String, usize>,
+    /// Per file, the shared buffer its f32 tensors may be handed out of without a copy
+    /// ([`WeightData::Shared`]); `None`: every tensor is decoded into a vector of its own.
+    owners: Vec<Option<Bytes>>,
 }
 
 impl<'a> TensorSource<'a> {
-    /// Parses each `(label, bytes)` buffer.
+    /// Parses each `(label, bytes)` buffer; every tensor will be a copy.
     pub(crate) fn new<T: AsRef<[u8]>>(buffers: &'a [(String, T)]) -> Result<Self, LoadError> {
         let mut files = Vec::new();
         let mut index = HashMap::new();
@@ -94,7 +98,20 @@ impl<'a> TensorSource<'a> {
             }
             files.push((label.clone(), st));
         }
-        Ok(Self { files, index })
+        let owners = vec![None; files.len()];
+        Ok(Self {
+            files,
+            index,
+            owners,
+        })
+    }
+
+    /// Parses each `(label, bytes)` buffer; an f32 tensor asked for as stored will share its
+    /// buffer's memory instead of being copied (see [`TensorSource::build`] for when).
+    pub(crate) fn shared(buffers: &'a [(String, Bytes)]) -> Result<Self, LoadError> {
+        let mut source = Self::new(buffers)?;
+        source.owners = buffers.iter().map(|(_, b)| Some(b.clone())).collect();
+        Ok(source)
     }
 
     fn files_label(&self) -> String {
@@ -106,13 +123,15 @@ impl<'a> TensorSource<'a> {
     }
 
     /// The f32 data of `name`, checked against `shape`; a 2-D tensor comes transposed when
-    /// `transposed` is set, decoded and transposed in one pass for f32 data.
+    /// `transposed` is set, decoded and transposed in one pass for f32 data. With `share`, an
+    /// f32 tensor of a shared buffer that needs no transposing comes as a view of the buffer.
     pub(crate) fn get(
         &self,
         name: &str,
         shape: &[usize],
         transposed: bool,
-    ) -> Result<Vec<f32>, LoadError> {
+        share: bool,
+    ) -> Result<WeightData, LoadError> {
         let Some(&i) = self.index.get(name) else {
             return Err(LoadError::MissingTensor {
                 tensor: name.to_string(),
@@ -132,29 +151,37 @@ impl<'a> TensorSource<'a> {
                 found: view.shape().to_vec(),
             });
         }
-        match (transposed, shape) {
-            (true, &[r, c]) if view.dtype() == Dtype::F32 => {
-                let (words, _) = view.data().as_chunks::<4>();
-                Ok(transpose_map(words, r, c, f32::from_le_bytes))
+        let owner = self.owners[i].as_ref().filter(|_| share);
+        match (transposed, shape, owner) {
+            (false, _, Some(owner))
+                if view.dtype() == Dtype::F32 && WeightData::shareable(view.data()) =>
+            {
+                Ok(WeightData::Shared(owner.slice_ref(view.data())))
             }
-            (true, &[r, c]) => Ok(transpose(
-                &decode_f32(view.dtype(), view.data(), name, label)?,
-                r,
-                c,
-            )),
-            _ => decode_f32(view.dtype(), view.data(), name, label),
+            (true, &[r, c], _) if view.dtype() == Dtype::F32 => {
+                let (words, _) = view.data().as_chunks::<4>();
+                Ok(transpose_map(words, r, c, f32::from_le_bytes).into())
+            }
+            (true, &[r, c], _) => {
+                Ok(transpose(&decode_f32(view.dtype(), view.data(), name, label)?, r, c).into())
+            }
+            _ => Ok(decode_f32(view.dtype(), view.data(), name, label)?.into()),
         }
     }
 
-    /// Builds the model from these tensors, its linear weights kept as `layout` says.
+    /// Builds the model from these tensors, its linear weights kept as `layout` says. Tensors
+    /// of a shared buffer are views of it only when the model keeps every linear weight as
+    /// stored (`[out, in]`, on the CPU backend): were some copied, the views would keep the
+    /// whole buffer alive beside the copies.
     pub(crate) fn build<B: Backend>(
         &self,
         cfg: &Qwen3Config,
         device: &B::Device,
         layout: LinearLayout,
     ) -> Result<Qwen3<B>, LoadError> {
+        let share = layout.on::<B>() == LinearLayout::OutIn;
         Qwen3::build_as(cfg, device, layout, &mut |name, shape, transposed| {
-            self.get(name, shape, transposed)
+            self.get(name, shape, transposed, share)
         })
     }
 }
@@ -175,12 +202,31 @@ pub fn model_from_safetensors_as<B: Backend>(
     device: &B::Device,
     layout: LinearLayout,
 ) -> Result<Qwen3<B>, LoadError> {
+    validate(cfg)?;
+    let buffers = [("<safetensors blob>".to_string(), bytes)];
+    TensorSource::new(&buffers)?.build(cfg, device, layout)
+}
+
+/// `cfg`, checked before a blob is read under it.
+fn validate(cfg: &Qwen3Config) -> Result<(), LoadError> {
     cfg.validate().map_err(|e| LoadError::Config {
         file: "<config>".into(),
         source: e,
-    })?;
-    let buffers = [("<safetensors blob>".to_string(), bytes)];
-    TensorSource::new(&buffers)?.build(cfg, device, layout)
+    })
+}
+
+/// [`model_from_safetensors_as`] from a shared blob: when the model keeps its weights as the
+/// blob stores them (f32, linear layers `[out, in]` on the CPU backend), its tensors are views
+/// of the blob, which then lives as long as they do; otherwise each tensor is a copy.
+pub fn model_from_shared_safetensors<B: Backend>(
+    cfg: &Qwen3Config,
+    bytes: &Bytes,
+    device: &B::Device,
+    layout: LinearLayout,
+) -> Result<Qwen3<B>, LoadError> {
+    validate(cfg)?;
+    let buffers = [("<safetensors blob>".to_string(), bytes.clone())];
+    TensorSource::shared(&buffers)?.build(cfg, device, layout)
 }
 
 /// A named f32 tensor: `(Hugging Face name, shape, row-major data)`.
@@ -305,6 +351,16 @@ pub fn model_to_safetensors<B: Backend>(
     model: &Qwen3<B>,
     cfg: &Qwen3Config,
 ) -> Result<Vec<u8>, SaveError> {
+    model_to_safetensors_into(model, cfg, Vec::new())
+}
+
+/// [`model_to_safetensors`] written into `out`'s memory (its contents are discarded); when its
+/// capacity suffices no new memory is taken, and memory written before costs no page faults.
+pub fn model_to_safetensors_into<B: Backend>(
+    model: &Qwen3<B>,
+    cfg: &Qwen3Config,
+    mut out: Vec<u8>,
+) -> Result<Vec<u8>, SaveError> {
     let mut have = outgoing_weights(model);
     let mut weights = Vec::new();
     for (name, shape) in hf_weight_shapes(cfg) {
@@ -352,9 +408,15 @@ pub fn model_to_safetensors<B: Backend>(
     })?;
     header.resize(header.len().next_multiple_of(8), b' ');
 
-    // Zeroed by the allocator (fresh pages), filled exactly once below.
+    // Zeroed, then filled exactly once below. Fresh memory comes zeroed from the allocator.
     let start = 8 + header.len();
-    let mut out = vec![0u8; start + offset];
+    let len = start + offset;
+    if out.capacity() >= len {
+        out.clear();
+        out.resize(len, 0);
+    } else {
+        out = vec![0u8; len];
+    }
     out[..8].copy_from_slice(&(header.len() as u64).to_le_bytes());
     out[8..start].copy_from_slice(&header);
     let mut rest = &mut out[start..];
@@ -416,10 +478,13 @@ mod tests {
             let w: Vec<f32> = (0..n).map(|k| next + k as f32 * 1e-3).collect();
             next += 1.0;
             recorded.push((name.to_string(), shape.to_vec(), w.clone()));
-            Ok::<_, std::convert::Infallible>(match (t, shape) {
-                (true, &[r, c]) => transpose(&w, r, c),
-                _ => w,
-            })
+            Ok::<_, std::convert::Infallible>(
+                match (t, shape) {
+                    (true, &[r, c]) => transpose(&w, r, c),
+                    _ => w,
+                }
+                .into(),
+            )
         })
         .unwrap();
         let expected = f32_safetensors(recorded).unwrap();
@@ -431,6 +496,60 @@ mod tests {
         // And they load back into the same weights.
         let back = model_from_safetensors::<CpuBackend>(&cfg, &got, &Default::default()).unwrap();
         assert!(model_to_safetensors(&back, &cfg).unwrap() == got);
+    }
+
+    /// Where `w`'s elements live.
+    fn storage<const D: usize>(w: Tensor<CpuBackend, D>) -> std::ops::Range<usize> {
+        let p = w.into_primitive().tensor();
+        let b = p.bytes();
+        b.as_ptr() as usize..b.as_ptr() as usize + b.len()
+    }
+
+    /// A model read from a shared blob in the `[out, in]` layout keeps every weight as a view
+    /// of the blob: the same values as a copying load, no copy, and a weight written to (an
+    /// in-place op on a tensor nothing else holds) is copied first, leaving the blob as it was.
+    /// In the `[in, out]` layout every weight is a copy, so the blob can be dropped.
+    #[test]
+    fn a_shared_blob_is_read_in_place_and_never_written() {
+        let cfg = config();
+        let device = Default::default();
+        let blob = Bytes::from(
+            model_to_safetensors(&Qwen3::<CpuBackend>::init(&cfg, &device, 3), &cfg).unwrap(),
+        );
+        let whole = blob.as_ptr() as usize..blob.as_ptr() as usize + blob.len();
+        let inside = |r: std::ops::Range<usize>| whole.start <= r.start && r.end <= whole.end;
+
+        let viewed =
+            model_from_shared_safetensors::<CpuBackend>(&cfg, &blob, &device, LinearLayout::OutIn)
+                .unwrap();
+        assert_eq!(model_to_safetensors(&viewed, &cfg).unwrap(), blob.to_vec());
+        let weights = [
+            storage(viewed.embed_tokens.val()),
+            storage(viewed.layers[0].self_attn.q_proj.val()),
+            storage(viewed.layers[1].mlp.down_proj.val()),
+            storage(viewed.lm_head.as_ref().unwrap().val()),
+            storage(viewed.norm.weight.val()),
+        ];
+        assert!(weights.into_iter().all(inside), "a weight was copied");
+        let copied =
+            model_from_safetensors_as::<CpuBackend>(&cfg, &blob, &device, LinearLayout::OutIn)
+                .unwrap();
+        assert!(!inside(storage(copied.embed_tokens.val())));
+
+        let before = blob.to_vec();
+        let norm = viewed.norm.weight.val();
+        drop(viewed);
+        let written = norm.mul_scalar(2.0);
+        assert!(!inside(storage(written.clone())));
+        assert_eq!(blob.to_vec(), before, "writing a view changed the blob");
+        drop((written, copied));
+
+        let learner =
+            model_from_shared_safetensors::<CpuBackend>(&cfg, &blob, &device, LinearLayout::InOut)
+                .unwrap();
+        assert!(!inside(storage(learner.embed_tokens.val())));
+        assert!(!inside(storage(learner.norm.weight.val())));
+        assert!(blob.is_unique(), "an [in, out] model still holds the blob");
     }
 
     #[test]

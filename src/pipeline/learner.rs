@@ -232,8 +232,8 @@ where
         })
     }
 
-    fn export(&self) -> Result<ExportedWeights, PolicyLearnerError> {
-        let w = self.inner.export_weights()?;
+    fn export(&self, reuse: Vec<u8>) -> Result<ExportedWeights, PolicyLearnerError> {
+        let w = self.inner.export_weights_into(reuse)?;
         Ok(ExportedWeights {
             version: w.version,
             bytes: Bytes::from(w.bytes),

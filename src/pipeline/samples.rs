@@ -29,6 +29,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
+
 use clawrl_actors::loops::{
     BoxFuture, Built, EndReason, EpisodeTurns, OpdTerm, PolicyReplica, RolloutMsg, SampleBuilder,
     TrainSample,
@@ -109,7 +111,7 @@ impl PolicyReplica for TeacherScorer {
     type Loaded = Qwen3<CpuBackend>;
     type LoadError = VersionLoadError;
 
-    fn load(&self, version: u64, weights: &[u8]) -> Result<Qwen3<CpuBackend>, VersionLoadError> {
+    fn load(&self, version: u64, weights: &Bytes) -> Result<Qwen3<CpuBackend>, VersionLoadError> {
         self.weights
             .model(&self.config, version, weights, &Default::default())
     }

@@ -20,7 +20,7 @@ use super::packing::Packing;
 use crate::model::peft::adapter_to_safetensors;
 use crate::model::qwen3::rope_inv_freq;
 use crate::model::token_logprobs;
-use crate::model::{model_to_safetensors, Qwen3, Qwen3Config, SaveError};
+use crate::model::{model_to_safetensors_into, Qwen3, Qwen3Config, SaveError};
 
 /// Token id used to right-pad batches (any id works: padding is after every real token and
 /// masked out of the loss).
@@ -530,9 +530,15 @@ impl<B: AutodiffBackend> BurnLearner<B> {
     /// (its base frozen), only the adapters, as an `adapter_model.safetensors` with PEFT names
     /// (a replica holding the base attaches them: [`crate::serve::VersionWeights::Adapter`]).
     pub fn export_weights(&self) -> Result<VersionedWeights, SaveError> {
+        self.export_weights_into(Vec::new())
+    }
+
+    /// [`export_weights`](Self::export_weights), whole weights written into `reuse` when it is
+    /// large enough (memory that was written before: no page faults).
+    pub fn export_weights_into(&self, reuse: Vec<u8>) -> Result<VersionedWeights, SaveError> {
         let policy = self.policy.valid();
         let bytes = match policy.lora_config() {
-            None => model_to_safetensors(&policy, &self.model_config)?,
+            None => model_to_safetensors_into(&policy, &self.model_config, reuse)?,
             Some(lora) => {
                 let weights = policy
                     .lora_weights(&lora)

@@ -68,7 +68,7 @@ async fn generation_never_pauses_while_five_weight_versions_land() {
         options,
         Default::default(),
     ));
-    let v0 = Arc::new(policy.load(0, &blobs[0].bytes).unwrap());
+    let v0 = Arc::new(policy.load(0, &blobs[0].bytes.clone().into()).unwrap());
     let args = RolloutArgs {
         policy,
         source: None,

@@ -32,7 +32,7 @@ async fn a_dead_rollout_worker_is_routed_around() {
             EngineOptions::default(),
             Default::default(),
         );
-        let loaded = Arc::new(p.load(0, &bytes).unwrap());
+        let loaded = Arc::new(p.load(0, &bytes.clone().into()).unwrap());
         let (w, _) = Actor::spawn(
             None,
             RolloutWorker::new(),

@@ -307,12 +307,12 @@ fn importance_weights_scale_the_policy_gradient_in_the_real_learner() {
         *a *= w;
     }
     scaled.step(&[manual]).unwrap();
-    let a = weighted.export().unwrap();
+    let a = weighted.export(Vec::new()).unwrap();
     assert_eq!(a.hash, scaled.export_weights().unwrap().hash);
     // And it differs from the unweighted step.
     let mut plain = PolicyLearner::new(learner(3), 0);
     plain
         .step(std::slice::from_ref(&s), &[Importance::None])
         .unwrap();
-    assert_ne!(plain.export().unwrap().hash, a.hash);
+    assert_ne!(plain.export(Vec::new()).unwrap().hash, a.hash);
 }

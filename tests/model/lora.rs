@@ -916,9 +916,9 @@ fn a_lora_learners_versions_are_adapters_a_replica_attaches_to_its_base() {
         base: Box::new(base.clone()),
         config: lora.clone(),
     });
-    let served = over_base.load(1, &w.bytes).unwrap();
+    let served = over_base.load(1, &w.bytes.clone().into()).unwrap();
     let plain = replica(VersionWeights::Full)
-        .load(0, &model_to_safetensors(&base, &mcfg).unwrap())
+        .load(0, &model_to_safetensors(&base, &mcfg).unwrap().into())
         .unwrap();
     let prompt = samples[0].prompt_ids.clone();
     let request = || {
@@ -959,7 +959,7 @@ fn a_lora_learners_versions_are_adapters_a_replica_attaches_to_its_base() {
 
     // Whole weights are not an adapter version.
     let e = over_base
-        .load(2, &model_to_safetensors(&policy, &mcfg).unwrap())
+        .load(2, &model_to_safetensors(&policy, &mcfg).unwrap().into())
         .err()
         .expect("whole weights refused");
     assert!(
@@ -973,7 +973,7 @@ fn a_lora_learners_versions_are_adapters_a_replica_attaches_to_its_base() {
     // An adapter of another rank is refused by tensor and shape.
     let other = LoraWeights::fresh(&LoraConfig::parse_cli("2,4,all").unwrap(), &mcfg, 1);
     let e = over_base
-        .load(3, &adapter_to_safetensors(&other).unwrap())
+        .load(3, &adapter_to_safetensors(&other).unwrap().into())
         .err()
         .expect("another rank refused");
     assert!(

@@ -1031,9 +1031,10 @@ impl<L: Learner> Actor for Trainer<L> {
         let publisher = args.publisher.clone();
         let me = myself.clone();
         let learner = args.learner;
+        let keep = args.config.keep_published;
         std::thread::Builder::new()
             .name(format!("learner-{}", args.config.job))
-            .spawn(move || learner_thread(learner, publisher, root, started_tx, jobs_rx, me))
+            .spawn(move || learner_thread(learner, publisher, root, started_tx, jobs_rx, me, keep))
             .map_err(|e| TrainerStartError::Init(format!("spawning the learner thread: {e}")))?;
         let started = started_rx
             .await

@@ -34,7 +34,7 @@ impl PolicyReplica for Scripted {
     type Loaded = String;
     type LoadError = Bad;
 
-    fn load(&self, version: u64, weights: &[u8]) -> Result<String, Bad> {
+    fn load(&self, version: u64, weights: &Bytes) -> Result<String, Bad> {
         if let Some(gate) = self.load_gate.lock().unwrap().take() {
             let _ = gate.recv();
         }

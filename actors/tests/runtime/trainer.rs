@@ -40,6 +40,8 @@ struct Controls {
     gate: Mutex<Option<std::sync::mpsc::Receiver<()>>>,
     /// Importance summaries of every applied step.
     importance: Mutex<Vec<Option<ImportanceSummary>>>,
+    /// The capacity of the memory each export was handed to reuse.
+    reused: Mutex<Vec<usize>>,
 }
 
 struct Unigram {
@@ -180,11 +182,12 @@ impl Learner for Unigram {
         })
     }
 
-    fn export(&self) -> Result<ExportedWeights, LearnError> {
-        Ok(exported_weights(
-            self.version,
-            Bytes::from(to_bytes(&self.z)),
-        ))
+    fn export(&self, reuse: Vec<u8>) -> Result<ExportedWeights, LearnError> {
+        self.controls.reused.lock().unwrap().push(reuse.capacity());
+        let mut out = reuse;
+        out.clear();
+        out.extend_from_slice(&to_bytes(&self.z));
+        Ok(exported_weights(self.version, Bytes::from(out)))
     }
 
     fn save_checkpoint(&mut self, root: &Path) -> Result<PathBuf, LearnError> {
@@ -393,6 +396,53 @@ async fn batches_count_and_announce_in_order() {
         })
         .collect();
     assert_eq!(sizes, vec![4, 4, 2]);
+}
+
+/// An export writes into the memory of a retired version once nothing holds that version any
+/// more (here a subscriber keeping every version's bytes, as a replica serving views of them
+/// does), and never while something does.
+#[tokio::test]
+async fn exports_reuse_the_memory_of_versions_nobody_holds() {
+    let controls = Arc::new(Controls::default());
+    let held: Arc<Mutex<Vec<Bytes>>> = Arc::default();
+    let h = held.clone();
+    let holder: clawrl_actors::loops::Subscriber = Arc::new(move |e: &TrainerEvent| {
+        if let TrainerEvent::Published { bytes, .. } = e {
+            h.lock().unwrap().push(bytes.clone());
+        }
+        true
+    });
+    let t = spawn(
+        config(1),
+        Unigram::new(controls.clone()),
+        local(),
+        vec![holder],
+    )
+    .await;
+    for i in 0..4 {
+        t.cast(TrainerMsg::Samples(vec![sample(
+            i,
+            "s",
+            i as u32,
+            &[3],
+            1.0,
+        )]))
+        .unwrap();
+        idle(&t).await;
+    }
+    // Version 0 at start and one per step, every one still held.
+    assert_eq!(*controls.reused.lock().unwrap(), vec![0; 5]);
+    held.lock().unwrap().clear();
+    t.cast(TrainerMsg::Samples(vec![sample(4, "s", 4, &[3], 1.0)]))
+        .unwrap();
+    let s = idle(&t).await;
+    assert_eq!(s.published, Some(5));
+    let reused = controls.reused.lock().unwrap().clone();
+    assert!(
+        reused[5] >= VOCAB * 4,
+        "the sixth export got {} bytes to reuse",
+        reused[5]
+    );
 }
 
 #[tokio::test]
@@ -770,7 +820,7 @@ impl PolicyReplica for HashReplica {
     type Loaded = String;
     type LoadError = LearnError;
 
-    fn load(&self, _version: u64, weights: &[u8]) -> Result<String, LearnError> {
+    fn load(&self, _version: u64, weights: &Bytes) -> Result<String, LearnError> {
         Ok(content_hash(weights))
     }
 
