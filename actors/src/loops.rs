@@ -176,6 +176,10 @@ pub type FetchFuture<'a> = Pin<Box<dyn Future<Output = Result<Bytes, FetchError>
 pub trait WeightSource: Send + Sync + 'static {
     /// The blob `announce` names. The worker verifies size and hash itself.
     fn fetch_weights<'a>(&'a self, announce: &'a WeightAnnounce) -> FetchFuture<'a>;
+    /// The worker serves a newer version than `announce`'s, whose bytes it fetched here: the
+    /// source may let go of what it kept of them (requests still running on that version
+    /// hold their own reference).
+    fn release(&self, _announce: &WeightAnnounce) {}
 }
 
 impl<C: PeerConnector> WeightSource for BulkPlane<C> {
@@ -191,11 +195,24 @@ impl<C: PeerConnector> WeightSource for BulkPlane<C> {
                 })
         })
     }
+
+    /// Drops a fetched version's blob from this node's store, so that a replica node holds the
+    /// versions it serves rather than every version until the store evicts. A blob published
+    /// on this node itself (a worker beside the trainer) stays, for the others to fetch.
+    fn release(&self, announce: &WeightAnnounce) {
+        if announce.source != self.config().local_name {
+            self.remove(&announce.blob);
+        }
+    }
 }
 
 impl<S: WeightSource> WeightSource for Arc<S> {
     fn fetch_weights<'a>(&'a self, announce: &'a WeightAnnounce) -> FetchFuture<'a> {
         S::fetch_weights(self, announce)
+    }
+
+    fn release(&self, announce: &WeightAnnounce) {
+        S::release(self, announce)
     }
 }
 

@@ -167,6 +167,8 @@ struct Update {
     announce: WeightAnnounce,
     bytes: Option<Bytes>,
     reply: Option<RpcReplyPort<UpdateOutcome>>,
+    /// Whether the bytes are fetched from the worker's source (set when the load starts).
+    fetched: bool,
 }
 
 /// Counters shared with request tasks.
@@ -183,6 +185,9 @@ pub struct RolloutState<P: PolicyReplica> {
     policy: Arc<P>,
     source: Option<Arc<dyn WeightSource>>,
     current: Option<(u64, Arc<P::Loaded>)>,
+    /// The announcement of the serving version when its bytes came from `source`, released
+    /// there once a newer version serves.
+    current_fetched: Option<WeightAnnounce>,
     /// Which version serves, loads and waits; `loading` and `queued` hold their payloads.
     swap: VersionSwap,
     loading: Option<Update>,
@@ -223,6 +228,7 @@ impl<P: PolicyReplica> RolloutState<P> {
     fn start_load(&mut self, myself: &ActorRef<RolloutMsg<P>>, mut update: Update) {
         let announce = update.announce.clone();
         let bytes = update.bytes.take();
+        update.fetched = bytes.is_none();
         let source = self.source.clone();
         let policy = self.policy.clone();
         let me = myself.clone();
@@ -258,6 +264,15 @@ impl<P: PolicyReplica> RolloutState<P> {
             Ok(loaded) => {
                 let previous = self.current.replace((version, loaded)).map(|c| c.0);
                 debug_assert_eq!(finished.outcome, LoadOutcome::Switched { previous });
+                let fetched = update.fetched.then(|| update.announce.clone());
+                let released = std::mem::replace(&mut self.current_fetched, fetched);
+                if let (Some(old), Some(source)) = (released, &self.source) {
+                    // Two versions of the same bytes (a resumed trainer re-publishes its
+                    // checkpoint) name one blob, which still serves.
+                    if old.blob != update.announce.blob {
+                        source.release(&old);
+                    }
+                }
                 self.shared.serving.store(version, Ordering::Release);
                 self.stats.version = Some(version);
                 self.stats.switches += 1;
@@ -265,6 +280,14 @@ impl<P: PolicyReplica> RolloutState<P> {
                 UpdateOutcome::Switched { version }
             }
             Err(error) => {
+                // The blob of a version that failed to load serves nothing; offered again, the
+                // version is fetched again.
+                let serving_blob = self.current_fetched.as_ref().map(|a| a.blob);
+                if let (true, Some(source)) = (update.fetched, &self.source) {
+                    if serving_blob != Some(update.announce.blob) {
+                        source.release(&update.announce);
+                    }
+                }
                 self.stats.failed_updates += 1;
                 self.stats.last_update_error = Some(error.clone());
                 tracing::warn!(version, serving = ?self.stats.version, "weight update failed: {error}");
@@ -381,6 +404,7 @@ impl<P: PolicyReplica> Actor for RolloutWorker<P> {
             source: args.source,
             swap: VersionSwap::new(args.initial.as_ref().map(|(v, _)| *v)),
             current: args.initial,
+            current_fetched: None,
             loading: None,
             queued: None,
             shared,
@@ -402,6 +426,7 @@ impl<P: PolicyReplica> Actor for RolloutWorker<P> {
                     announce,
                     bytes: None,
                     reply: port,
+                    fetched: false,
                 },
             ),
             RolloutMsg::Install(announce, bytes, port) => state.offer(
@@ -410,6 +435,7 @@ impl<P: PolicyReplica> Actor for RolloutWorker<P> {
                     announce,
                     bytes: Some(bytes),
                     reply: port,
+                    fetched: false,
                 },
             ),
             RolloutMsg::Stats(port) => {

@@ -293,14 +293,20 @@ async fn loads_run_off_the_message_loop_and_newer_updates_supersede_waiting_ones
     assert_eq!((s.switches, s.superseded_updates, s.loading), (2, 1, None));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn announced_versions_are_fetched_over_the_bulk_plane_and_verified() {
+/// Two nodes on loopback, `trainer` and `replica`, with 64 KiB chunks.
+fn trainer_and_replica() -> (crate::loopback::Node, crate::loopback::Node) {
     let ca = crate::loopback::TestCa::new();
     let book = crate::loopback::Book::default();
     let mut cfg = BulkConfig::new("unset");
     cfg.chunk_size = 64 << 10;
     let trainer = crate::loopback::node(&ca, &book, "trainer", cfg.clone());
     let replica = crate::loopback::node(&ca, &book, "replica", cfg);
+    (trainer, replica)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn announced_versions_are_fetched_over_the_bulk_plane_and_verified() {
+    let (trainer, replica) = trainer_and_replica();
     let weights = format!("w2{}", "x".repeat(300_000));
     let blob = trainer.plane.publish(Bytes::from(weights.clone())).unwrap();
     let mut a = announce(2, weights.as_bytes());
@@ -330,4 +336,59 @@ async fn announced_versions_are_fetched_over_the_bulk_plane_and_verified() {
     drop(open);
     assert_eq!(r.await.output, weights);
     assert_eq!(replica.plane.get(&blob).unwrap(), weights.as_bytes());
+}
+
+/// A replica node keeps the versions it serves, not every version it fetched: once a newer
+/// version serves, the older one's blob leaves its store (the trainer's copy stays), and so
+/// does the blob of a version that failed to load. A worker on the trainer's own node leaves
+/// the trainer's published blobs alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_node_lets_go_of_versions_it_no_longer_serves() {
+    let (trainer, replica) = trainer_and_replica();
+    let version = |v: u64, prefix: &str| {
+        let weights = format!("{prefix}w{v}{}", "x".repeat(200_000));
+        let blob = trainer.plane.publish(Bytes::from(weights.clone())).unwrap();
+        let mut a = announce(v, weights.as_bytes());
+        a.blob = blob;
+        a
+    };
+    let (v2, v3) = (version(2, ""), version(3, ""));
+    let broken = version(4, "corrupt");
+    let on = |w: &ActorRef<Msg>, a: &WeightAnnounce| {
+        let (w, a) = (w.clone(), a.clone());
+        async move { ractor::call_t!(w, |port| RolloutMsg::Announce(a, Some(port)), 20_000).unwrap() }
+    };
+
+    let w = worker(Arc::default(), Some(Arc::new(replica.plane.clone()))).await;
+    assert_eq!(on(&w, &v2).await, UpdateOutcome::Switched { version: 2 });
+    assert!(replica.plane.get(&v2.blob).is_some());
+    assert_eq!(on(&w, &v3).await, UpdateOutcome::Switched { version: 3 });
+    assert!(replica.plane.get(&v2.blob).is_none(), "v2 is still stored");
+    assert!(
+        replica.plane.get(&v3.blob).is_some(),
+        "the serving v3 left the store"
+    );
+    assert!(matches!(
+        on(&w, &broken).await,
+        UpdateOutcome::Failed { version: 4, .. }
+    ));
+    assert!(replica.plane.get(&broken.blob).is_none());
+    assert!(replica.plane.get(&v3.blob).is_some());
+    for a in [&v2, &v3, &broken] {
+        assert!(
+            trainer.plane.get(&a.blob).is_some(),
+            "the trainer's copy went"
+        );
+    }
+
+    let beside = worker(Arc::default(), Some(Arc::new(trainer.plane.clone()))).await;
+    assert_eq!(
+        on(&beside, &v2).await,
+        UpdateOutcome::Switched { version: 2 }
+    );
+    assert_eq!(
+        on(&beside, &v3).await,
+        UpdateOutcome::Switched { version: 3 }
+    );
+    assert!(trainer.plane.get(&v2.blob).is_some());
 }
