@@ -111,19 +111,26 @@ pub struct WeightAnnounce {
 impl WeightAnnounce {
     /// Checks that `bytes` are the ones announced: the size first, then the content hash.
     pub fn check(&self, bytes: &[u8]) -> Result<(), WeightMismatch> {
-        if bytes.len() as u64 != self.size {
-            return Err(WeightMismatch::Size {
-                blob: self.blob,
-                got: bytes.len() as u64,
-                announced: self.size,
-            });
-        }
+        self.check_size(bytes)?;
         let got = content_hash(bytes);
         if got != self.hash {
             return Err(WeightMismatch::Hash {
                 blob: self.blob,
                 got,
                 announced: self.hash.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks that `bytes` have the announced size (all that is left to check of a blob
+    /// fetched through a [`WeightSource`], which verified it against [`WeightAnnounce::blob`]).
+    pub fn check_size(&self, bytes: &[u8]) -> Result<(), WeightMismatch> {
+        if bytes.len() as u64 != self.size {
+            return Err(WeightMismatch::Size {
+                blob: self.blob,
+                got: bytes.len() as u64,
+                announced: self.size,
             });
         }
         Ok(())
@@ -174,7 +181,9 @@ pub type FetchFuture<'a> = Pin<Box<dyn Future<Output = Result<Bytes, FetchError>
 
 /// Where a rollout worker gets the bytes of an announced version.
 pub trait WeightSource: Send + Sync + 'static {
-    /// The blob `announce` names. The worker verifies size and hash itself.
+    /// The blob `announce` names, verified against [`WeightAnnounce::blob`]: a blob id is the
+    /// hash of a manifest holding the length and every chunk's blake3, so bytes that match it
+    /// are the announced bytes (the worker then checks only the size).
     fn fetch_weights<'a>(&'a self, announce: &'a WeightAnnounce) -> FetchFuture<'a>;
     /// The worker serves a newer version than `announce`'s, whose bytes it fetched here: the
     /// source may let go of what it kept of them (requests still running on that version

@@ -313,14 +313,14 @@ async fn announced_versions_are_fetched_over_the_bulk_plane_and_verified() {
     a.blob = blob;
     let w = worker(Arc::default(), Some(Arc::new(replica.plane.clone()))).await;
 
-    // A wrong content hash is caught after the (chunk-verified) transfer.
+    // A blob of another size than announced is refused after the (chunk-verified) transfer.
     let mut bad = a.clone();
-    bad.hash = content_hash(b"not these weights");
+    bad.size += 1;
     let out = ractor::call!(w, |port| RolloutMsg::Announce(bad, Some(port))).unwrap();
-    assert!(
-        matches!(out, UpdateOutcome::Failed { version: 2, .. }),
-        "{out:?}"
-    );
+    let UpdateOutcome::Failed { version: 2, error } = out else {
+        panic!("{out:?}")
+    };
+    assert!(error.contains("the announcement says"), "{error}");
     // An unknown blob is a fetch error naming it.
     let mut unknown = a.clone();
     unknown.blob = BlobId([9; 32]);

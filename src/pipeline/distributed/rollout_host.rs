@@ -19,7 +19,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::wire::{AdapterServing, RolloutReply, RolloutRequest};
 use crate::model::{
-    model_from_safetensors_as, EngineOptions, GenerationRequest, LinearLayout, Qwen3Config,
+    model_from_shared_safetensors, EngineOptions, GenerationRequest, LinearLayout, Qwen3Config,
 };
 use crate::serve::{EnginePolicy, VersionWeights};
 use crate::CpuBackend;
@@ -47,8 +47,9 @@ pub struct RolloutHostState {
 
 pub(super) const GENERATE_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// The base of a job that trains an adapter, fetched over the bulk plane (checked against its
-/// announced size and hash) and loaded on the CPU: what its versions attach to.
+/// The base of a job that trains an adapter, fetched over the bulk plane (verified against its
+/// blob id, then its announced size) and loaded on the CPU: what its versions attach to. Its
+/// tensors are views of the fetched blob where the engine decodes from the blob's layout.
 async fn fetch_base(
     source: &Arc<dyn WeightSource>,
     config: &Qwen3Config,
@@ -60,12 +61,12 @@ async fn fetch_base(
         .map_err(|e| format!("fetching the job's base: {e}"))?;
     adapter
         .base
-        .check(&bytes)
+        .check_size(&bytes)
         .map_err(|e| format!("the job's base: {e}"))?;
     let config = config.clone();
     let base = tokio::task::spawn_blocking(move || {
         // The base engine shares these tensors, so they are loaded as it decodes fastest.
-        model_from_safetensors_as::<CpuBackend>(
+        model_from_shared_safetensors::<CpuBackend>(
             &config,
             &bytes,
             &Default::default(),
