@@ -14,6 +14,9 @@
 //!   [`BulkPlane::remove`]); a transfer reserves its size up front and is refused if it cannot.
 //!   The pushes of one peer hold at most [`BulkConfig::peer_quota`] bytes of the store, in
 //!   flight and stored; a push past it evicts that peer's own oldest pushes first.
+//! - **Recycled.** A received blob's memory, once nothing reads it, is kept for a while for the
+//!   next transfer of its length (`buffer::Recycler`, rules in `retired`): successive weight
+//!   versions are received into mapped pages instead of fresh ones.
 //! - **Defensive.** All wire input is validated (see [`wire`]); a misbehaving peer gets an
 //!   error on its stream, never a crash, and stalled streams time out.
 //!
@@ -31,6 +34,7 @@ pub mod wire;
 
 mod buffer;
 mod plan;
+mod retired;
 mod store;
 
 use std::collections::HashMap;
@@ -47,7 +51,7 @@ pub use manifest::{BlobId, Manifest, ManifestError};
 pub use store::StoreError;
 pub use wire::WireError;
 
-use buffer::{BlobReader, BlobWriter, SourceFailed};
+use buffer::{BlobReader, BlobWriter, Recycler, SourceFailed};
 use store::Store;
 use wire::{FetchReply, PushAck, PushDone, Request, BULK_TAG};
 
@@ -182,6 +186,11 @@ pub struct BulkStats {
     pub stored_bytes: u64,
     /// Bytes reserved by transfers in flight.
     pub reserved_bytes: u64,
+    /// Transfers received into the memory of a blob nothing read any more.
+    pub buffers_reused: u64,
+    /// Bytes of such memory kept for the next transfer of the same length (outside the store's
+    /// capacity: it was a stored blob's, and is let go of within two minutes unused).
+    pub retired_bytes: u64,
 }
 
 #[derive(Default)]
@@ -406,6 +415,9 @@ struct Inner<C> {
     config: BulkConfig,
     store: Arc<Mutex<Store>>,
     counters: Counters,
+    /// `None` when the plane was built outside a tokio runtime (nothing to time expiry on):
+    /// then every transfer gets fresh memory.
+    recycler: Option<Arc<Recycler>>,
 }
 
 /// One node's bulk plane (cheap to clone; clones share the store and counters).
@@ -422,15 +434,20 @@ impl<C> Clone for BulkPlane<C> {
 }
 
 impl<C: PeerConnector> BulkPlane<C> {
-    /// A bulk plane that reaches peers through `connector`.
+    /// A bulk plane that reaches peers through `connector`. Built inside a tokio runtime, it
+    /// receives blobs into the memory of retired ones of the same length ([`BulkStats`]).
     pub fn new(connector: C, config: BulkConfig) -> BulkPlane<C> {
         let store = Arc::new(Mutex::new(Store::new(config.capacity)));
+        let recycler = tokio::runtime::Handle::try_current()
+            .ok()
+            .map(Recycler::new);
         BulkPlane {
             inner: Arc::new(Inner {
                 connector,
                 config,
                 store,
                 counters: Counters::default(),
+                recycler,
             }),
         }
     }
@@ -497,6 +514,8 @@ impl<C: PeerConnector> BulkPlane<C> {
             blobs: store.len() as u64,
             stored_bytes: store.stored_bytes(),
             reserved_bytes: store.reserved_bytes(),
+            buffers_reused: self.inner.recycler.as_ref().map_or(0, |r| r.reused()),
+            retired_bytes: self.inner.recycler.as_ref().map_or(0, |r| r.held() as u64),
         }
     }
 
@@ -552,7 +571,7 @@ impl<C: PeerConnector> BulkPlane<C> {
             })?;
         let manifest = Arc::new(manifest);
         let reservation = self.reserve(id, manifest.total_len, None)?;
-        let (writer, _reader) = buffer::incoming(manifest.clone());
+        let (writer, _reader) = buffer::incoming(manifest.clone(), self.inner.recycler.as_ref());
         let bytes = self.receive(id, peer, &mut recv, writer).await?;
         reservation.commit(manifest, bytes.clone());
         Ok(bytes)
@@ -713,7 +732,8 @@ impl<C: PeerConnector> BulkPlane<C> {
                 self.stall(peer, "sending ack", wire::write_frame(send, &PushAck::Send))
                     .await?
                     .map_err(wire_err)?;
-                let (writer, reader) = buffer::incoming(manifest.clone());
+                let (writer, reader) =
+                    buffer::incoming(manifest.clone(), self.inner.recycler.as_ref());
                 (Source::Incoming(reader), Some((writer, reservation)))
             }
         };

@@ -1,7 +1,8 @@
 //! Bulk plane over real QUIC endpoints on loopback with mutual TLS: relayed broadcast arrives
 //! bit-exact and the source sends about one copy; corrupt chunks, unknown blobs, garbage and
 //! truncated streams are errors that name what is wrong, and the node keeps serving; one peer's
-//! pushes in flight hold at most its quota of the store.
+//! pushes in flight hold at most its quota of the store; a blob nothing holds any more is
+//! received into again.
 
 use crate::loopback::{node, random_bytes, Book, Node, TestCa};
 use bytes::Bytes;
@@ -189,6 +190,53 @@ async fn fetch_of_an_unknown_blob_errors_clearly_and_a_known_one_verifies() {
 
     let err = nodes[1].plane.fetch(unknown, "nobody").await.unwrap_err();
     assert!(matches!(err, TransferError::Connect { .. }), "{err}");
+}
+
+/// A replica receives each weight version into the memory of one it no longer holds: the same
+/// allocation, written over whole, only once nothing reads the old blob, and only for a blob of
+/// the same length.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blob_nothing_holds_is_received_into_again() {
+    let (_ca, _book, nodes) = cluster(&["a", "b"]);
+    let (a, b) = (&nodes[0].plane, &nodes[1].plane);
+    let len = 3 * MIB + 5;
+    let versions: Vec<Bytes> = (1..=3)
+        .map(|seed| Bytes::from(random_bytes(len, seed)))
+        .collect();
+    let ids: Vec<BlobId> = versions
+        .iter()
+        .map(|v| a.publish(v.clone()).unwrap())
+        .collect();
+
+    let v1 = b.fetch(ids[0], "a").await.unwrap();
+    let v1_memory = v1.as_ptr();
+    assert_eq!(b.stats().buffers_reused, 0);
+    // Out of the store but still read: nothing to reuse, so version 2 gets fresh memory.
+    assert!(b.remove(&ids[0]));
+    let v2 = b.fetch(ids[1], "a").await.unwrap();
+    assert!(v2 == versions[1]);
+    assert_ne!(v2.as_ptr(), v1_memory);
+    assert_eq!(b.stats().buffers_reused, 0);
+    assert_eq!(b.stats().retired_bytes, 0);
+    // Version 1's last reader lets go: version 3 is received into its memory, bit-exact.
+    drop(v1);
+    assert_eq!(b.stats().retired_bytes, len as u64);
+    let v3 = b.fetch(ids[2], "a").await.unwrap();
+    assert_eq!(v3.as_ptr(), v1_memory, "received into version 1's memory");
+    assert!(v3 == versions[2], "version 1's bytes showed through");
+    assert!(b.get(&ids[2]).unwrap() == versions[2]);
+    let s = b.stats();
+    assert_eq!((s.buffers_reused, s.retired_bytes), (1, 0));
+
+    // A blob of another length is not received into a retired one.
+    assert!(b.remove(&ids[1]));
+    drop(v2);
+    assert_eq!(b.stats().retired_bytes, len as u64);
+    let other = Bytes::from(random_bytes(len + 1, 9));
+    let other_id = a.publish(other.clone()).unwrap();
+    assert!(b.fetch(other_id, "a").await.unwrap() == other);
+    let s = b.stats();
+    assert_eq!((s.buffers_reused, s.retired_bytes), (1, len as u64));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
