@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use super::swap::{LoadOutcome, Offer, VersionSwap};
 use super::{PolicyReplica, WeightAnnounce, WeightSource};
+use crate::bulk::BlobId;
 
 /// A result with the version of the weights that produced it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -197,6 +198,17 @@ pub struct RolloutState<P: PolicyReplica> {
 }
 
 impl<P: PolicyReplica> RolloutState<P> {
+    /// Lets the weight source drop the blob of `announce`, unless it is `serving`: two
+    /// versions of the same bytes (a resumed trainer re-publishes its checkpoint) name one
+    /// blob, which must stay while either serves.
+    fn release(&self, announce: &WeightAnnounce, serving: Option<BlobId>) {
+        if let Some(source) = &self.source {
+            if serving != Some(announce.blob) {
+                source.release(announce);
+            }
+        }
+    }
+
     fn offer(&mut self, myself: &ActorRef<RolloutMsg<P>>, update: Update) {
         let version = update.announce.version;
         match self.swap.offer(version) {
@@ -265,13 +277,8 @@ impl<P: PolicyReplica> RolloutState<P> {
                 let previous = self.current.replace((version, loaded)).map(|c| c.0);
                 debug_assert_eq!(finished.outcome, LoadOutcome::Switched { previous });
                 let fetched = update.fetched.then(|| update.announce.clone());
-                let released = std::mem::replace(&mut self.current_fetched, fetched);
-                if let (Some(old), Some(source)) = (released, &self.source) {
-                    // Two versions of the same bytes (a resumed trainer re-publishes its
-                    // checkpoint) name one blob, which still serves.
-                    if old.blob != update.announce.blob {
-                        source.release(&old);
-                    }
+                if let Some(old) = std::mem::replace(&mut self.current_fetched, fetched) {
+                    self.release(&old, Some(update.announce.blob));
                 }
                 self.shared.serving.store(version, Ordering::Release);
                 self.stats.version = Some(version);
@@ -282,11 +289,11 @@ impl<P: PolicyReplica> RolloutState<P> {
             Err(error) => {
                 // The blob of a version that failed to load serves nothing; offered again, the
                 // version is fetched again.
-                let serving_blob = self.current_fetched.as_ref().map(|a| a.blob);
-                if let (true, Some(source)) = (update.fetched, &self.source) {
-                    if serving_blob != Some(update.announce.blob) {
-                        source.release(&update.announce);
-                    }
+                if update.fetched {
+                    self.release(
+                        &update.announce,
+                        self.current_fetched.as_ref().map(|a| a.blob),
+                    );
                 }
                 self.stats.failed_updates += 1;
                 self.stats.last_update_error = Some(error.clone());
