@@ -6,6 +6,11 @@
 //! 2); the medians of each and the medians of the per-round ratios are printed, with the load
 //! average before and after (a ratio taken while other work shares the machine is not a
 //! result). Run with `cargo bench -p clawrl-actors --bench cluster_rpc`.
+//!
+//! Both nodes run on one tokio runtime, multi-threaded as a node's is (two workers on two
+//! cores); `CLUSTER_BENCH_RUNTIME=current_thread` runs them on one thread instead, which takes
+//! the wake-ups between worker threads out of every round trip and leaves each transport's own
+//! cost.
 
 #[path = "support/measure.rs"]
 mod measure;
@@ -360,10 +365,17 @@ const TRANSPORTS: [&str; 3] = ["quic+tls", "tcp", "tcp+tls"];
 const PAYLOADS: [usize; 2] = [64, 16 << 10];
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = std::env::var("CLUSTER_BENCH_RUNTIME").unwrap_or_else(|_| "multi_thread".into());
+    let rt = match runtime.as_str() {
+        "multi_thread" => tokio::runtime::Builder::new_multi_thread(),
+        "current_thread" => tokio::runtime::Builder::new_current_thread(),
+        other => panic!(
+            "CLUSTER_BENCH_RUNTIME={other}: expected multi_thread (the default) or current_thread"
+        ),
+    }
+    .enable_all()
+    .build()
+    .unwrap();
     rt.block_on(async {
         let dir = tempfile::tempdir().unwrap();
         pki::init_cluster(dir.path(), &["a".into(), "b".into()]).unwrap();
@@ -372,7 +384,7 @@ fn main() {
         let width = 32;
         println!(
             "remote request/reply over ractor_cluster sessions, loopback, {dur:?} per measure, \
-             {rounds} interleaved rounds"
+             {rounds} interleaved rounds, {runtime} runtime"
         );
         print_load("before");
         println!(
