@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 /// Smallest buffer worth keeping.
 pub(crate) const MIN_LEN: usize = 1 << 20;
 
-/// How long a retired buffer waits for a transfer of its length before it is let go of:
-/// longer than a trainer step of the models this runs, short enough that a node whose job
-/// ended gives the memory back soon.
+/// How long a retired buffer waits for a transfer of its length before it is let go of. A
+/// node whose job ended gives the memory back within this; a job whose versions come further
+/// apart receives each into fresh memory, as without reuse.
 pub(crate) const KEEP: Duration = Duration::from_secs(120);
 
 /// The retired buffer kept for reuse, if any.
