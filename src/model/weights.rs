@@ -15,7 +15,7 @@ use super::config::Qwen3Config;
 use super::cpu_tensor::{host_floats, HostFloats};
 use super::lora::{base_and_adapter, effective_weight, LoraTarget};
 use super::qwen3::{
-    hf_weight_shapes, transpose, transpose_into, transpose_map, LinearLayout, Qwen3, WeightData,
+    hf_weight_shapes, transpose, transpose_f32_le, transpose_map, LinearLayout, Qwen3, WeightData,
 };
 
 /// Errors while serializing a model.
@@ -258,7 +258,7 @@ impl Outgoing {
         let (words, rest) = slot.as_chunks_mut::<4>();
         debug_assert!(rest.is_empty());
         match self.transpose {
-            Some([r, c]) => transpose_into(&self.floats, r, c, f32::to_le_bytes, words),
+            Some([r, c]) => transpose_f32_le(&self.floats, r, c, words),
             None => {
                 for (w, x) in words.iter_mut().zip(self.floats.iter()) {
                     *w = x.to_le_bytes();
