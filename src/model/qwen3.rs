@@ -1084,26 +1084,36 @@ where
     U: Send,
     F: Fn(T) -> U + Sync,
 {
-    const TILE: usize = 32;
-    assert_eq!(v.len(), r * c, "a [{r}, {c}] matrix");
+    for_each_band(v.len(), r, c, out, |j0, cols, rows| {
+        for i0 in (0..r).step_by(TILE) {
+            for i in i0..(i0 + TILE).min(r) {
+                let src = &v[i * c + j0..i * c + j0 + cols];
+                for (k, &x) in src.iter().enumerate() {
+                    rows[k * r + i] = f(x);
+                }
+            }
+        }
+    });
+}
+
+/// Runs `fill(j0, cols, band)` on the rayon pool for each band of [`TILE`] output rows of
+/// `out`, the `[c, r]` transpose of an `[r, c]` matrix of `len` elements: `band` holds output
+/// rows `j0..j0 + cols`, which are the matrix's columns `j0..j0 + cols`.
+fn for_each_band<U: Send>(
+    len: usize,
+    r: usize,
+    c: usize,
+    out: &mut [U],
+    fill: impl Fn(usize, usize, &mut [U]) + Sync,
+) {
+    assert_eq!(len, r * c, "a [{r}, {c}] matrix");
     assert_eq!(out.len(), r * c, "room for its [{c}, {r}] transpose");
     if r == 0 || c == 0 {
         return;
     }
     out.par_chunks_mut(TILE * r)
         .enumerate()
-        .for_each(|(band, rows)| {
-            let j0 = band * TILE;
-            let cols = rows.len() / r;
-            for i0 in (0..r).step_by(TILE) {
-                for i in i0..(i0 + TILE).min(r) {
-                    let src = &v[i * c + j0..i * c + j0 + cols];
-                    for (k, &x) in src.iter().enumerate() {
-                        rows[k * r + i] = f(x);
-                    }
-                }
-            }
-        });
+        .for_each(|(band, rows)| fill(band * TILE, rows.len() / r, rows));
 }
 
 /// [`transpose_into`] for f32 weights written as little-endian words (the weight export's
@@ -1113,40 +1123,31 @@ where
 pub(crate) fn transpose_f32_le(v: &[f32], r: usize, c: usize, out: &mut [[u8; 4]]) {
     #[cfg(all(target_arch = "x86_64", target_endian = "little"))]
     if std::arch::is_x86_feature_detected!("avx") {
-        assert_eq!(v.len(), r * c, "a [{r}, {c}] matrix");
-        assert_eq!(out.len(), r * c, "room for its [{c}, {r}] transpose");
-        if r == 0 || c == 0 {
-            return;
-        }
-        out.par_chunks_mut(TILE * r)
-            .enumerate()
-            .for_each(|(band, rows)| {
-                let j0 = band * TILE;
-                let cols = rows.len() / r;
-                let (full_i, full_j) = (r / 8 * 8, cols / 8 * 8);
-                for i0 in (0..full_i).step_by(8) {
-                    for k0 in (0..full_j).step_by(8) {
-                        // SAFETY: AVX is present (checked above); rows i0..i0 + 8 of `v` hold
-                        // columns j0 + k0..j0 + k0 + 8, and output rows k0..k0 + 8 of the band
-                        // hold elements i0..i0 + 8 (`full_i` ≤ r, `full_j` ≤ cols).
-                        unsafe {
-                            transpose_8x8_avx(
-                                v.as_ptr().add(i0 * c + j0 + k0),
-                                c,
-                                rows.as_mut_ptr().add(k0 * r + i0).cast(),
-                                r,
-                            )
-                        };
-                    }
+        for_each_band(v.len(), r, c, out, |j0, cols, rows| {
+            let (full_i, full_j) = (r / 8 * 8, cols / 8 * 8);
+            for i0 in (0..full_i).step_by(8) {
+                for k0 in (0..full_j).step_by(8) {
+                    // SAFETY: AVX is present (checked above); rows i0..i0 + 8 of `v` hold
+                    // columns j0 + k0..j0 + k0 + 8, and output rows k0..k0 + 8 of the band
+                    // hold elements i0..i0 + 8 (`full_i` ≤ r, `full_j` ≤ cols).
+                    unsafe {
+                        transpose_8x8_avx(
+                            v.as_ptr().add(i0 * c + j0 + k0),
+                            c,
+                            rows.as_mut_ptr().add(k0 * r + i0).cast(),
+                            r,
+                        )
+                    };
                 }
-                // The edges: rows past the last whole block of 8, and columns past it.
-                for i in 0..r {
-                    let from = if i < full_i { full_j } else { 0 };
-                    for k in from..cols {
-                        rows[k * r + i] = v[i * c + j0 + k].to_le_bytes();
-                    }
+            }
+            // The edges: rows past the last whole block of 8, and columns past it.
+            for i in 0..r {
+                let from = if i < full_i { full_j } else { 0 };
+                for k in from..cols {
+                    rows[k * r + i] = v[i * c + j0 + k].to_le_bytes();
                 }
-            });
+            }
+        });
         return;
     }
     transpose_into(v, r, c, f32::to_le_bytes, out);
