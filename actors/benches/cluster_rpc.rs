@@ -10,7 +10,11 @@
 //! Both nodes run on one tokio runtime, multi-threaded as a node's is (two workers on two
 //! cores); `CLUSTER_BENCH_RUNTIME=current_thread` runs them on one thread instead, which takes
 //! the wake-ups between worker threads out of every round trip and leaves each transport's own
-//! cost.
+//! cost. `CLUSTER_BENCH_ONLY=<transport>` (`quic+tls`, `tcp` or `tcp+tls`) runs that transport
+//! alone, with no ratios: for profiling one side, for example under `perf record`.
+//! `CLUSTER_BENCH_PAYLOADS` (request sizes in bytes, comma-separated; default `64,16384`) and
+//! `CLUSTER_BENCH_WIDTH` (concurrent callers, default 32; 0 measures one at a time only)
+//! narrow a run the same way.
 
 #[path = "support/measure.rs"]
 mod measure;
@@ -362,7 +366,21 @@ async fn setup_quic(dir: &std::path::Path) -> Setup {
 }
 
 const TRANSPORTS: [&str; 3] = ["quic+tls", "tcp", "tcp+tls"];
+/// Request sizes measured unless `CLUSTER_BENCH_PAYLOADS` says otherwise.
 const PAYLOADS: [usize; 2] = [64, 16 << 10];
+
+/// `CLUSTER_BENCH_PAYLOADS` as sizes, or [`PAYLOADS`].
+fn payloads() -> Vec<usize> {
+    let Ok(list) = std::env::var("CLUSTER_BENCH_PAYLOADS") else {
+        return PAYLOADS.to_vec();
+    };
+    list.split(',')
+        .map(|p| match p.trim().parse::<usize>() {
+            Ok(n) if n > 0 => n,
+            _ => panic!("CLUSTER_BENCH_PAYLOADS={list}: expected sizes in bytes, like 64,16384"),
+        })
+        .collect()
+}
 
 fn main() {
     let runtime = std::env::var("CLUSTER_BENCH_RUNTIME").unwrap_or_else(|_| "multi_thread".into());
@@ -381,7 +399,15 @@ fn main() {
         pki::init_cluster(dir.path(), &["a".into(), "b".into()]).unwrap();
         let dur = Duration::from_secs(env("CLUSTER_BENCH_SECS", 2));
         let rounds = env("CLUSTER_BENCH_ROUNDS", 3).max(1) as usize;
-        let width = 32;
+        let width = env("CLUSTER_BENCH_WIDTH", 32) as usize;
+        let payloads = payloads();
+        let only = std::env::var("CLUSTER_BENCH_ONLY").ok();
+        if let Some(t) = &only {
+            assert!(
+                TRANSPORTS.contains(&t.as_str()),
+                "CLUSTER_BENCH_ONLY={t}: expected one of {TRANSPORTS:?}"
+            );
+        }
         println!(
             "remote request/reply over ractor_cluster sessions, loopback, {dur:?} per measure, \
              {rounds} interleaved rounds, {runtime} runtime"
@@ -396,9 +422,12 @@ fn main() {
             format!("{width} concurrent rt/s")
         );
         // rates[transport][payload] = one (sequential, concurrent) pair per round.
-        let mut rates = vec![vec![Vec::new(); PAYLOADS.len()]; TRANSPORTS.len()];
+        let mut rates = vec![vec![Vec::new(); payloads.len()]; TRANSPORTS.len()];
         for round in 1..=rounds {
             for (t, name) in TRANSPORTS.iter().enumerate() {
+                if only.as_ref().is_some_and(|o| o != name) {
+                    continue;
+                }
                 let setup = match *name {
                     "quic+tls" => setup_quic(dir.path()).await,
                     "tcp" => setup_tcp(None, "tcp").await,
@@ -410,7 +439,7 @@ fn main() {
                         .await
                     }
                 };
-                for (p, payload) in PAYLOADS.iter().enumerate() {
+                for (p, payload) in payloads.iter().enumerate() {
                     let m = if t == 0 {
                         measure::<Rpc>(&setup.target, *payload, width, dur).await
                     } else {
@@ -424,8 +453,11 @@ fn main() {
         }
         println!("medians over {rounds} rounds:");
         for (t, name) in TRANSPORTS.iter().enumerate() {
-            for (p, payload) in PAYLOADS.iter().enumerate() {
+            for (p, payload) in payloads.iter().enumerate() {
                 let r = &rates[t][p];
+                if r.is_empty() {
+                    continue;
+                }
                 println!(
                     "{:<6} {name:<10} {payload:>8} {:>16.0} {:>22.0}",
                     "",
@@ -434,8 +466,14 @@ fn main() {
                 );
             }
         }
-        for (t, name) in TRANSPORTS.iter().enumerate().skip(1) {
-            for (p, payload) in PAYLOADS.iter().enumerate() {
+        // Ratios need every transport (none when one ran alone).
+        for (t, name) in TRANSPORTS
+            .iter()
+            .enumerate()
+            .skip(1)
+            .filter(|_| only.is_none())
+        {
+            for (p, payload) in payloads.iter().enumerate() {
                 let (q, r) = (&rates[0][p], &rates[t][p]);
                 let ratio = |f: fn(&(f64, f64)) -> f64| {
                     median(q.iter().zip(r).map(|(a, b)| f(a) / f(b)).collect())
