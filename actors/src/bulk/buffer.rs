@@ -88,23 +88,21 @@ impl Recycler {
 
     /// Keeps `data` (may run on any thread: the last reader of a blob can be an engine's).
     fn retire(self: Arc<Self>, data: Allocation) {
-        let (dropped, held) = {
-            let mut retired = self.lock();
-            let dropped = retired.put(data.len(), data, Instant::now());
-            (dropped, retired.held() > 0)
-        };
-        drop(dropped);
-        // One timer per retired buffer; one that finds a newer buffer kept lets it be.
-        if held {
-            let recycler = Arc::downgrade(&self);
-            self.runtime.spawn(async move {
-                tokio::time::sleep(KEEP + std::time::Duration::from_millis(10)).await;
-                if let Some(recycler) = recycler.upgrade() {
-                    let expired = recycler.lock().expire(Instant::now());
-                    drop(expired);
-                }
-            });
+        // A small blob's memory is simply freed: no lock, no timer.
+        if !Retired::<Allocation>::keeps(data.len()) {
+            return;
         }
+        let dropped = self.lock().put(data.len(), data, Instant::now());
+        drop(dropped);
+        // One timer per kept buffer; one that finds a newer buffer kept lets it be.
+        let recycler = Arc::downgrade(&self);
+        self.runtime.spawn(async move {
+            tokio::time::sleep(KEEP + std::time::Duration::from_millis(10)).await;
+            if let Some(recycler) = recycler.upgrade() {
+                let expired = recycler.lock().expire(Instant::now());
+                drop(expired);
+            }
+        });
     }
 }
 

@@ -37,11 +37,16 @@ impl<B> Retired<B> {
         Retired { keep, kept: None }
     }
 
+    /// Whether a buffer of `len` bytes is worth keeping at all.
+    pub(crate) fn keeps(len: usize) -> bool {
+        len >= MIN_LEN
+    }
+
     /// Offers a buffer of `len` bytes that nothing reads any more. Returns what is let go of
     /// (the offered buffer if it is too small, else the one kept before), for the caller to
     /// drop outside any lock.
     pub(crate) fn put(&mut self, len: usize, buf: B, now: Instant) -> Option<B> {
-        if len < MIN_LEN {
+        if !Self::keeps(len) {
             return Some(buf);
         }
         let kept = Kept {
