@@ -1055,84 +1055,89 @@ fn cpu_kind<B: Backend>() -> Option<CpuKind> {
 
 /// Transposes a row-major `[r, c]` matrix into a row-major `[c, r]` one.
 pub(crate) fn transpose(v: &[f32], r: usize, c: usize) -> Vec<f32> {
-    transpose_map(v, r, c, |x| x)
+    transpose_as(v, r, c)
+}
+
+/// The row-major `[c, r]` transpose of a row-major `[r, c]` matrix of words, as words of
+/// another kind (f32 values from a blob's little-endian bytes, or the other way).
+pub(crate) fn transpose_as<T: Word, U: Word>(v: &[T], r: usize, c: usize) -> Vec<U> {
+    let mut out = vec![U::from_bits(0); r * c];
+    transpose_words(v, r, c, &mut out);
+    out
 }
 
 /// Output rows per band of a transpose.
 const TILE: usize = 32;
 
-/// Transposes a row-major `[r, c]` matrix of `T` into a row-major `[c, r]` one of `U`, mapping
-/// each element with `f` on the way (decoding little-endian bytes, or encoding them). Output
-/// rows are filled in bands of [`TILE`] on the rayon pool, and within a band the input is read
-/// [`TILE`] rows at a time, so both sides stay within a few cache lines per element; a plain
-/// double loop strides one of them across the whole matrix.
-pub(crate) fn transpose_map<T, U, F>(v: &[T], r: usize, c: usize, f: F) -> Vec<U>
-where
-    T: Copy + Sync,
-    U: Copy + Default + Send,
-    F: Fn(T) -> U + Sync,
-{
-    let mut out = vec![U::default(); r * c];
-    transpose_into(v, r, c, f, &mut out);
-    out
+/// A four-byte element a transpose moves: an f32, or the little-endian bytes of one.
+///
+/// # Safety
+///
+/// An implementor is four bytes whose memory, on a little-endian machine, is the f32 bits
+/// `bits` gives: a transpose moves the words as they lie in memory.
+pub(crate) unsafe trait Word: Copy + Send + Sync {
+    /// The f32 bits this word stands for.
+    fn bits(self) -> u32;
+    /// The word standing for f32 bits `bits`.
+    fn from_bits(bits: u32) -> Self;
 }
 
-/// [`transpose_map`] into `out`, which holds the `[c, r]` result.
-pub(crate) fn transpose_into<T, U, F>(v: &[T], r: usize, c: usize, f: F, out: &mut [U])
-where
-    T: Copy + Sync,
-    U: Send,
-    F: Fn(T) -> U + Sync,
-{
-    for_each_band(v.len(), r, c, out, |j0, cols, rows| {
-        for i0 in (0..r).step_by(TILE) {
-            for i in i0..(i0 + TILE).min(r) {
-                let src = &v[i * c + j0..i * c + j0 + cols];
-                for (k, &x) in src.iter().enumerate() {
-                    rows[k * r + i] = f(x);
-                }
-            }
-        }
-    });
+// SAFETY: an f32 is its bits.
+unsafe impl Word for f32 {
+    fn bits(self) -> u32 {
+        self.to_bits()
+    }
+    fn from_bits(bits: u32) -> Self {
+        f32::from_bits(bits)
+    }
 }
 
-/// Runs `fill(j0, cols, band)` on the rayon pool for each band of [`TILE`] output rows of
-/// `out`, the `[c, r]` transpose of an `[r, c]` matrix of `len` elements: `band` holds output
-/// rows `j0..j0 + cols`, which are the matrix's columns `j0..j0 + cols`.
-fn for_each_band<U: Send>(
-    len: usize,
-    r: usize,
-    c: usize,
-    out: &mut [U],
-    fill: impl Fn(usize, usize, &mut [U]) + Sync,
-) {
-    assert_eq!(len, r * c, "a [{r}, {c}] matrix");
+// SAFETY: four bytes whose little-endian reading is the bits.
+unsafe impl Word for [u8; 4] {
+    fn bits(self) -> u32 {
+        u32::from_le_bytes(self)
+    }
+    fn from_bits(bits: u32) -> Self {
+        bits.to_le_bytes()
+    }
+}
+
+/// Transposes a row-major `[r, c]` matrix of words into `out`, which holds the row-major
+/// `[c, r]` result, converting each word's kind on the way. Output rows are filled in bands of
+/// [`TILE`] on the rayon pool. Where the CPU has AVX, each band moves 8 × 8 blocks through
+/// registers (eight loads, 24 shuffles, eight stores), and only the edges of a matrix whose
+/// sides are not multiples of 8 go element by element (about 2 ns an element); elsewhere a band
+/// reads the input [`TILE`] rows at a time, so both sides stay within a few cache lines per
+/// element where a plain double loop strides one of them across the whole matrix.
+pub(crate) fn transpose_words<T: Word, U: Word>(v: &[T], r: usize, c: usize, out: &mut [U]) {
+    assert_eq!(v.len(), r * c, "a [{r}, {c}] matrix");
     assert_eq!(out.len(), r * c, "room for its [{c}, {r}] transpose");
     if r == 0 || c == 0 {
         return;
     }
+    let word = |x: T| U::from_bits(x.bits());
+    #[cfg(all(target_arch = "x86_64", target_endian = "little"))]
+    let blocks = std::arch::is_x86_feature_detected!("avx");
+    #[cfg(not(all(target_arch = "x86_64", target_endian = "little")))]
+    let blocks = false;
     out.par_chunks_mut(TILE * r)
         .enumerate()
-        .for_each(|(band, rows)| fill(band * TILE, rows.len() / r, rows));
-}
-
-/// [`transpose_into`] for f32 weights written as little-endian words (the weight export's
-/// case). Where the CPU has AVX, each band moves 8 × 8 blocks through registers (eight loads,
-/// 24 shuffles, eight stores), and only the edges of a matrix whose sides are not multiples of
-/// 8 go element by element; the scalar form spends about 2 ns an element on this scatter.
-pub(crate) fn transpose_f32_le(v: &[f32], r: usize, c: usize, out: &mut [[u8; 4]]) {
-    #[cfg(all(target_arch = "x86_64", target_endian = "little"))]
-    if std::arch::is_x86_feature_detected!("avx") {
-        for_each_band(v.len(), r, c, out, |j0, cols, rows| {
-            let (full_i, full_j) = (r / 8 * 8, cols / 8 * 8);
+        .for_each(|(band, rows)| {
+            let (j0, cols) = (band * TILE, rows.len() / r);
+            let (full_i, full_j) = match blocks {
+                true => (r / 8 * 8, cols / 8 * 8),
+                false => (0, 0),
+            };
+            #[cfg(target_arch = "x86_64")]
             for i0 in (0..full_i).step_by(8) {
                 for k0 in (0..full_j).step_by(8) {
-                    // SAFETY: AVX is present (checked above); rows i0..i0 + 8 of `v` hold
-                    // columns j0 + k0..j0 + k0 + 8, and output rows k0..k0 + 8 of the band
-                    // hold elements i0..i0 + 8 (`full_i` ≤ r, `full_j` ≤ cols).
+                    // SAFETY: AVX is present (`blocks`); rows i0..i0 + 8 of `v` hold columns
+                    // j0 + k0..j0 + k0 + 8, and output rows k0..k0 + 8 of the band hold
+                    // elements i0..i0 + 8 (`full_i` ≤ r, `full_j` ≤ cols). Both kinds of word
+                    // are four bytes whose memory is the f32's bits (`Word`'s contract).
                     unsafe {
                         transpose_8x8_avx(
-                            v.as_ptr().add(i0 * c + j0 + k0),
+                            v.as_ptr().add(i0 * c + j0 + k0).cast(),
                             c,
                             rows.as_mut_ptr().add(k0 * r + i0).cast(),
                             r,
@@ -1140,17 +1145,16 @@ pub(crate) fn transpose_f32_le(v: &[f32], r: usize, c: usize, out: &mut [[u8; 4]
                     };
                 }
             }
-            // The edges: rows past the last whole block of 8, and columns past it.
-            for i in 0..r {
-                let from = if i < full_i { full_j } else { 0 };
-                for k in from..cols {
-                    rows[k * r + i] = v[i * c + j0 + k].to_le_bytes();
+            // Everything outside whole blocks (all of it without AVX), TILE input rows at a time.
+            for i0 in (0..r).step_by(TILE) {
+                for i in i0..(i0 + TILE).min(r) {
+                    let from = if i < full_i { full_j } else { 0 };
+                    for k in from..cols {
+                        rows[k * r + i] = word(v[i * c + j0 + k]);
+                    }
                 }
             }
         });
-        return;
-    }
-    transpose_into(v, r, c, f32::to_le_bytes, out);
 }
 
 /// Transposes the 8 × 8 block at `src` (rows `src_stride` floats apart) into `dst` (rows
@@ -1200,11 +1204,12 @@ unsafe fn transpose_8x8_avx(src: *const f32, src_stride: usize, dst: *mut f32, d
 mod tests {
     use super::*;
 
-    /// The f32 export transpose (whole 8 × 8 blocks through registers where the CPU has AVX,
-    /// edges element by element) gives the plain transpose's words, for sides that are and are
-    /// not multiples of 8 and bands that are and are not whole.
+    /// The word transpose (whole 8 × 8 blocks through registers where the CPU has AVX, edges
+    /// element by element) puts every element where the definition says, in both directions
+    /// between f32 values and their little-endian bytes, for sides that are and are not
+    /// multiples of 8 and bands that are and are not whole.
     #[test]
-    fn the_f32_export_transpose_matches_the_plain_one_at_every_shape() {
+    fn the_word_transpose_puts_every_element_in_its_place_at_every_shape() {
         let shapes = [
             (1, 1),
             (3, 5),
@@ -1221,19 +1226,22 @@ mod tests {
             let v: Vec<f32> = (0..r * c)
                 .map(|i| (i as f32).mul_add(0.37, -11.0) * if i % 3 == 0 { -1.0 } else { 1.0 })
                 .collect();
-            let mut want = vec![[0u8; 4]; r * c];
-            transpose_into(&v, r, c, f32::to_le_bytes, &mut want);
             let mut got = vec![[9u8; 4]; r * c];
-            transpose_f32_le(&v, r, c, &mut got);
-            assert_eq!(got, want, "[{r}, {c}]");
-            // And it is the transpose: element (i, k) of v lands at (k, i).
-            for (i, k) in [(0, 0), (r - 1, c - 1), (r / 2, c / 3)] {
-                assert_eq!(
-                    got[k * r + i],
-                    v[i * c + k].to_le_bytes(),
-                    "[{r}, {c}] ({i}, {k})"
-                );
+            transpose_words(&v, r, c, &mut got);
+            let back: Vec<f32> = transpose_as(&got, c, r);
+            let same: Vec<f32> = transpose(&v, r, c);
+            for i in 0..r {
+                for k in 0..c {
+                    let x = v[i * c + k];
+                    assert_eq!(got[k * r + i], x.to_le_bytes(), "[{r}, {c}] ({i}, {k})");
+                    assert_eq!(
+                        same[k * r + i].to_bits(),
+                        x.to_bits(),
+                        "[{r}, {c}] ({i}, {k})"
+                    );
+                }
             }
+            assert_eq!(back, v, "[{r}, {c}] there and back");
         }
     }
 }

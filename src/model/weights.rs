@@ -15,7 +15,7 @@ use super::config::Qwen3Config;
 use super::cpu_tensor::{host_floats, HostFloats};
 use super::lora::{base_and_adapter, effective_weight, LoraTarget};
 use super::qwen3::{
-    hf_weight_shapes, transpose, transpose_f32_le, transpose_map, LinearLayout, Qwen3, WeightData,
+    hf_weight_shapes, transpose, transpose_as, transpose_words, LinearLayout, Qwen3, WeightData,
 };
 
 /// Errors while serializing a model.
@@ -160,7 +160,7 @@ impl<'a> TensorSource<'a> {
             }
             (true, &[r, c], _) if view.dtype() == Dtype::F32 => {
                 let (words, _) = view.data().as_chunks::<4>();
-                Ok(transpose_map(words, r, c, f32::from_le_bytes).into())
+                Ok(transpose_as::<[u8; 4], f32>(words, r, c).into())
             }
             (true, &[r, c], _) => {
                 Ok(transpose(&decode_f32(view.dtype(), view.data(), name, label)?, r, c).into())
@@ -258,7 +258,7 @@ impl Outgoing {
         let (words, rest) = slot.as_chunks_mut::<4>();
         debug_assert!(rest.is_empty());
         match self.transpose {
-            Some([r, c]) => transpose_f32_le(&self.floats, r, c, words),
+            Some([r, c]) => transpose_words(&self.floats[..], r, c, words),
             None => {
                 for (w, x) in words.iter_mut().zip(self.floats.iter()) {
                     *w = x.to_le_bytes();
