@@ -282,7 +282,6 @@ fn announce(
         version: weights.version,
         blob,
         size: weights.bytes.len() as u64,
-        hash: weights.hash.clone(),
         source: source.to_string(),
     }
 }

@@ -102,32 +102,18 @@ pub struct WeightAnnounce {
     pub blob: BlobId,
     /// Size of the blob in bytes.
     pub size: u64,
-    /// blake3 of the blob's bytes, 64 lowercase hex digits.
-    pub hash: String,
     /// The node to fetch the blob from when it is not already local.
     pub source: String,
 }
 
 impl WeightAnnounce {
-    /// Checks that `bytes` are the ones announced: the size first, then the content hash.
-    pub fn check(&self, bytes: &[u8]) -> Result<(), WeightMismatch> {
-        self.check_size(bytes)?;
-        let got = content_hash(bytes);
-        if got != self.hash {
-            return Err(WeightMismatch::Hash {
-                blob: self.blob,
-                got,
-                announced: self.hash.clone(),
-            });
-        }
-        Ok(())
-    }
-
-    /// Checks that `bytes` have the announced size (all that is left to check of a blob
-    /// fetched through a [`WeightSource`], which verified it against [`WeightAnnounce::blob`]).
+    /// Checks that `bytes` have the announced size. That is all there is to check: bytes fetched
+    /// through a [`WeightSource`] were verified against [`WeightAnnounce::blob`], which commits
+    /// to every byte, and bytes handed over in-process are the trainer's own buffer, never
+    /// outside input.
     pub fn check_size(&self, bytes: &[u8]) -> Result<(), WeightMismatch> {
         if bytes.len() as u64 != self.size {
-            return Err(WeightMismatch::Size {
+            return Err(WeightMismatch {
                 blob: self.blob,
                 got: bytes.len() as u64,
                 announced: self.size,
@@ -137,29 +123,16 @@ impl WeightAnnounce {
     }
 }
 
-/// Why weight bytes are not the ones a [`WeightAnnounce`] names.
+/// Why weight bytes are not the ones a [`WeightAnnounce`] names: their size differs.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum WeightMismatch {
-    /// The size differs.
-    #[error("blob {blob} has {got} bytes, the announcement says {announced}")]
-    Size {
-        /// The blob announced.
-        blob: BlobId,
-        /// The size of the bytes in hand.
-        got: u64,
-        /// The size announced.
-        announced: u64,
-    },
-    /// The blake3 hash differs.
-    #[error("blob {blob} hashes to blake3 {got}, the announcement says {announced:?}")]
-    Hash {
-        /// The blob announced.
-        blob: BlobId,
-        /// The hash of the bytes in hand.
-        got: String,
-        /// The hash announced.
-        announced: String,
-    },
+#[error("blob {blob} has {got} bytes, the announcement says {announced}")]
+pub struct WeightMismatch {
+    /// The blob announced.
+    pub blob: BlobId,
+    /// The size of the bytes in hand.
+    pub got: u64,
+    /// The size announced.
+    pub announced: u64,
 }
 
 /// Why the bytes of a version could not be obtained.
@@ -223,12 +196,4 @@ impl<S: WeightSource> WeightSource for Arc<S> {
     fn release(&self, announce: &WeightAnnounce) {
         S::release(self, announce)
     }
-}
-
-/// blake3 of `bytes` as 64 lowercase hex digits (the form [`WeightAnnounce::hash`] uses). The
-/// hash is a tree, so a large blob (a weight version) is hashed across the rayon pool.
-pub fn content_hash(bytes: &[u8]) -> String {
-    let mut hasher = blake3::Hasher::new();
-    hasher.update_rayon(bytes);
-    hasher.finalize().to_hex().to_string()
 }

@@ -335,12 +335,7 @@ pub async fn measure(cluster: &Cluster, shape: &str, replicas: usize, rounds: u3
         VersionWeights::Full => None,
         VersionWeights::Adapter { base, config } => {
             let bytes = model_to_safetensors(base, &model_config).unwrap();
-            let hash = blake3::hash(&bytes).to_hex().to_string();
-            let weights = VersionedWeights {
-                version: 0,
-                bytes,
-                hash,
-            };
+            let weights = VersionedWeights { version: 0, bytes };
             let base = publish_version(cluster.node.bulk(), &weights).unwrap();
             Some(AdapterServing {
                 base,

@@ -18,8 +18,7 @@
 //! asked, so it answers load or stale.
 //!
 //! The training pipeline installs either directly ([`GatewayPolicy::install`], or
-//! [`GatewayPolicy::install_announced`] with a [`WeightAnnounce`] whose size and hash are
-//! checked) or by subscribing the gateway to its trainer
+//! [`GatewayPolicy::install_announced`] with a [`WeightAnnounce`] whose size is checked) or by subscribing the gateway to its trainer
 //! ([`GatewayPolicy::trainer_subscriber`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -48,7 +47,7 @@ pub enum InstallError {
         /// The version served.
         serving: u64,
     },
-    /// The bytes are not those announced (size or blake3 hash differ).
+    /// The bytes are not those announced (their size differs).
     #[error("weight version {version}: {reason}")]
     Corrupt {
         /// The version offered.
@@ -258,14 +257,14 @@ impl GatewayPolicy {
     }
 
     /// As [`install`](Self::install), after checking `bytes` against the announcement's size
-    /// and blake3 hash.
+    /// (the trainer's own buffer, handed over in-process: see [`WeightAnnounce::check_size`]).
     pub async fn install_announced(
         &self,
         announce: &WeightAnnounce,
         bytes: Bytes,
     ) -> Result<u64, InstallError> {
         let version = announce.version;
-        if let Err(e) = announce.check(&bytes) {
+        if let Err(e) = announce.check_size(&bytes) {
             return Err(self.failed(InstallError::Corrupt {
                 version,
                 reason: e.to_string(),

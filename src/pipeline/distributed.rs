@@ -11,11 +11,11 @@
 //! - **Generation** (nodes with the `rollout` role): a [`RolloutHost`] in group
 //!   `clawrl.rollout` keeps one `RolloutWorker` per job over the generation engine, fed by the
 //!   job's weight announcements and fetching the bytes over the bulk plane from the trainer's
-//!   node (size and blake3 checked, loaded beside the serving version). Sessions ask the hosts
-//!   in turn ([`RemoteChatPolicy`]); a host that is gone or does not serve the job yet is
-//!   skipped, so sessions re-route when a rollout node dies. A [`RolloutPool`] on the job home
-//!   offers the newest version to every host of the group that does not serve it yet, so a
-//!   host that joins or restarts is brought up to date.
+//!   node (verified against the announced blob id, loaded beside the serving version).
+//!   Sessions ask the hosts in turn ([`RemoteChatPolicy`]); a host that is gone or does not
+//!   serve the job yet is skipped, so sessions re-route when a rollout node dies. A
+//!   [`RolloutPool`] on the job home offers the newest version to every host of the group that
+//!   does not serve it yet, so a host that joins or restarts is brought up to date.
 //! - **Environments** (nodes started with `--env KIND:N`, which offer N slots of KIND in their
 //!   node description): an [`EnvHost`] in group `clawrl.envhost.KIND` builds the job's
 //!   environment from the spec and holds its episodes; the session on the job home drives its

@@ -237,7 +237,6 @@ where
         Ok(ExportedWeights {
             version: w.version,
             bytes: Bytes::from(w.bytes),
-            hash: w.hash,
         })
     }
 

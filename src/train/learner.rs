@@ -119,8 +119,6 @@ pub struct VersionedWeights {
     pub version: u64,
     /// The safetensors blob.
     pub bytes: Vec<u8>,
-    /// blake3 hash of `bytes`, hex.
-    pub hash: String,
 }
 
 /// The learner. `B` is the autodiff backend (default: CPU).
@@ -549,11 +547,9 @@ impl<B: AutodiffBackend> BurnLearner<B> {
                 adapter_to_safetensors(&weights)?
             }
         };
-        let hash = clawrl_actors::loops::content_hash(&bytes);
         Ok(VersionedWeights {
             version: self.version,
             bytes,
-            hash,
         })
     }
 }

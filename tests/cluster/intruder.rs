@@ -126,7 +126,6 @@ fn a_node_not_placed_on_a_job_cannot_poison_or_finish_it() {
             version: u64::MAX,
             blob: BlobId([7; 32]),
             size: 1,
-            hash: "0".repeat(64),
             source: "mal".into(),
         },
         adapter: None,

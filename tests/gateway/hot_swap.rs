@@ -262,12 +262,12 @@ async fn switch_versions(lora: Option<LoraConfig>) {
         (stats.switches, stats.stale_installs, stats.failed_installs),
         (UPDATES, 1, 1)
     );
-    // The trainer's way in: a subscriber installs a published version whose bytes match the
-    // announcement, and refuses one that does not.
+    // The trainer's way in: a subscriber installs a published version whose bytes have the
+    // announced size, and refuses one whose bytes do not.
     let subscriber = policy.trainer_subscriber();
     let (announce, bytes) = local_announce(&blobs[LAST as usize - 1], "trainer").unwrap();
     let mut corrupt = announce.clone();
-    corrupt.hash = "0".repeat(64);
+    corrupt.size += 1;
     for a in [corrupt, announce] {
         assert!(subscriber(&TrainerEvent::Published {
             announce: a,
@@ -283,7 +283,7 @@ async fn switch_versions(lora: Option<LoraConfig>) {
         stats
             .last_error
             .as_deref()
-            .is_some_and(|e| e.contains("blake3")),
+            .is_some_and(|e| e.contains("the announcement says")),
         "{stats:?}"
     );
     stop.store(true, Ordering::Relaxed);

@@ -1045,10 +1045,7 @@ fn an_adapter_checkpoint_resumes_exactly_and_refuses_another_base() {
         (next.loss.to_bits(), next.grad_norm.to_bits()),
         "resumed {resumed:?} vs uninterrupted {next:?}"
     );
-    assert_eq!(
-        a.export_weights().unwrap().hash,
-        b.export_weights().unwrap().hash
-    );
+    assert!(a.export_weights().unwrap().bytes == b.export_weights().unwrap().bytes);
 
     // Without a base, or onto another one, the checkpoint is refused.
     let e = checkpoint::restore::<CpuAutodiff>(&saved, &Default::default()).expect_err("no base");

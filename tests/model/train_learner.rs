@@ -75,7 +75,6 @@ fn exported_weights_are_versioned_and_replicas_match_exactly() {
         assert_eq!(m.skipped, None);
         let w = l.export_weights().unwrap();
         assert_eq!(w.version, last + 1);
-        assert_eq!(w.hash, blake3::hash(&w.bytes).to_hex().to_string());
         last = w.version;
         let replica =
             model_from_safetensors::<CpuBackend>(l.model_config(), &w.bytes, &Default::default())
@@ -247,7 +246,7 @@ fn non_finite_loss_skips_the_step_and_leaves_weights_untouched() {
     );
     assert_eq!((m.step, m.version), (0, 0));
     let after = l.export_weights().unwrap();
-    assert_eq!(before.hash, after.hash);
+    assert!(before.bytes == after.bytes);
     assert_eq!(after.version, 0);
     assert!(l.optimizer().export_state().is_empty());
     // The learner still trains on good data afterwards.

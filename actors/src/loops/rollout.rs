@@ -5,15 +5,16 @@
 //!   result names that version ([`Generated::version`]). The message loop never waits on a
 //!   generation.
 //! - An update (an [`WeightAnnounce`] fetched through the worker's [`WeightSource`], or bytes
-//!   handed over in-process with [`RolloutMsg::Install`]) is fetched, size- and hash-checked and
-//!   loaded on a blocking thread beside the serving version; only then does the worker switch.
+//!   handed over in-process with [`RolloutMsg::Install`]) is fetched (the source verifies the
+//!   bytes against the announced blob id), size-checked and loaded on a blocking thread beside
+//!   the serving version; only then does the worker switch.
 //!   New requests go to the new version; requests in flight keep theirs.
 //! - Versions never go backwards: an announcement not newer than every version served, loading
 //!   or queued is ignored and counted ([`RolloutStats::stale_updates`]). One load runs at a
 //!   time; a newer update arriving meanwhile waits, replacing (and counting as superseded) any
 //!   older one waiting. These decisions are the pure rule of [`super::swap`]; the worker holds
 //!   the payloads (bytes, reply ports) beside it.
-//! - A failed fetch, hash check or load leaves the serving version in place; it is counted,
+//! - A failed fetch, size check or load leaves the serving version in place; it is counted,
 //!   kept in [`RolloutStats::last_update_error`], logged, and answered to whoever asked.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -107,7 +108,7 @@ pub struct RolloutStats {
     pub stale_updates: u64,
     /// Updates replaced by a newer one before they were loaded.
     pub superseded_updates: u64,
-    /// Updates whose fetch, hash check or load failed.
+    /// Updates whose fetch, size check or load failed.
     pub failed_updates: u64,
     /// The last of those failures.
     pub last_update_error: Option<String>,
@@ -126,7 +127,7 @@ pub enum RolloutMsg<P: PolicyReplica> {
     /// A new version was published: fetch it through the worker's [`WeightSource`], verify,
     /// load beside the current one, switch. The port, if any, gets the outcome.
     Announce(WeightAnnounce, Option<RpcReplyPort<UpdateOutcome>>),
-    /// As `Announce`, with the bytes handed over in-process (still size- and hash-checked).
+    /// As `Announce`, with the trainer's bytes handed over in-process (size-checked).
     Install(WeightAnnounce, Bytes, Option<RpcReplyPort<UpdateOutcome>>),
     /// The worker's counters.
     Stats(RpcReplyPort<RolloutStats>),
@@ -364,7 +365,6 @@ async fn load<P: PolicyReplica>(
     bytes: Option<Bytes>,
 ) -> Result<Arc<P::Loaded>, String> {
     let version = announce.version;
-    let fetched = bytes.is_none();
     let bytes = match bytes {
         Some(b) => b,
         None => {
@@ -377,15 +377,11 @@ async fn load<P: PolicyReplica>(
                 .map_err(|e| e.to_string())?
         }
     };
-    // Hashing the whole blob and loading it are CPU work: both off the async runtime. A fetched
-    // blob was verified against its id, which commits to every byte: hashing it whole again
-    // would prove nothing more.
+    // Loading is CPU work: off the async runtime.
     tokio::task::spawn_blocking(move || {
-        match fetched {
-            true => announce.check_size(&bytes),
-            false => announce.check(&bytes),
-        }
-        .map_err(|e| format!("version {version}: {e}"))?;
+        announce
+            .check_size(&bytes)
+            .map_err(|e| format!("version {version}: {e}"))?;
         policy
             .load(version, &bytes)
             .map_err(|e| format!("version {version}: loading the weights failed: {e}"))

@@ -59,7 +59,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
-use super::{content_hash, WeightAnnounce};
+use super::WeightAnnounce;
 use journal::Journal;
 use learner::{learner_thread, Job};
 
@@ -307,8 +307,6 @@ pub struct ExportedWeights {
     pub version: u64,
     /// The weight blob (the format the job's policy replicas load).
     pub bytes: Bytes,
-    /// blake3 of `bytes`, 64 lowercase hex digits ([`content_hash`]).
-    pub hash: String,
 }
 
 /// Bounds the actor checks on arrival, from the learner.
@@ -1204,16 +1202,6 @@ impl<L: Learner> Actor for Trainer<L> {
             }
         }
         Ok(())
-    }
-}
-
-/// `bytes` as version `version`, with their content hash.
-pub fn exported_weights(version: u64, bytes: Bytes) -> ExportedWeights {
-    let hash = content_hash(&bytes);
-    ExportedWeights {
-        version,
-        bytes,
-        hash,
     }
 }
 

@@ -12,11 +12,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use clawrl_actors::bulk::BulkConfig;
-use clawrl_actors::loops::trainer::exported_weights;
+use clawrl_actors::bulk::{BulkConfig, Manifest};
 use clawrl_actors::loops::{
-    content_hash, rollout_subscriber, Delivery, ExportedWeights, Importance, ImportanceSummary,
-    Learner, LocalPublisher, LogprobGap, OpdLossKind, PolicyReplica, RelayPublisher, RolloutArgs,
+    rollout_subscriber, Delivery, ExportedWeights, Importance, ImportanceSummary, Learner,
+    LocalPublisher, LogprobGap, OpdLossKind, PolicyReplica, RelayPublisher, RolloutArgs,
     RolloutMsg, RolloutWorker, SampleLimits, StalenessMode, StepReport, TrainSample, Trainer,
     TrainerArgs, TrainerConfig, TrainerEvent, TrainerMsg, TrainerStats, WeightPublisher,
 };
@@ -187,7 +186,10 @@ impl Learner for Unigram {
         let mut out = reuse;
         out.clear();
         out.extend_from_slice(&to_bytes(&self.z));
-        Ok(exported_weights(self.version, Bytes::from(out)))
+        Ok(ExportedWeights {
+            version: self.version,
+            bytes: Bytes::from(out),
+        })
     }
 
     fn save_checkpoint(&mut self, root: &Path) -> Result<PathBuf, LearnError> {
@@ -376,8 +378,10 @@ async fn batches_count_and_announce_in_order() {
                     announce.version, last_step,
                     "published before its step event"
                 );
-                assert_eq!(content_hash(bytes), announce.hash);
                 assert_eq!(announce.size, bytes.len() as u64);
+                // The announcement names the bytes by their content.
+                let manifest = Manifest::build(bytes, BulkConfig::new("trainer").chunk_size);
+                assert_eq!(announce.blob, manifest.unwrap().id());
             }
             other => panic!("unexpected event {other:?}"),
         }
@@ -695,20 +699,21 @@ async fn resume_from_checkpoint_keeps_versions_counting_up() {
         (s.version, s.checkpoints, s.checkpoint_version),
         (3, 1, Some(2))
     );
-    let hash_of = |heard: &Heard, v: u64| {
+    // A blob id is a content address: equal ids, equal weights.
+    let blob_of = |heard: &Heard, v: u64| {
         heard
             .lock()
             .unwrap()
             .iter()
             .find_map(|e| match e {
                 TrainerEvent::Published { announce, .. } if announce.version == v => {
-                    Some(announce.hash.clone())
+                    Some(announce.blob)
                 }
                 _ => None,
             })
             .unwrap()
     };
-    let (v2_hash, v3_hash) = (hash_of(&heard, 2), hash_of(&heard, 3));
+    let (v2_blob, v3_blob) = (blob_of(&heard, 2), blob_of(&heard, 3));
     // The trainer dies without a word.
     t.kill();
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -731,12 +736,12 @@ async fn resume_from_checkpoint_keeps_versions_counting_up() {
         (Some(2), 1, 1, 1)
     );
     assert_eq!((s.version, s.steps), (5, 3));
-    assert_eq!(hash_of(&heard, 5), v3_hash);
+    assert_eq!(blob_of(&heard, 5), v3_blob);
     let first = heard.lock().unwrap()[0].clone();
     let TrainerEvent::Published { announce, .. } = first else {
         panic!("{first:?}")
     };
-    assert_eq!((announce.version, announce.hash), (4, v2_hash));
+    assert_eq!((announce.version, announce.blob), (4, v2_blob));
     // Samples of the lost version 3 are genuine: accepted.
     t.cast(TrainerMsg::Samples(vec![sample(3, "b", 0, &[7], 1.0)]))
         .unwrap();
@@ -809,6 +814,11 @@ async fn samples_pending_at_a_crash_are_recovered() {
     assert_eq!((s.produced, s.trained, s.version), (2, 2, 3));
 }
 
+/// blake3 of `bytes`, hex: what a [`HashReplica`] serves.
+fn fingerprint(bytes: &[u8]) -> String {
+    blake3::hash(bytes).to_hex().to_string()
+}
+
 /// A replica whose "model" is the weight bytes: it serves their hash.
 #[derive(Default)]
 struct HashReplica;
@@ -821,7 +831,7 @@ impl PolicyReplica for HashReplica {
     type LoadError = LearnError;
 
     fn load(&self, _version: u64, weights: &Bytes) -> Result<String, LearnError> {
-        Ok(content_hash(weights))
+        Ok(fingerprint(weights))
     }
 
     async fn generate(&self, loaded: Arc<String>, _: ()) -> Result<String, LearnError> {
@@ -911,9 +921,9 @@ async fn rollout_workers_fetch_versions_over_the_bulk_plane() {
         .unwrap()
         .iter()
         .filter_map(|e| match e {
-            TrainerEvent::Published { announce, .. } => {
-                Some((announce.version, announce.hash.clone()))
-            }
+            TrainerEvent::Published {
+                announce, bytes, ..
+            } => Some((announce.version, fingerprint(bytes))),
             _ => None,
         })
         .collect();

@@ -132,13 +132,11 @@ pub async fn run_placed_job(
                     what: "the adapter's base",
                     message: e.to_string(),
                 })?;
-            let hash = clawrl_actors::loops::content_hash(&weights);
             let base = publish_pinned(
                 node.bulk(),
                 &VersionedWeights {
                     version: 0,
                     bytes: weights,
-                    hash,
                 },
             )
             .map_err(|e| RunError::Actor {

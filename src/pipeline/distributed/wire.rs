@@ -11,7 +11,8 @@ use crate::model::{GenerationResult, LoraConfig, SamplingParams};
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct AdapterServing {
     /// The base's whole weights (safetensors, Hugging Face names); its `version` is 0 and names
-    /// no weight version: only the blob, its size and its hash are read.
+    /// no weight version: only the blob (whose id the fetched bytes are verified against) and
+    /// its size are read.
     pub base: WeightAnnounce,
     /// The adapter's rank, alpha and targets (validated when decoded).
     pub lora: LoraConfig,

@@ -42,7 +42,6 @@ impl<C: PeerConnector> WeightPublisher for BulkPlane<C> {
             version: weights.version,
             blob,
             size: weights.bytes.len() as u64,
-            hash: weights.hash.clone(),
             source: self.config().local_name.clone(),
         })
     }
@@ -136,7 +135,6 @@ impl WeightPublisher for LocalPublisher {
             version: weights.version,
             blob: manifest.id(),
             size: weights.bytes.len() as u64,
-            hash: weights.hash.clone(),
             source: self.source.clone(),
         })
     }
