@@ -1540,8 +1540,6 @@ impl Drop for Hold {
     }
 }
 
-/// 429 for a main request whose key has `max_sessions_per_key` sessions, with `Retry-After`
-/// (whole seconds until the key's first session times out).
 /// One request being answered, counted against its key's `max_in_flight_per_key` until dropped.
 struct InFlightSlot {
     state: Arc<AppState>,
@@ -1641,6 +1639,8 @@ async fn read_body(s: &AppState, body: axum::body::Body) -> Result<Bytes, ApiErr
     }
 }
 
+/// 429 for a main request whose key has `max_sessions_per_key` sessions, with `Retry-After`
+/// (whole seconds until the key's first session times out).
 fn sessions_full(full: SessionsFull) -> Response {
     let secs = full.retry_after.as_secs_f64().ceil().max(1.0) as u64;
     let mut r = ApiError {
