@@ -18,8 +18,8 @@
 //! asked, so it answers load or stale.
 //!
 //! The training pipeline installs either directly ([`GatewayPolicy::install`], or
-//! [`GatewayPolicy::install_announced`] with a [`WeightAnnounce`] whose size is checked) or by subscribing the gateway to its trainer
-//! ([`GatewayPolicy::trainer_subscriber`]).
+//! [`GatewayPolicy::install_announced`] with a [`WeightAnnounce`] whose size is checked) or by
+//! subscribing the gateway to its trainer ([`GatewayPolicy::trainer_subscriber`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
