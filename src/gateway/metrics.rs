@@ -65,7 +65,7 @@ pub struct Metrics {
     pub completion_tokens: AtomicU64,
     /// Streams the client abandoned before the end.
     pub streams_aborted: AtomicU64,
-    /// Main turns recorded as abandoned (their client left mid-stream).
+    /// Main turns recorded as abandoned (their client left before the answer was whole).
     pub turns_abandoned: AtomicU64,
     /// Requests being generated right now.
     pub in_flight: AtomicU64,
@@ -146,7 +146,7 @@ impl Metrics {
             (
                 "clawrl_gateway_turns_abandoned_total",
                 "counter",
-                "Main turns whose client left mid-stream: recorded as abandoned, never trained on.",
+                "Main turns whose client left before the answer was whole: recorded as abandoned, never trained on.",
                 self.turns_abandoned.load(Ordering::Relaxed) as f64,
             ),
             (

@@ -36,7 +36,7 @@ use burn::tensor::backend::Backend;
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value as Json_};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use super::auth::ApiKeys;
 use super::infer::Transcript;
@@ -133,7 +133,7 @@ pub struct Gateway {
     writer: std::thread::JoinHandle<()>,
 }
 
-/// What a gateway counted: its session table, the main turns whose client left mid-stream, its
+/// What a gateway counted: its session table, the main turns whose client left early, its
 /// 5xx answers, and its journals, with what their start repaired after a crash. The same
 /// numbers as `/metrics`, read through a [`GatewayCounter`] (also after the gateway stopped).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -142,10 +142,13 @@ pub struct GatewayCounts {
     pub sessions: SessionStats,
     /// Sessions open when read (0 once the gateway has stopped: shutdown ends them all).
     pub open_sessions: u64,
-    /// Main turns whose client left mid-stream: in the turn file as abandoned, never tapped.
+    /// Main turns whose client left before the answer was whole (mid-stream, or before a
+    /// non-streamed answer was ready): in the turn file as abandoned, never tapped.
     pub turns_abandoned: u64,
     /// Streams their client left before the end.
     pub streams_aborted: u64,
+    /// Requests being generated (0 once the gateway has stopped).
+    pub requests_in_flight: u64,
     /// Answers with a 5xx status.
     pub responses_5xx: u64,
     /// Answered main turns written to the served journal.
@@ -184,6 +187,7 @@ impl GatewayCounter {
             open_sessions: open as u64,
             turns_abandoned: ld(&m.turns_abandoned),
             streams_aborted: ld(&m.streams_aborted),
+            requests_in_flight: ld(&m.in_flight),
             responses_5xx: m.server_errors(),
             served_written: ld(&sk.served_written),
             records_written: ld(&sk.written),
@@ -1579,6 +1583,23 @@ impl Drop for InFlightSlot {
     }
 }
 
+/// A request submitted to the engine, counted in `clawrl_gateway_requests_in_flight` until
+/// dropped, however it ends: answered, refused, failed, or left by its client.
+struct Generating(Arc<AppState>);
+
+impl Generating {
+    fn start(s: &Arc<AppState>) -> Self {
+        s.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
+        Self(s.clone())
+    }
+}
+
+impl Drop for Generating {
+    fn drop(&mut self) {
+        self.0.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// 429 for a key with `max_in_flight_per_key` requests being answered.
 fn too_many_in_flight(s: &AppState) -> Response {
     let mut r = ApiError {
@@ -1936,54 +1957,91 @@ async fn chat_completions(
     };
     record_all(&s, out).await;
 
-    s.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
-    let mut rx = served.engine().submit_streaming(GenerationRequest {
+    let generating = Generating::start(&s);
+    let rx = served.engine().submit_streaming(GenerationRequest {
         prompt_ids: prepared.prompt_ids.clone(),
         params: prepared.params.clone(),
         raw_logprobs: prepared.raw_logprobs,
     });
-    // Wait for the first event so refusals are proper HTTP errors, streaming or not.
-    let first = rx.recv().await;
+    let sid = HeaderValue::from_str(&prepared.session_id).ok();
+    let version = HeaderValue::from(served.version());
+    let answer = Answer {
+        served,
+        rx,
+        id: format!("chatcmpl-{}", random_hex(24)),
+        t0,
+        generating,
+        slot,
+    };
+    // The request is answered by a task of its own, which outlives this handler: a client who
+    // leaves drops the handler's future (and with it `head`'s receiver), which the task sees,
+    // so its turn is recorded as abandoned as far as it was sampled, at whatever point it left.
+    let (head, answered) = oneshot::channel();
+    tokio::spawn(answer_request(s.clone(), prepared, answer, head));
+    let mut resp = match answered.await {
+        Ok(r) => r,
+        Err(_) => engine_error(EngineError::Closed).into_response(),
+    };
+    if resp.status().is_success() {
+        if let Some(v) = sid {
+            resp.headers_mut().insert("x-session-id", v);
+        }
+        resp.headers_mut().insert("x-clawrl-version", version);
+    }
+    resp
+}
+
+/// Answers one request the engine accepted, sending its response (an error, the whole JSON
+/// answer, or the event stream) through `head`. It waits for the first event first, so that a
+/// refusal is a proper HTTP error, streamed or not.
+async fn answer_request(
+    s: Arc<AppState>,
+    p: Prepared,
+    mut answer: Answer,
+    mut head: oneshot::Sender<Response>,
+) {
+    let first = tokio::select! {
+        e = answer.rx.recv() => e,
+        () = head.closed() => {
+            // The client left before the first token: nothing was sampled, and dropping the
+            // receiver frees the sequence at the engine's next step.
+            let version = answer.served.version();
+            drop(answer.rx);
+            abandon_turn(&s, p, version, Collected::new(), "", "").await;
+            drop(answer.generating);
+            return;
+        }
+    };
     let first = match first {
         Some(StreamEvent::Failed(e)) => {
-            s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
-            if prepared.done {
+            if p.done {
                 let out = s
                     .sessions
                     .lock()
                     .unwrap()
-                    .end_session(prepared.scope, &prepared.session_id);
+                    .end_session(p.scope, &p.session_id);
                 record_all(&s, out).await;
             }
-            return engine_error(e).into_response();
+            let _ = head.send(engine_error(e).into_response());
+            return;
         }
         None => {
-            s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
-            return engine_error(EngineError::Closed).into_response();
+            let _ = head.send(engine_error(EngineError::Closed).into_response());
+            return;
         }
         Some(ev) => ev,
     };
     s.metrics
         .first_token_seconds
-        .observe(t0.elapsed().as_secs_f64());
+        .observe(answer.t0.elapsed().as_secs_f64());
     s.metrics
         .prompt_tokens
-        .fetch_add(prepared.prompt_ids.len() as u64, Ordering::Relaxed);
-    let id = format!("chatcmpl-{}", random_hex(24));
-    let sid = HeaderValue::from_str(&prepared.session_id).ok();
-    let version = HeaderValue::from(served.version());
-    let mut resp = if prepared.stream {
-        stream_response(s.clone(), prepared, served, rx, first, id, t0, slot).into_response()
+        .fetch_add(p.prompt_ids.len() as u64, Ordering::Relaxed);
+    if p.stream {
+        stream_response(s, p, answer, first, head).await
     } else {
-        let r = complete_response(&s, prepared, served, rx, first, id, t0).await;
-        drop(slot);
-        r.into_response()
-    };
-    if let Some(v) = sid {
-        resp.headers_mut().insert("x-session-id", v);
+        complete_response(s, p, answer, first, head).await
     }
-    resp.headers_mut().insert("x-clawrl-version", version);
-    resp
 }
 
 /// Collects the events of one request.
@@ -2031,6 +2089,7 @@ impl Collected {
 }
 
 /// Builds the record of a served turn and hands it to the session table.
+#[allow(clippy::too_many_arguments)]
 async fn finish_turn(
     s: &AppState,
     mut p: Prepared,
@@ -2039,6 +2098,7 @@ async fn finish_turn(
     message: Json_,
     finish: &str,
     t0: Instant,
+    generating: Generating,
 ) {
     s.metrics
         .generation_seconds
@@ -2085,12 +2145,12 @@ async fn finish_turn(
     };
     record_all(s, out).await;
     // Counted last, so a request no longer in flight is already in the session table.
-    s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
+    drop(generating);
 }
 
-/// Records a main turn whose client left mid-stream, as far as it was sampled, with
-/// [`TurnEnd::Abandoned`]: it goes to the turn file only, never to training, and its admission
-/// is released (a session it would have opened is not opened).
+/// Records a main turn whose client left before its answer was whole, as far as it was
+/// sampled, with [`TurnEnd::Abandoned`]: it goes to the turn file only, never to training, and
+/// its admission is released (a session it would have opened is not opened).
 async fn abandon_turn(
     s: &AppState,
     p: Prepared,
@@ -2145,15 +2205,56 @@ fn usage(prompt: usize, completion: usize, cached: usize) -> Json_ {
     })
 }
 
-async fn complete_response(
+/// The text of the tokens `c` holds, as a non-streamed answer gives it: cut at the request's
+/// stop strings, its reasoning apart, and its content apart from its tool calls.
+fn whole_answer(
     s: &AppState,
-    p: Prepared,
+    p: &Prepared,
+    c: &Collected,
+) -> (Option<String>, String, Vec<ToolCall>) {
+    let decoded = decode(s, &c.ids);
+    let visible = super::text::cut_at_stop(&decoded, &p.params.stop_strings);
+    let (reasoning, answer) = split_reasoning(&p.prompt_text, visible);
+    let (content, calls) = split_all(&answer);
+    (reasoning, content, calls)
+}
+
+/// A request the engine accepted: what answering it needs, whether streamed or not.
+struct Answer {
+    /// The version answering it, held to the end (its engine stops after its last request).
     served: Arc<ServedVersion>,
-    mut rx: mpsc::UnboundedReceiver<StreamEvent>,
-    first: StreamEvent,
+    /// The engine's events.
+    rx: mpsc::UnboundedReceiver<StreamEvent>,
+    /// The completion's id.
     id: String,
+    /// When the request arrived.
     t0: Instant,
-) -> Response {
+    /// Its place in `clawrl_gateway_requests_in_flight`, let go of last.
+    generating: Generating,
+    /// Its place in its key's `max_in_flight_per_key`, let go of once the answer is complete.
+    slot: InFlightSlot,
+}
+
+/// Collects a non-streamed answer from `first` on and sends its response through `whole`. If
+/// the client leaves first (the receiving end of `whole` is dropped with the handler), the
+/// generation is dropped (its sequence freed at the engine's next decode step) and a main turn
+/// is recorded as abandoned as far as it was sampled, as a stream's is.
+async fn complete_response(
+    s: Arc<AppState>,
+    p: Prepared,
+    answer: Answer,
+    first: StreamEvent,
+    mut whole: oneshot::Sender<Response>,
+) {
+    let Answer {
+        served,
+        mut rx,
+        id,
+        t0,
+        generating,
+        slot,
+    } = answer;
+    let version = served.version();
     let mut c = Collected::new();
     let mut ev = Some(first);
     while c.reason.is_none() {
@@ -2161,21 +2262,29 @@ async fn complete_response(
         // received (and lost) the second token of every answer.
         let next = match ev.take() {
             Some(e) => Some(e),
-            None => rx.recv().await,
+            None => tokio::select! {
+                e = rx.recv() => e,
+                () = whole.closed() => {
+                    drop(rx);
+                    let (reasoning, content, _) = whole_answer(&s, &p, &c);
+                    let reasoning = reasoning.unwrap_or_default();
+                    abandon_turn(&s, p, version, c, &reasoning, &content).await;
+                    // Counted last, so a request no longer in flight is already accounted for.
+                    drop(generating);
+                    return;
+                }
+            },
         };
-        let Some(e) = next else {
-            s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
-            return engine_error(EngineError::Closed).into_response();
+        let failed = match next {
+            None => Some(EngineError::Closed),
+            Some(e) => c.apply(e).err(),
         };
-        if let Err(e) = c.apply(e) {
-            s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
-            return engine_error(e).into_response();
+        if let Some(e) = failed {
+            let _ = whole.send(engine_error(e).into_response());
+            return;
         }
     }
-    let decoded = decode(s, &c.ids);
-    let visible = super::text::cut_at_stop(&decoded, &p.params.stop_strings);
-    let (reasoning, answer) = split_reasoning(&p.prompt_text, visible);
-    let (content, calls) = split_all(&answer);
+    let (reasoning, content, calls) = whole_answer(&s, &p, &c);
     let reason = finish_reason(c.reason.expect("loop ends on a reason"), !calls.is_empty());
     let mut message = json!({"role": "assistant", "content": content});
     if let Some(r) = reasoning {
@@ -2193,171 +2302,179 @@ async fn complete_response(
         "created": unix_now(),
         "model": p.model,
         "choices": [{"index": 0, "message": message, "finish_reason": reason,
-                     "logprobs": logprobs_object(s, &p, &c)}],
+                     "logprobs": logprobs_object(&s, &p, &c)}],
         "usage": usage(p.prompt_ids.len(), c.ids.len(), c.cached_tokens),
         "session_id": p.session_id,
         "turn_type": p.turn_type,
-        "version": served.version(),
+        "version": version,
     });
-    finish_turn(s, p, served.version(), c, message, reason, t0).await;
-    Json(body).into_response()
+    finish_turn(&s, p, version, c, message, reason, t0, generating).await;
+    // The key's slot is free before the client has its answer, so an answer it acts on at
+    // once never meets its own request's slot.
+    drop(served);
+    drop(slot);
+    let _ = whole.send(Json(body).into_response());
 }
 
-#[allow(clippy::too_many_arguments)]
-fn stream_response(
+/// Streams an answer from `first` on: sends the event stream through `head`, then feeds it.
+/// If the client leaves (a send fails), the generation is dropped and a main turn is recorded
+/// as abandoned as far as it was sampled.
+async fn stream_response(
     s: Arc<AppState>,
     p: Prepared,
-    served: Arc<ServedVersion>,
-    mut rx: mpsc::UnboundedReceiver<StreamEvent>,
+    answer: Answer,
     first: StreamEvent,
-    id: String,
-    t0: Instant,
-    slot: InFlightSlot,
-) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
+    head: oneshot::Sender<Response>,
+) {
     let (tx, out) = mpsc::channel::<Event>(64);
-    tokio::spawn(async move {
-        let created = unix_now();
-        let version = served.version();
-        let chunk = |delta: Json_, finish: Option<&str>, logprobs: Json_| {
-            let v = json!({
-                "id": id, "object": "chat.completion.chunk", "created": created,
-                "model": p.model, "session_id": p.session_id, "version": version,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
-            });
-            Event::default().data(v.to_string())
-        };
-        // With log-probs asked for, a chunk carries the entries of the tokens sampled since the
-        // last chunk that carried some (text held back waits with its tokens); the finishing
-        // chunk carries the rest.
-        let mut logprobs_sent = 0usize;
-        let mut pending_logprobs = |c: &Collected| -> Json_ {
-            if p.raw_logprobs.is_none() {
-                return Json_::Null;
-            }
-            let entries = logprob_entries(&s, c, logprobs_sent);
-            logprobs_sent += entries.len();
-            json!({"content": entries, "refusal": null})
-        };
-        let mut c = Collected::new();
-        let mut text = TextStream::new(p.params.stop_strings.clone());
-        let mut thinking = ReasoningSplitter::new(&p.prompt_text);
-        let mut splitter = ToolCallSplitter::default();
-        let mut reasoning = String::new();
-        let mut content = String::new();
-        let mut calls: Vec<Json_> = Vec::new();
-        let mut ok = tx
-            .send(chunk(
-                json!({"role": "assistant", "content": ""}),
-                None,
-                Json_::Null,
-            ))
-            .await
-            .is_ok();
-        let mut ev = Some(first);
-        let mut failed = false;
-        while ok && c.reason.is_none() {
-            let next = match ev.take() {
-                Some(e) => Some(e),
-                None => rx.recv().await,
-            };
-            let Some(e) = next else {
-                failed = true;
-                break;
-            };
-            if c.apply(e).is_err() {
-                failed = true;
-                break;
-            }
-            let decoded = decode(&s, &c.ids);
-            let piece = text.push(&decoded, c.reason.is_some());
-            let mut parts = thinking.push(&piece);
-            if c.reason.is_some() {
-                parts.extend(thinking.finish());
-            }
-            // Reasoning goes out as it comes; the answer goes through the tool-call splitter.
-            let mut pieces: Vec<Part<Piece>> = Vec::new();
-            for part in parts {
-                match part {
-                    Part::Reasoning(r) => pieces.push(Part::Reasoning(r)),
-                    Part::Content(t) => {
-                        pieces.extend(splitter.push(&t).into_iter().map(Part::Content))
-                    }
-                }
-            }
-            if c.reason.is_some() {
-                pieces.extend(splitter.finish().into_iter().map(Part::Content));
-            }
-            for pc in pieces {
-                let delta = match pc {
-                    Part::Reasoning(r) => {
-                        reasoning.push_str(&r);
-                        json!({"reasoning_content": r})
-                    }
-                    Part::Content(Piece::Content(t)) => {
-                        content.push_str(&t);
-                        json!({"content": t})
-                    }
-                    Part::Content(Piece::ToolCall(tc)) => {
-                        let mut j = openai_tool_call(&tc);
-                        j["index"] = json!(calls.len());
-                        calls.push(j.clone());
-                        json!({"tool_calls": [j]})
-                    }
-                };
-                let logprobs = pending_logprobs(&c);
-                if tx.send(chunk(delta, None, logprobs)).await.is_err() {
-                    ok = false;
-                    break;
-                }
-            }
-        }
-        if !ok || failed {
-            // The client left (or the engine died): the turn was not served whole. Dropping
-            // the receiver frees its sequence at the engine's next decode step.
-            drop(rx);
-            if failed {
-                s.metrics.count_error("generation_failed");
-            } else {
-                s.metrics.streams_aborted.fetch_add(1, Ordering::Relaxed);
-                abandon_turn(&s, p, version, c, &reasoning, &content).await;
-            }
-            // Counted last, so a request no longer in flight is already accounted for.
-            s.metrics.in_flight.fetch_sub(1, Ordering::Relaxed);
-            return;
-        }
-        let reason = finish_reason(c.reason.expect("loop ends on a reason"), !calls.is_empty());
-        let logprobs = pending_logprobs(&c);
-        let _ = tx.send(chunk(json!({}), Some(reason), logprobs)).await;
-        if p.include_usage {
-            let v = json!({
-                "id": id, "object": "chat.completion.chunk", "created": created,
-                "model": p.model, "session_id": p.session_id, "version": version,
-                "choices": [],
-                "usage": usage(p.prompt_ids.len(), c.ids.len(), c.cached_tokens),
-            });
-            let _ = tx.send(Event::default().data(v.to_string())).await;
-        }
-        let _ = tx.send(Event::default().data("[DONE]")).await;
-        let mut message = json!({"role": "assistant", "content": content});
-        if !reasoning.is_empty() {
-            message["reasoning_content"] = Json_::String(reasoning);
-        }
-        if !calls.is_empty() {
-            if content.is_empty() {
-                message["content"] = Json_::Null;
-            }
-            for c in calls.iter_mut() {
-                c.as_object_mut().map(|o| o.remove("index"));
-            }
-            message["tool_calls"] = Json_::Array(calls);
-        }
-        finish_turn(&s, p, version, c, message, reason, t0).await;
-        // The version is let go of only now: its engine stops after its last request.
-        drop(served);
-        drop(slot);
-    });
     let stream = futures::stream::unfold(out, |mut out| async move {
         out.recv().await.map(|e| (Ok::<_, Infallible>(e), out))
     });
-    Sse::new(stream)
+    // A client already gone drops the stream with the response: the first send below fails.
+    let _ = head.send(Sse::new(stream).into_response());
+    let Answer {
+        served,
+        mut rx,
+        id,
+        t0,
+        generating,
+        slot,
+    } = answer;
+    let created = unix_now();
+    let version = served.version();
+    let chunk = |delta: Json_, finish: Option<&str>, logprobs: Json_| {
+        let v = json!({
+            "id": id, "object": "chat.completion.chunk", "created": created,
+            "model": p.model, "session_id": p.session_id, "version": version,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
+        });
+        Event::default().data(v.to_string())
+    };
+    // With log-probs asked for, a chunk carries the entries of the tokens sampled since the
+    // last chunk that carried some (text held back waits with its tokens); the finishing
+    // chunk carries the rest.
+    let mut logprobs_sent = 0usize;
+    let mut pending_logprobs = |c: &Collected| -> Json_ {
+        if p.raw_logprobs.is_none() {
+            return Json_::Null;
+        }
+        let entries = logprob_entries(&s, c, logprobs_sent);
+        logprobs_sent += entries.len();
+        json!({"content": entries, "refusal": null})
+    };
+    let mut c = Collected::new();
+    let mut text = TextStream::new(p.params.stop_strings.clone());
+    let mut thinking = ReasoningSplitter::new(&p.prompt_text);
+    let mut splitter = ToolCallSplitter::default();
+    let mut reasoning = String::new();
+    let mut content = String::new();
+    let mut calls: Vec<Json_> = Vec::new();
+    let mut ok = tx
+        .send(chunk(
+            json!({"role": "assistant", "content": ""}),
+            None,
+            Json_::Null,
+        ))
+        .await
+        .is_ok();
+    let mut ev = Some(first);
+    let mut failed = false;
+    while ok && c.reason.is_none() {
+        let next = match ev.take() {
+            Some(e) => Some(e),
+            None => rx.recv().await,
+        };
+        let Some(e) = next else {
+            failed = true;
+            break;
+        };
+        if c.apply(e).is_err() {
+            failed = true;
+            break;
+        }
+        let decoded = decode(&s, &c.ids);
+        let piece = text.push(&decoded, c.reason.is_some());
+        let mut parts = thinking.push(&piece);
+        if c.reason.is_some() {
+            parts.extend(thinking.finish());
+        }
+        // Reasoning goes out as it comes; the answer goes through the tool-call splitter.
+        let mut pieces: Vec<Part<Piece>> = Vec::new();
+        for part in parts {
+            match part {
+                Part::Reasoning(r) => pieces.push(Part::Reasoning(r)),
+                Part::Content(t) => pieces.extend(splitter.push(&t).into_iter().map(Part::Content)),
+            }
+        }
+        if c.reason.is_some() {
+            pieces.extend(splitter.finish().into_iter().map(Part::Content));
+        }
+        for pc in pieces {
+            let delta = match pc {
+                Part::Reasoning(r) => {
+                    reasoning.push_str(&r);
+                    json!({"reasoning_content": r})
+                }
+                Part::Content(Piece::Content(t)) => {
+                    content.push_str(&t);
+                    json!({"content": t})
+                }
+                Part::Content(Piece::ToolCall(tc)) => {
+                    let mut j = openai_tool_call(&tc);
+                    j["index"] = json!(calls.len());
+                    calls.push(j.clone());
+                    json!({"tool_calls": [j]})
+                }
+            };
+            let logprobs = pending_logprobs(&c);
+            if tx.send(chunk(delta, None, logprobs)).await.is_err() {
+                ok = false;
+                break;
+            }
+        }
+    }
+    if !ok || failed {
+        // The client left (or the engine died): the turn was not served whole. Dropping
+        // the receiver frees its sequence at the engine's next decode step.
+        drop(rx);
+        if failed {
+            s.metrics.count_error("generation_failed");
+        } else {
+            s.metrics.streams_aborted.fetch_add(1, Ordering::Relaxed);
+            abandon_turn(&s, p, version, c, &reasoning, &content).await;
+        }
+        // Counted last, so a request no longer in flight is already accounted for.
+        drop(generating);
+        return;
+    }
+    let reason = finish_reason(c.reason.expect("loop ends on a reason"), !calls.is_empty());
+    let logprobs = pending_logprobs(&c);
+    let _ = tx.send(chunk(json!({}), Some(reason), logprobs)).await;
+    if p.include_usage {
+        let v = json!({
+            "id": id, "object": "chat.completion.chunk", "created": created,
+            "model": p.model, "session_id": p.session_id, "version": version,
+            "choices": [],
+            "usage": usage(p.prompt_ids.len(), c.ids.len(), c.cached_tokens),
+        });
+        let _ = tx.send(Event::default().data(v.to_string())).await;
+    }
+    let _ = tx.send(Event::default().data("[DONE]")).await;
+    let mut message = json!({"role": "assistant", "content": content});
+    if !reasoning.is_empty() {
+        message["reasoning_content"] = Json_::String(reasoning);
+    }
+    if !calls.is_empty() {
+        if content.is_empty() {
+            message["content"] = Json_::Null;
+        }
+        for c in calls.iter_mut() {
+            c.as_object_mut().map(|o| o.remove("index"));
+        }
+        message["tool_calls"] = Json_::Array(calls);
+    }
+    finish_turn(&s, p, version, c, message, reason, t0, generating).await;
+    // The version is let go of only now: its engine stops after its last request.
+    drop(served);
+    drop(slot);
 }

@@ -18,6 +18,7 @@ use super::http::{body, metrics_as, post, post_as, Server};
 
 /// Long enough for anything a working gateway does here, however loaded the machine.
 const BOUND: Duration = Duration::from_secs(60);
+const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3-tiny");
 
 fn addr(s: &Server) -> String {
     s.base.trim_start_matches("http://").to_string()
@@ -261,6 +262,142 @@ async fn a_client_leaving_mid_stream_leaves_an_abandoned_turn_never_trained_on()
         1,
         "one record of the abandoned turn"
     );
+}
+
+/// Calls `router` in process with a request of `method` to `uri` carrying `body`, with key `k`.
+fn call(
+    router: &axum::Router,
+    method: &str,
+    uri: &str,
+    body: String,
+) -> impl std::future::Future<Output = Result<axum::response::Response, std::convert::Infallible>> {
+    use hyper::service::Service as _;
+    let req = axum::http::Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("Authorization", "Bearer k")
+        .header("Content-Type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .unwrap();
+    hyper_util::service::TowerToHyperService::new(router.clone()).call(req)
+}
+
+/// The counter or gauge `name` of the gateway behind `router`.
+async fn metric(router: &axum::Router, name: &str) -> u64 {
+    use http_body_util::BodyExt as _;
+    let r = call(router, "GET", "/metrics", String::new())
+        .await
+        .unwrap();
+    let m = r.into_body().collect().await.unwrap().to_bytes();
+    let m = String::from_utf8_lossy(&m);
+    m.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{m}")) as u64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_before_its_answer_leaves_an_abandoned_turn_not_a_request_in_flight() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = clawrl::model::load_checkpoint::<clawrl::CpuBackend>(
+        std::path::Path::new(FIXTURE),
+        &Default::default(),
+    )
+    .unwrap();
+    let gw = clawrl::gateway::Gateway::new(
+        ck,
+        GatewayConfig {
+            api_keys: vec!["k".into()],
+            data_dir: dir.path().join("data"),
+            ..Default::default()
+        },
+        "qwen3-tiny",
+    )
+    .unwrap();
+    let turns = gw.turns_path(0);
+    let router = gw.router();
+    let counter = gw.counter();
+    let mut sids = Vec::new();
+    // The request is driven in process, not over a socket, so that it leaves at a known point:
+    // its handler is polled until the request is being generated, then dropped at once (no
+    // await between), as a server drops the handler of a client who left. An attempt counts
+    // only if the answer was not whole by then: a machine could in principle stall this thread
+    // for the whole generation, so up to three are made. Both kinds of answer are left so.
+    for stream in [false, true] {
+        let mut left = None;
+        for attempt in 0..3 {
+            let sid = format!("leave-{stream}-{attempt}");
+            let req = body(json!({"max_tokens": 480, "stream": stream}));
+            let mut req = req.as_object().unwrap().clone();
+            req.insert("session_id".into(), json!(sid));
+            let before = counter.counts().turns_abandoned;
+            let mut handler = Box::pin(call(
+                &router,
+                "POST",
+                "/v1/chat/completions",
+                Value::Object(req).to_string(),
+            ));
+            let deadline = Instant::now() + BOUND;
+            let answered = loop {
+                if futures::poll!(&mut handler).is_ready() {
+                    break true;
+                }
+                if counter.counts().requests_in_flight > 0 {
+                    break false;
+                }
+                assert!(Instant::now() < deadline, "the request never started");
+                tokio::task::yield_now().await;
+            };
+            drop(handler);
+            if answered {
+                continue;
+            }
+            // The request ends: recorded as abandoned, or, for an answer whole before the
+            // handler was dropped, served.
+            let deadline = Instant::now() + BOUND;
+            while counter.counts().requests_in_flight > 0 {
+                assert!(
+                    Instant::now() < deadline,
+                    "the request never ended (stream: {stream})"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            if counter.counts().turns_abandoned > before {
+                left = Some(sid);
+                break;
+            }
+        }
+        let sid =
+            left.unwrap_or_else(|| panic!("no attempt left before its answer (stream: {stream})"));
+        assert_eq!(
+            metric(&router, "clawrl_gateway_turns_abandoned_total").await,
+            counter.counts().turns_abandoned
+        );
+        sids.push(sid);
+    }
+    drop(router);
+    // Serving with an immediate shutdown writes every queued record.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    gw.serve(listener, Box::pin(async {})).await.unwrap();
+    let text = std::fs::read_to_string(&turns).unwrap();
+    let recs: Vec<clawrl::gateway::TurnRecord> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for sid in &sids {
+        let left: Vec<_> = recs.iter().filter(|r| &r.session_id == sid).collect();
+        assert_eq!(left.len(), 1, "one record of the turn left ({sid})");
+        let turn = left[0];
+        assert_eq!(turn.end, Some(TurnEnd::Abandoned));
+        assert_eq!(turn.finish_reason, "abandoned");
+        assert!(turn.next_state.is_none());
+        assert!(
+            turn.response_ids.len() < 480,
+            "{} tokens: the sequence ran on after the client left",
+            turn.response_ids.len()
+        );
+        assert_eq!(turn.logprobs.len(), turn.response_ids.len());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
