@@ -2229,7 +2229,8 @@ struct Answer {
     id: String,
     /// When the request arrived.
     t0: Instant,
-    /// Its place in `clawrl_gateway_requests_in_flight`, let go of last.
+    /// Its place in `clawrl_gateway_requests_in_flight`, let go of once the request is
+    /// accounted for (its turn recorded, or its error answered).
     generating: Generating,
     /// Its place in its key's `max_in_flight_per_key`, let go of once the answer is complete.
     slot: InFlightSlot,
