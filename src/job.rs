@@ -74,18 +74,10 @@ pub enum JobKind {
     Personal,
 }
 
-fn default_replicas() -> u32 {
-    1
-}
-fn default_temperature() -> f32 {
-    1.0
-}
-fn default_top_p() -> f32 {
-    1.0
-}
-fn default_max_new_tokens() -> u32 {
-    256
-}
+const DEFAULT_REPLICAS: u32 = 1;
+const DEFAULT_TEMPERATURE: f32 = 1.0;
+const DEFAULT_TOP_P: f32 = 1.0;
+const DEFAULT_MAX_NEW_TOKENS: u32 = 256;
 fn default_prefix_cache_mib() -> u32 {
     (crate::model::engine::DEFAULT_PREFIX_CACHE_BYTES >> 20) as u32
 }
@@ -103,18 +95,19 @@ fn default_max_context() -> u32 {
 pub struct PolicySpec {
     /// A Hugging Face checkpoint directory.
     pub checkpoint: String,
-    /// Rollout workers (policy replicas), each with its own engine.
-    #[serde(default = "default_replicas")]
-    pub replicas: u32,
-    /// Sampling temperature (1.0 makes the rollout log-probs the policy's own).
-    #[serde(default = "default_temperature")]
-    pub temperature: f32,
-    /// Nucleus mass.
-    #[serde(default = "default_top_p")]
-    pub top_p: f32,
-    /// Most tokens of one response.
-    #[serde(default = "default_max_new_tokens")]
-    pub max_new_tokens: u32,
+    /// Rollout workers (policy replicas), each with its own engine (`rl` jobs; default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<u32>,
+    /// Sampling temperature (`rl` jobs; default 1.0, which makes the rollout log-probs the
+    /// policy's own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f32>,
+    /// Nucleus mass (`rl` jobs; default 1.0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f32>,
+    /// Most tokens of one response (`rl` jobs; default 256).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_new_tokens: Option<u32>,
     /// Most sequences one replica decodes together.
     #[serde(default = "default_max_batch")]
     pub max_batch: u32,
@@ -145,6 +138,25 @@ pub struct PolicySpec {
     /// default): the job trains one policy, served under the checkpoint's id.
     #[serde(default)]
     pub agents: Vec<String>,
+}
+
+impl PolicySpec {
+    /// Rollout workers, the default filled in.
+    pub fn replicas(&self) -> u32 {
+        self.replicas.unwrap_or(DEFAULT_REPLICAS)
+    }
+    /// Sampling temperature, the default filled in.
+    pub fn temperature(&self) -> f32 {
+        self.temperature.unwrap_or(DEFAULT_TEMPERATURE)
+    }
+    /// Nucleus mass, the default filled in.
+    pub fn top_p(&self) -> f32 {
+        self.top_p.unwrap_or(DEFAULT_TOP_P)
+    }
+    /// Most tokens of one response, the default filled in.
+    pub fn max_new_tokens(&self) -> u32 {
+        self.max_new_tokens.unwrap_or(DEFAULT_MAX_NEW_TOKENS)
+    }
 }
 
 /// Most agents one job trains adapters for.
@@ -633,22 +645,42 @@ impl JobSpec {
         if p.checkpoint.trim().is_empty() {
             return bad("policy.checkpoint", "must not be empty".into());
         }
-        if !(1..=64).contains(&p.replicas) {
+        if self.kind == JobKind::Personal {
+            // A personal job generates only for its gateway's requests, each of which sets its
+            // own sampling, on the gateway's one engine: these keys would change nothing.
+            for (key, set) in [
+                ("policy.replicas", p.replicas.is_some()),
+                ("policy.temperature", p.temperature.is_some()),
+                ("policy.top_p", p.top_p.is_some()),
+                ("policy.max_new_tokens", p.max_new_tokens.is_some()),
+            ] {
+                if set {
+                    return bad(
+                        key,
+                        "not used by a personal job: its gateway's requests set their own \
+                         sampling (`max_tokens` defaults to `gateway.default_max_tokens`) and \
+                         its one engine serves them all"
+                            .into(),
+                    );
+                }
+            }
+        }
+        if !(1..=64).contains(&p.replicas()) {
             return bad(
                 "policy.replicas",
-                format!("{} is not in 1..=64", p.replicas),
+                format!("{} is not in 1..=64", p.replicas()),
             );
         }
-        if !(p.temperature.is_finite() && p.temperature > 0.0) {
+        if !(p.temperature().is_finite() && p.temperature() > 0.0) {
             return bad(
                 "policy.temperature",
-                format!("{} must be > 0", p.temperature),
+                format!("{} must be > 0", p.temperature()),
             );
         }
-        if !(p.top_p > 0.0 && p.top_p <= 1.0) {
-            return bad("policy.top_p", format!("{} must be in (0, 1]", p.top_p));
+        if !(p.top_p() > 0.0 && p.top_p() <= 1.0) {
+            return bad("policy.top_p", format!("{} must be in (0, 1]", p.top_p()));
         }
-        if p.max_new_tokens == 0 {
+        if p.max_new_tokens() == 0 {
             return bad("policy.max_new_tokens", "must be at least 1".into());
         }
         if p.max_batch == 0 {
@@ -788,13 +820,13 @@ impl JobSpec {
                 ),
             );
         }
-        if self.method.kind.uses_hints() && self.policy.temperature != 1.0 {
+        if self.method.kind.uses_hints() && self.policy.temperature() != 1.0 {
             return bad(
                 "policy.temperature",
                 format!(
                     "{} with method `{}`: the OPD term uses the rollout log-probs as log π_old, \
                      which are the policy's own only at temperature 1",
-                    self.policy.temperature,
+                    self.policy.temperature(),
                     self.method.kind.name()
                 ),
             );
@@ -1276,7 +1308,7 @@ max_steps = 100
         assert!(err(&text).contains("policy.temperature"));
         let text = text.replace("kind = \"combined\"", "kind = \"binary\"");
         let s = JobSpec::parse(&text, "jobs/x.toml").unwrap();
-        assert_eq!((s.policy.replicas, s.policy.temperature), (4, 0.7));
+        assert_eq!((s.policy.replicas(), s.policy.temperature()), (4, 0.7));
         assert_eq!(
             (s.judge.hint_votes, s.env.max_steps, s.stop.max_turns),
             (Some(2), Some(3), Some(50))
@@ -1382,7 +1414,12 @@ max_steps = 3
     #[test]
     fn the_example_job_specs_are_valid() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
-        for f in ["demo.toml", "personal_serve.toml", "personal_agents.toml"] {
+        for f in [
+            "demo.toml",
+            "personal_serve.toml",
+            "personal_agents.toml",
+            "openclaw.toml",
+        ] {
             let spec = JobSpec::load(&dir.join(f)).unwrap_or_else(|e| panic!("{e}"));
             if f == "personal_agents.toml" {
                 assert_eq!(spec.policy.agents, ["alice", "bob"]);
@@ -1495,6 +1532,19 @@ max_steps = 3
             err(&format!("{PERSONAL}[gateway.adapters]\nalice = \"a\"\n"))
                 .contains("gateway.adapters")
         );
+        // Sampling and replica keys change nothing in a personal job (its requests set their
+        // own sampling, on the gateway's one engine): refused by name, even at their defaults.
+        for key in [
+            "replicas = 1",
+            "temperature = 1.0",
+            "top_p = 0.9",
+            "max_new_tokens = 8",
+        ] {
+            let e = err(&PERSONAL.replace("[gateway]", &format!("{key}\n[gateway]")));
+            let name = key.split(' ').next().unwrap();
+            assert!(e.contains(&format!("policy.{name}")), "{key}: {e}");
+            assert!(e.contains("not used by a personal job"), "{key}: {e}");
+        }
         // `rl` keeps its rules: an environment, and no gateway.
         assert!(
             err(&PERSONAL.replace("kind = \"personal\"", "kind = \"rl\"")).contains("`gateway`")

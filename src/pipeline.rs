@@ -470,10 +470,10 @@ pub(crate) fn build_judge(
 pub(crate) fn sampling_params(spec: &JobSpec, stop_token_ids: Vec<u32>) -> SamplingParams {
     let p = &spec.policy;
     SamplingParams {
-        temperature: p.temperature,
-        top_p: p.top_p,
+        temperature: p.temperature(),
+        top_p: p.top_p(),
         top_k: 0,
-        max_new_tokens: p.max_new_tokens as usize,
+        max_new_tokens: p.max_new_tokens() as usize,
         stop_token_ids,
         stop_strings: Vec::new(),
         seed: spec.seed,
@@ -537,7 +537,7 @@ async fn run_job_body(
 
     // Rollout workers (they get their first version from the trainer).
     let mut replicas = Vec::new();
-    for _ in 0..spec.policy.replicas {
+    for _ in 0..spec.policy.replicas() {
         let engine_policy = EnginePolicy::<CpuBackend>::with_weights(
             policy.model_config.clone(),
             policy.version_weights(),

@@ -175,11 +175,7 @@ async fn a_lora_personal_job_trains_the_adapter_alone_and_serves_its_versions() 
         },
     );
     let lora = "lora = { r = 4, alpha = 8, targets = [\"q_proj\", \"v_proj\", \"down_proj\"] }";
-    let text = text.replacen(
-        "max_new_tokens = 6\n",
-        &format!("max_new_tokens = 6\n{lora}\n"),
-        1,
-    );
+    let text = text.replacen("[gateway]\n", &format!("{lora}\n[gateway]\n"), 1);
     assert!(text.contains(lora));
     std::fs::write(&job, text).unwrap();
     let s = train_then_stop(&job, &out).await;
@@ -326,11 +322,7 @@ async fn two_users_train_their_own_adapters_at_once_and_never_each_other() {
     let agents = "lora = { r = 4, alpha = 8, targets = [\"q_proj\", \"v_proj\"] }\n\
                   agents = [\"alice\", \"bob\"]\n";
     let text = text
-        .replacen(
-            "max_new_tokens = 6\n",
-            &format!("max_new_tokens = 6\n{agents}"),
-            1,
-        )
+        .replacen("[gateway]\n", &format!("{agents}[gateway]\n"), 1)
         .replacen("model_name = \"tiny\"\n", "", 1)
         .replacen(&format!("api_keys = [\"{KEY}\"]\n"), "", 1);
     let text = format!(

@@ -37,7 +37,6 @@ name = "{name}"
 seed = {seed}
 [policy]
 checkpoint = {ck:?}
-max_new_tokens = 6
 [gateway]
 listen = "127.0.0.1:0"
 model_name = "tiny"

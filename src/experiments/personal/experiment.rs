@@ -374,7 +374,6 @@ impl ExperimentFile {
                 "policy",
                 sub(vec![
                     ("checkpoint", checkpoint.display().to_string().into()),
-                    ("max_new_tokens", int(x.max_new_tokens)),
                     ("max_batch", int(32)),
                     ("max_context", int(self.sft.max_positions)),
                 ]),
