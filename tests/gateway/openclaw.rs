@@ -6,16 +6,18 @@
 //! init` makes a one-layer Qwen3 of the real vocabulary and 40,960 positions with random
 //! weights. The job is the shipped `examples/openclaw.toml` and OpenClaw's config the shipped
 //! `examples/openclaw.json` (the README's walkthrough), each pointed at this run's model and
-//! port. OpenClaw's provider config points at the job's gateway, and four turns of one
-//! conversation are sent with `openclaw agent --local`: OpenClaw sends no session headers, a
-//! system prompt of about 12k tokens, its tools, and an internal-context message per turn.
+//! ports. OpenClaw's own gateway runs as a user runs it (`openclaw gateway run`, its port and
+//! token auth from that config), and four turns of one conversation are sent through it with
+//! `openclaw agent`: OpenClaw sends no session headers, a system prompt of about 12k tokens, its
+//! tools, and an internal-context message per turn.
 //!
 //! The job must see one session whose turns are linked by inference, judge the turns that have
 //! a next state (the user's praise or correction), train on them, and serve the last turn from
 //! the newer weight version.
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -109,14 +111,117 @@ fn spec(model: &Path) -> String {
 }
 
 /// The shipped example's `openclaw.json` (what the README has a user copy), its provider's
-/// `baseUrl` pointed at the job's gateway at `base`.
-fn openclaw_config(base: &str) -> String {
+/// `baseUrl` pointed at the job's gateway at `base` and OpenClaw's own gateway at `port`.
+fn openclaw_config(base: &str, port: u16) -> String {
     let text = std::fs::read_to_string(Path::new(ROOT).join("examples/openclaw.json")).unwrap();
     let mut config: Value = serde_json::from_str(&text).unwrap();
     let provider = &mut config["models"]["providers"]["clawrl"];
     assert_eq!(provider["apiKey"], KEY, "examples/openclaw.json's key");
     provider["baseUrl"] = Value::String(format!("{base}/v1"));
+    assert_eq!(config["gateway"]["bind"], "loopback", "{config}");
+    config["gateway"]["port"] = Value::from(port);
     config.to_string()
+}
+
+/// A loopback port nothing listens on now (OpenClaw's gateway takes a port number, not 0; if
+/// another process takes the port first, the gateway exits and [`OpenclawGateway::start`] tries
+/// a new one).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// OpenClaw's own gateway (`openclaw gateway run`), in a process group of its own: OpenClaw's
+/// launcher starts the gateway as a child process, and dropping this stops the whole group.
+struct OpenclawGateway {
+    child: Child,
+    log: PathBuf,
+}
+
+impl OpenclawGateway {
+    /// Starts the gateway `command` builds (`log` takes its output) and returns once it says it
+    /// is ready; its log if it exits first (its port taken, say). Panics if it is not ready
+    /// within three minutes.
+    fn start(mut command: Command, log: &Path) -> Result<OpenclawGateway, String> {
+        let file = std::fs::File::create(log).unwrap();
+        let child = command
+            .stdout(file.try_clone().unwrap())
+            .stderr(file)
+            .stdin(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .expect("starting openclaw gateway");
+        let mut gateway = OpenclawGateway {
+            child,
+            log: log.to_path_buf(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(180);
+        loop {
+            if gateway.ready() {
+                return Ok(gateway);
+            }
+            if let Some(status) = gateway.child.try_wait().unwrap() {
+                return Err(format!(
+                    "openclaw gateway exited ({status}):\n{}",
+                    gateway.log()
+                ));
+            }
+            assert!(
+                Instant::now() < deadline,
+                "openclaw gateway not ready after 180 s:\n{}",
+                gateway.log()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Whether the gateway has logged `[gateway] ready` (its log lines carry colour codes).
+    fn ready(&self) -> bool {
+        self.log()
+            .lines()
+            .any(|l| strip_ansi(l).trim_end().ends_with("[gateway] ready"))
+    }
+
+    /// Everything the gateway has written so far.
+    fn log(&self) -> String {
+        String::from_utf8_lossy(&std::fs::read(&self.log).unwrap_or_default()).into_owned()
+    }
+}
+
+impl Drop for OpenclawGateway {
+    fn drop(&mut self) {
+        let group = -(self.child.id() as i32);
+        // SAFETY: kill(2) with a negative pid signals the process group the child leads.
+        unsafe { libc::kill(group, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // SAFETY: as above; whatever is left of the group is killed.
+        unsafe { libc::kill(group, libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+}
+
+/// `line` without its ANSI escape sequences (`ESC [ ... letter`).
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for d in chars.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// The gateway's weight version, from its Prometheus metrics.
@@ -162,27 +267,42 @@ fn stock_openclaw_trains_a_personal_job_by_talking_to_it() {
     std::fs::create_dir_all(&state).unwrap();
     std::fs::create_dir_all(dir.path().join("home")).unwrap();
     let config = state.join("openclaw.json");
-    std::fs::write(&config, openclaw_config(&base)).unwrap();
-    let say = |message: &str| {
-        let path = format!(
-            "{}:{}",
-            tools.node.parent().unwrap().display(),
-            std::env::var("PATH").unwrap_or_default()
-        );
-        let out = Command::new(&tools.node)
-            .arg(&tools.openclaw)
-            .args([
-                "agent",
-                "--local",
-                "--session-id",
-                "e2e",
-                "--message",
-                message,
-            ])
+    // What every `openclaw` command of a user's shell shares: its state, its config and the
+    // token of its gateway (the config asks for token auth and names no token).
+    let openclaw = || {
+        let mut c = Command::new(&tools.node);
+        c.arg(&tools.openclaw)
             .env("HOME", dir.path().join("home"))
             .env("OPENCLAW_STATE_DIR", &state)
             .env("OPENCLAW_CONFIG_PATH", &config)
-            .env("PATH", path)
+            .env("OPENCLAW_GATEWAY_TOKEN", "clawrl-e2e-gateway-token")
+            .env(
+                "PATH",
+                format!(
+                    "{}:{}",
+                    tools.node.parent().unwrap().display(),
+                    std::env::var("PATH").unwrap_or_default()
+                ),
+            );
+        c
+    };
+    let mut attempts = 0;
+    let gateway = loop {
+        attempts += 1;
+        std::fs::write(&config, openclaw_config(&base, free_port())).unwrap();
+        let mut run = openclaw();
+        run.args(["gateway", "run"]);
+        let log = dir.path().join(format!("openclaw-gateway-{attempts}.log"));
+        match OpenclawGateway::start(run, &log) {
+            Ok(g) => break g,
+            Err(e) if attempts == 3 => panic!("{e}"),
+            Err(e) => eprintln!("{e}\ntrying another port"),
+        }
+    };
+    let say = |message: &str| {
+        let fetches_before = model_fetch_lines(&gateway.log()).len();
+        let out = openclaw()
+            .args(["agent", "--session-id", "e2e", "--message", message])
             .output()
             .expect("starting openclaw");
         let text = format!(
@@ -190,14 +310,18 @@ fn stock_openclaw_trains_a_personal_job_by_talking_to_it() {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
-        // OpenClaw logs every model fetch that fails or is not OK, and OK ones only when slow
-        // (over its SLOW_MODEL_FETCH_MS), so a quick answer leaves no line at all.
-        let failed_fetch = text
-            .lines()
-            .any(|l| l.contains("[model-fetch]") && !l.contains("status=200"));
+        // The gateway fetches from the model and logs every fetch that fails or is not OK, and
+        // OK ones only when slow (over its SLOW_MODEL_FETCH_MS), so a quick answer leaves no line.
+        let log = gateway.log();
+        let failed: Vec<&str> = model_fetch_lines(&log)[fetches_before..]
+            .iter()
+            .copied()
+            .filter(|l| !l.contains("status=200"))
+            .collect();
         assert!(
-            out.status.success() && !failed_fetch,
-            "openclaw agent failed ({}) on {message:?}:\n{text}\njob: {}",
+            out.status.success() && failed.is_empty(),
+            "openclaw agent failed ({}) on {message:?}:\n{text}\nfailed model fetches: \
+             {failed:?}\njob: {}",
             out.status,
             job.log()
         );
@@ -219,6 +343,8 @@ fn stock_openclaw_trains_a_personal_job_by_talking_to_it() {
     // Turn 3 runs on the new version; its request also gives turn 2 its next state.
     say("Thanks, perfect.");
 
+    // OpenClaw's gateway goes first, so that nothing it might still send reaches the job.
+    drop(gateway);
     let s = job.stop();
     let c = &s["counts"];
     assert_eq!(
@@ -272,6 +398,13 @@ fn stock_openclaw_trains_a_personal_job_by_talking_to_it() {
         "the last answer came from version {}",
         last[0].0
     );
+}
+
+/// The gateway log's `[model-fetch]` lines, in order.
+fn model_fetch_lines(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|l| l.contains("[model-fetch]"))
+        .collect()
 }
 
 /// The `trainer_step` records of every record file under `dir`, by step.
