@@ -300,7 +300,9 @@ fn stock_openclaw_trains_a_personal_job_by_talking_to_it() {
         }
     };
     let say = |message: &str| {
-        let fetches_before = model_fetch_lines(&gateway.log()).len();
+        let before = gateway.log();
+        let (fetches_before, runs_before) =
+            (model_fetch_lines(&before).len(), agent_runs_ended(&before));
         let out = openclaw()
             .args(["agent", "--session-id", "e2e", "--message", message])
             .output()
@@ -312,17 +314,38 @@ fn stock_openclaw_trains_a_personal_job_by_talking_to_it() {
         );
         // The gateway fetches from the model and logs every fetch that fails or is not OK, and
         // OK ones only when slow (over its SLOW_MODEL_FETCH_MS), so a quick answer leaves no line.
-        let log = gateway.log();
-        let failed: Vec<&str> = model_fetch_lines(&log)[fetches_before..]
-            .iter()
-            .copied()
-            .filter(|l| !l.contains("status=200"))
-            .collect();
+        let failed_fetches = |log: &str| -> Vec<String> {
+            model_fetch_lines(log)[fetches_before..]
+                .iter()
+                .filter(|l| !l.contains("status=200"))
+                .map(|l| l.to_string())
+                .collect()
+        };
         assert!(
-            out.status.success() && failed.is_empty(),
-            "openclaw agent failed ({}) on {message:?}:\n{text}\nfailed model fetches: \
-             {failed:?}\njob: {}",
+            out.status.success(),
+            "openclaw agent failed ({}) on {message:?}:\n{text}\nfailed model fetches: {:?}\n\
+             job: {}",
             out.status,
+            failed_fetches(&gateway.log()),
+            job.log()
+        );
+        // The turn ran in OpenClaw's gateway, not in an embedded agent of the CLI's own: the
+        // gateway logs the run's end (maybe just after the CLI has its answer).
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut log = gateway.log();
+        while agent_runs_ended(&log) == runs_before && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+            log = gateway.log();
+        }
+        assert_eq!(
+            agent_runs_ended(&log),
+            runs_before + 1,
+            "the gateway ran no agent for {message:?}:\n{text}\n{log}"
+        );
+        let failed = failed_fetches(&log);
+        assert!(
+            failed.is_empty(),
+            "failed model fetches on {message:?}: {failed:?}\njob: {}",
             job.log()
         );
     };
@@ -405,6 +428,13 @@ fn model_fetch_lines(log: &str) -> Vec<&str> {
     log.lines()
         .filter(|l| l.contains("[model-fetch]"))
         .collect()
+}
+
+/// How many agent runs the gateway log says have ended (`[agent] run <id> ended with ...`).
+fn agent_runs_ended(log: &str) -> usize {
+    log.lines()
+        .filter(|l| l.contains("[agent] run ") && l.contains(" ended with "))
+        .count()
 }
 
 /// The `trainer_step` records of every record file under `dir`, by step.
