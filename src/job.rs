@@ -410,6 +410,11 @@ pub struct OptimSpec {
     /// `true`; the loss and gradients are those of the unpacked samples).
     #[serde(default = "default_true")]
     pub pack_prefixes: bool,
+    /// A step keeps only each decoder layer's input and recomputes the layer's activations in
+    /// the backward pass (default `false`): the same gradients for one more forward pass, and
+    /// a fraction of the memory on long samples (an agent's 12k-token prompts on a real model).
+    #[serde(default)]
+    pub recompute_activations: bool,
 }
 
 /// The `[env]` section of a job spec: the environment its sessions run in.
@@ -1499,6 +1504,18 @@ max_steps = 3
                 .device,
             Device::Cpu
         );
+    }
+
+    #[test]
+    fn recomputing_activations_is_an_optim_key_off_by_default() {
+        let plain = JobSpec::parse(PERSONAL, "p.toml").unwrap();
+        assert!(!crate::pipeline::train_config(&plain).recompute_activations);
+        let on = PERSONAL.replace("[optim]\n", "[optim]\nrecompute_activations = true\n");
+        assert_ne!(on, PERSONAL);
+        let on = JobSpec::parse(&on, "p.toml").unwrap();
+        assert!(crate::pipeline::train_config(&on).recompute_activations);
+        let bad = PERSONAL.replace("[optim]\n", "[optim]\nrecompute_activations = 1\n");
+        assert!(err(&bad).contains("recompute_activations"), "{}", err(&bad));
     }
 
     #[test]

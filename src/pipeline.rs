@@ -339,6 +339,7 @@ pub fn train_config(spec: &JobSpec) -> TrainConfig {
         batch_size: o.batch_size as usize,
         opd_loss: spec.method.opd_loss,
         pack_prefixes: o.pack_prefixes,
+        recompute_activations: o.recompute_activations,
         ..TrainConfig::default()
     }
 }

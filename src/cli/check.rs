@@ -79,6 +79,10 @@ pub enum CheckCommand {
         /// Train: run every sequence whole, without packing shared prefixes.
         #[arg(long)]
         no_packing: bool,
+        /// Train: keep only each decoder layer's input and recompute its activations in the
+        /// backward pass (`[optim] recompute_activations`).
+        #[arg(long)]
+        recompute_activations: bool,
         /// Generate, decode: attach this many fresh LoRA adapters (rank `--adapter-rank` on
         /// every linear layer, alpha twice the rank) to the one engine and spread the requests
         /// over them (request `i` on adapter `i mod N`); 0 runs the base alone. Train: 1 trains
@@ -143,6 +147,7 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
             rounds,
             shared_prefix,
             no_packing,
+            recompute_activations,
             adapters,
             adapter_rank,
         } => {
@@ -153,10 +158,11 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
                 shared_prefix <= prompt,
                 "--shared-prefix ({shared_prefix}) is longer than --prompt ({prompt})"
             );
-            let train_only = shared_prefix > 0 || no_packing;
+            let train_only = shared_prefix > 0 || no_packing || recompute_activations;
             anyhow::ensure!(
                 !train_only || matches!(workload, Workload::Train),
-                "--shared-prefix and --no-packing apply to --workload train only"
+                "--shared-prefix, --no-packing and --recompute-activations apply to --workload \
+                 train only"
             );
             anyhow::ensure!(
                 adapters == 0
@@ -185,6 +191,7 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
                 rounds,
                 shared_prefix,
                 packing: !no_packing,
+                recompute_activations,
                 adapters: adapters.clone(),
             };
             let rates = match workload {
@@ -203,6 +210,7 @@ pub fn run(cmd: Commands) -> anyhow::Result<()> {
                     "new_tokens": new_tokens,
                     "shared_prefix": shared_prefix,
                     "packing": !no_packing,
+                    "recompute_activations": recompute_activations,
                     "adapters": adapters.as_ref().map_or(0, |(n, _)| *n),
                     "adapter_rank": adapters.as_ref().map(|(_, c)| c.r),
                     "dtype": "float32",
@@ -512,6 +520,8 @@ struct Shape<'a> {
     shared_prefix: usize,
     /// Train: whether the learner packs shared prefixes.
     packing: bool,
+    /// Train: whether the learner recomputes activations in the backward pass.
+    recompute_activations: bool,
     /// Generate: how many adapters of which shape the requests are spread over. Train: the
     /// shape of the one adapter trained.
     adapters: Option<(usize, LoraConfig)>,
@@ -677,6 +687,7 @@ impl TrainingTask for TrainSpeed<'_> {
             kl_coef: 0.02,
             batch_size: s.batch,
             pack_prefixes: s.packing,
+            recompute_activations: s.recompute_activations,
             ..TrainConfig::default()
         };
         let mut learner = BurnLearner::new(cfg, model, train, device, 0);

@@ -716,7 +716,7 @@ impl<B: Backend> Qwen3<B> {
     }
 
     /// `(cos, sin)` as `[1, 1, s, d]` for positions `start..start + s`.
-    fn rope(&self, start: usize, s: usize) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    pub(crate) fn rope(&self, start: usize, s: usize) -> (Tensor<B, 4>, Tensor<B, 4>) {
         let positions: Vec<usize> = (start..start + s).collect();
         self.rope_at(&positions, [1, 1, s])
     }
@@ -746,11 +746,16 @@ impl<B: Backend> Qwen3<B> {
         }
     }
 
+    /// The token embeddings the decoder stack starts from: `input_ids [b, s]` → `[b, s, hidden]`.
+    pub fn embed(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        embedding(self.embed_tokens.val(), input_ids)
+    }
+
     /// Runs the decoder stack (without final norm / head): `input_ids [b, s]` → `[b, s, hidden]`.
     pub fn forward_hidden(&self, input_ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         let s = input_ids.dims()[1];
         let (cos, sin) = self.rope(0, s);
-        let mut x = embedding(self.embed_tokens.val(), input_ids);
+        let mut x = self.embed(input_ids);
         for layer in &self.layers {
             x = layer.forward(x, cos.clone(), sin.clone());
         }
@@ -769,8 +774,8 @@ impl<B: Backend> Qwen3<B> {
     ) -> (Tensor<B, 3>, Tensor<B, 3>) {
         let (p, l) = (prefix.dims()[1], rows.dims()[1]);
         let (rope_prefix, rope_rows) = (self.rope(0, p), self.rope(p, l));
-        let mut xp = embedding(self.embed_tokens.val(), prefix);
-        let mut xr = embedding(self.embed_tokens.val(), rows);
+        let mut xp = self.embed(prefix);
+        let mut xr = self.embed(rows);
         for layer in &self.layers {
             (xp, xr) = layer.forward_prefixed(xp, xr, rope_prefix.clone(), rope_rows.clone());
         }

@@ -37,6 +37,10 @@ pub struct TrainConfig {
     /// ([`super::packing`]); the loss and gradients are those of the unpacked samples, so it is
     /// on by default.
     pub pack_prefixes: bool,
+    /// Whether a step keeps only each decoder layer's input and recomputes the layer's
+    /// activations in the backward pass ([`super::recompute`]): the same gradients, one more
+    /// forward pass, and a fraction of the memory on long samples. Off by default.
+    pub recompute_activations: bool,
 }
 
 impl Default for TrainConfig {
@@ -53,6 +57,7 @@ impl Default for TrainConfig {
             batch_size: 16,
             opd_loss: OpdLossKind::Advantage,
             pack_prefixes: true,
+            recompute_activations: false,
         }
     }
 }

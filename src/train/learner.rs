@@ -16,7 +16,8 @@ use super::batch::{BatchLayout, LayoutError, OpdLossKind, Sample};
 use super::config::TrainConfig;
 use super::loss::{policy_loss, topk_reverse_kl, LossParams};
 use super::optim::{clip_coefficient, global_grad_norm, AdamW, AdamWParams};
-use super::packing::Packing;
+use super::packing::{PackedGroup, Packing};
+use super::recompute::Trunk;
 use crate::model::peft::adapter_to_safetensors;
 use crate::model::qwen3::rope_inv_freq;
 use crate::model::token_logprobs;
@@ -377,8 +378,14 @@ impl<B: AutodiffBackend> BurnLearner<B> {
         let floats = |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [b, w]), &device);
 
         // Forward with gradient: the logits `[b, w, vocab]` over the window, and the log-probs
-        // `[b, w]` of the sampled tokens.
-        let logits = window_logits(&self.policy, &layout, &packing);
+        // `[b, w]` of the sampled tokens. Recomputing activations, the graph starts at the
+        // stack's output, and the stack's gradients come layer by layer after the loss's.
+        let (trunk, logits) = if self.train.recompute_activations {
+            let (trunk, logits) = Trunk::forward(&self.policy, &layout, &packing);
+            (Some(trunk), logits)
+        } else {
+            (None, window_logits(&self.policy, &layout, &packing))
+        };
         let targets = Tensor::<B, 2, Int>::from_data(
             TensorData::new(layout.targets.clone(), [b, w]),
             &device,
@@ -474,7 +481,10 @@ impl<B: AutodiffBackend> BurnLearner<B> {
             return Ok(metrics);
         }
 
-        let grads = GradientsParams::from_grads(loss.backward(), &self.policy);
+        let grads = match trunk {
+            Some(trunk) => trunk.backward(&self.policy, loss.backward()),
+            None => GradientsParams::from_grads(loss.backward(), &self.policy),
+        };
         let norm = global_grad_norm(&self.policy, &grads);
         metrics.grad_norm = norm;
         if !norm.is_finite() {
@@ -589,35 +599,59 @@ pub fn window_logits<B: Backend>(
     packing: &Packing,
 ) -> Tensor<B, 3> {
     let device = model.device();
-    let ids = |v: &[i64], shape: [usize; 2]| {
-        Tensor::<B, 2, Int>::from_data(TensorData::new(v.to_vec(), shape), &device)
-    };
     // Every group's hidden states as rows of one `[computed, hidden]` matrix, in the order
     // `packing.window_rows` indexes.
     let mut states = Vec::with_capacity(2 * packing.groups.len());
     for g in &packing.groups {
-        let rows = ids(&g.rest, [g.rows(), g.len]);
-        let p = g.prefix.len();
-        if p > 0 {
-            let (prefix, rows) = model.forward_hidden_prefixed(ids(&g.prefix, [1, p]), rows);
-            states.push(flatten(prefix));
-            states.push(flatten(rows));
-        } else {
-            states.push(flatten(model.forward_hidden(rows)));
+        match group_ids(g, &device) {
+            (Some(prefix), rows) => {
+                let (prefix, rows) = model.forward_hidden_prefixed(prefix, rows);
+                states.push(flatten(prefix));
+                states.push(flatten(rows));
+            }
+            (None, rows) => states.push(flatten(model.forward_hidden(rows))),
         }
     }
+    window_head(model, layout, packing, states)
+}
+
+/// The logits `[batch, window, vocab]` from `states`, every group's hidden states at the
+/// stack's output as rows of one `[computed, hidden]` matrix in the order `packing.window_rows`
+/// indexes (each group's prefix, then its rows): the window's rows gathered, then the head.
+pub(crate) fn window_head<B: Backend>(
+    model: &Qwen3<B>,
+    layout: &BatchLayout,
+    packing: &Packing,
+    states: Vec<Tensor<B, 2>>,
+) -> Tensor<B, 3> {
     let (b, w) = (layout.batch, layout.window);
     let index = Tensor::<B, 1, Int>::from_data(
         TensorData::new(packing.window_rows.clone(), [b * w]),
-        &device,
+        &model.device(),
     );
     let hidden = Tensor::cat(states, 0).select(0, index);
     let h = hidden.dims()[1];
     model.head(hidden.reshape([b, w, h]))
 }
 
+/// A packed group's token ids as tensors on `device`: the prefix `[1, prefix_len]` when it has
+/// one, and the rows `[rows, len]`.
+pub(crate) fn group_ids<B: Backend>(
+    g: &PackedGroup,
+    device: &B::Device,
+) -> (Option<Tensor<B, 2, Int>>, Tensor<B, 2, Int>) {
+    let ids = |v: &[i64], shape: [usize; 2]| {
+        Tensor::<B, 2, Int>::from_data(TensorData::new(v.to_vec(), shape), device)
+    };
+    let p = g.prefix.len();
+    (
+        (p > 0).then(|| ids(&g.prefix, [1, p])),
+        ids(&g.rest, [g.rows(), g.len]),
+    )
+}
+
 /// `[a, s, hidden]` → `[a · s, hidden]`.
-fn flatten<B: Backend>(x: Tensor<B, 3>) -> Tensor<B, 2> {
+pub(crate) fn flatten<B: Backend>(x: Tensor<B, 3>) -> Tensor<B, 2> {
     let [a, s, h] = x.dims();
     x.reshape([a * s, h])
 }
