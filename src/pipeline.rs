@@ -406,19 +406,14 @@ pub(crate) async fn wait_serving<P: clawrl_actors::loops::PolicyReplica>(
     Ok(())
 }
 
-/// The judge and the sample builder of a job's method (with the OPD `teacher` when the method
-/// uses hints).
-pub(crate) fn build_judging(
+/// The sample builder of the job's method (with the OPD teacher, for `opd` and `combined`).
+pub(crate) fn build_builder(
     spec: &JobSpec,
-    file: &str,
-    ckpt_dir: &Path,
-    engine: EngineOptions,
     job_id: &str,
     teacher: Option<ActorRef<RolloutMsg<samples::TeacherScorer>>>,
-) -> Result<(judge::PipelineJudge, samples::MethodBuilder), RunError> {
-    let (step_kind, step_prompt) = step_kinds(spec);
-    let judge = build_judge(spec, file, ckpt_dir, engine, step_prompt)?;
-    let builder = samples::MethodBuilder::new(
+) -> Result<samples::MethodBuilder, RunError> {
+    let (step_kind, _) = step_kinds(spec);
+    Ok(samples::MethodBuilder::new(
         job_id.to_string(),
         spec.method.kind,
         AdvantageWeights {
@@ -429,8 +424,34 @@ pub(crate) fn build_judging(
         step_kind,
     )
     .map_err(RunError::Judge)?
-    .with_process_weight(spec.method.process_weight());
-    Ok((judge, builder))
+    .with_process_weight(spec.method.process_weight()))
+}
+
+/// The engine a job's `[policy]` sizes: the policy's, and a `model` judge's.
+pub(crate) fn engine_options(spec: &JobSpec) -> EngineOptions {
+    let p = &spec.policy;
+    EngineOptions {
+        max_batch: p.max_batch as usize,
+        max_context: p.max_context as usize,
+        prefix_cache_bytes: (p.prefix_cache_mib as usize) << 20,
+    }
+}
+
+/// The judge of a job as a node without its policy builds it (a `judge` node): the spec's
+/// checkpoint for a `model` backend, its engine sized by `[policy]`, and the step prompt of the
+/// job's kind, as the job home would build it.
+pub(crate) fn build_job_judge(
+    spec: &JobSpec,
+    file: &str,
+) -> Result<judge::PipelineJudge, RunError> {
+    let (_, step_prompt) = step_kinds(spec);
+    build_judge(
+        spec,
+        file,
+        &spec.resolve(&spec.policy.checkpoint),
+        engine_options(spec),
+        step_prompt,
+    )
 }
 
 /// The judge of a job (every kind): `[judge]` built into a [`crate::judge::Judge`] (the

@@ -20,7 +20,8 @@ pub enum Role {
     Trainer,
     /// May host rollout (policy serving) workers.
     Rollout,
-    /// May host judge workers.
+    /// Hosts judge workers: the node judges the turns of jobs whose home (trainer node) lacks
+    /// this role, under its own `[judge]` grants; a home with it judges its own.
     Judge,
     /// May host environments (`--env KIND:N` slots).
     Env,

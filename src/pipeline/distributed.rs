@@ -22,6 +22,12 @@
 //!   episode over the wire ([`RemoteEnvironment`]). An episode starts on the host of a node
 //!   whose slots Control placed the job on, the least busy first. When its node dies the episode's next step fails, the session fails, and the
 //!   job supervisor restarts it on its task (on a live host) or counts it lost.
+//! - **Judging** (nodes with the `judge` role): a [`JudgeHost`] in group `clawrl.judge` builds
+//!   a job's judge from its spec under its own node's `[judge]` grants and judges the turns the
+//!   home sends it. A home that has the `judge` role itself judges its turns where it is, as
+//!   the embedded node does; one without it judges on the judge hosts ([`RemoteJudge`]), in
+//!   turn, skipping one that is gone, and waits for a judge host before the job starts. The
+//!   OPD teacher stays on the home: it scores with the job's own policy.
 //!
 //! Everything that crosses the wire is a `serde` value in `bincode` over [`rpc::Rpc`]; chat
 //! messages and tool schemas (JSON values, which `bincode` cannot carry as such) travel as JSON
@@ -30,9 +36,10 @@
 //! the spec's files (checkpoint, tasks) must exist at the same paths on the job home and on the
 //! environment nodes.
 //!
-//! One file per concern: [`wire`] (the messages), [`rollout_host`] and [`env_host`] (what
-//! the other nodes run), [`remote_env`] and [`remote_policy`] (the job home's view of them),
-//! and [`home`] (the job runner and the node services).
+//! One file per concern: [`wire`] (the messages), [`rollout_host`], [`env_host`] and
+//! [`judge_host`] (what the other nodes run), [`remote_env`], [`remote_policy`] and
+//! [`remote_judge`] (the job home's view of them), and [`home`] (the job runner and the node
+//! services).
 
 use clawrl_actors::control::{ControlReply, ControlRequest};
 use clawrl_actors::rpc;
@@ -42,17 +49,26 @@ use std::time::Duration;
 
 mod env_host;
 mod home;
+mod judge_host;
 mod remote_env;
+mod remote_judge;
 mod remote_policy;
 mod rollout_host;
 mod wire;
 
 pub use env_host::{EnvHost, EnvHostArgs, EnvHostState};
-pub use home::{run_placed_job, start_node_services, JobRunner, ServicesError};
+pub use home::{run_placed_job, start_node_services, JobRunner, Judging, ServicesError};
+pub use judge_host::{JudgeHost, JudgeHostArgs, JudgeHostState};
 pub use remote_env::RemoteEnvironment;
+pub use remote_judge::RemoteJudge;
 pub use remote_policy::{RemoteChatPolicy, RolloutPool};
 pub use rollout_host::{RolloutHost, RolloutHostArgs, RolloutHostState};
-pub use wire::{AdapterServing, EnvReply, EnvRequest, RolloutReply, RolloutRequest};
+pub use wire::{
+    AdapterServing, EnvReply, EnvRequest, JudgeReply, JudgeRequest, RolloutReply, RolloutRequest,
+};
+
+/// The group of judge hosts.
+pub const JUDGE_GROUP: &str = "clawrl.judge";
 
 /// The group of environment hosts of `kind`.
 pub fn envhost_group(kind: &str) -> String {

@@ -27,14 +27,14 @@ use burn::tensor::backend::AutodiffBackend;
 use clawrl_actors::loops::{
     spawn_job, JobArgs, JobCounts, JobMsg, ProgressReport, Recorder, RecorderConfig,
     RecorderHandle, RecorderMsg, RecorderStats, RolloutMsg, Subscriber, TrainSample, Trainer,
-    TrainerArgs, TrainerMsg, TrainerStats, TurnSource, WeightPublisher,
+    TrainerArgs, TrainerMsg, TrainerStats, TurnJudge, TurnSource, WeightPublisher,
 };
 use ractor::{Actor, ActorRef};
 use tokio::sync::oneshot;
 
 use super::{
-    actor_err, build_judging, job_settings, learner, samples, spawn_teacher, step_records,
-    train_config, trainer_config, wait_serving, RunError,
+    actor_err, build_builder, build_judge, job_settings, learner, samples, spawn_teacher,
+    step_kinds, step_records, train_config, trainer_config, wait_serving, RunError,
 };
 use crate::job::JobSpec;
 use crate::model::checkpoint::load_model_as;
@@ -98,12 +98,7 @@ impl<AB: AutodiffBackend> LoadedPolicy<AB> {
         let stop_ids = ck.stop_token_ids();
         let tokenizer = Arc::new(ck.tokenizer);
         let template = Arc::new(ck.chat_template);
-        let p = &spec.policy;
-        let engine = EngineOptions {
-            max_batch: p.max_batch as usize,
-            max_context: p.max_context as usize,
-            prefix_cache_bytes: (p.prefix_cache_mib as usize) << 20,
-        };
+        let engine = super::engine_options(spec);
         let mut loaded = Vec::with_capacity(count);
         for _ in 0..count {
             let model = match &spec.policy.lora {
@@ -313,14 +308,29 @@ impl JobParts {
         progress: Option<ProgressReport>,
         poll: Duration,
     ) -> Result<(ActorRef<JobMsg<TrainSample>>, oneshot::Receiver<JobCounts>), RunError> {
-        let (judge, builder) = build_judging(
-            &self.spec,
-            &self.file,
-            &self.ckpt_dir,
-            self.engine,
-            &self.job_id,
-            self.teacher.clone(),
-        )?;
+        self.spawn_job_judged_by(source, progress, poll, None).await
+    }
+
+    /// [`spawn_job`](Self::spawn_job) with `judge` judging the turns instead of the spec's
+    /// judge built here (a job home without the `judge` role: the judge hosts').
+    pub async fn spawn_job_judged_by(
+        &self,
+        source: TurnSource,
+        progress: Option<ProgressReport>,
+        poll: Duration,
+        judge: Option<Arc<dyn TurnJudge>>,
+    ) -> Result<(ActorRef<JobMsg<TrainSample>>, oneshot::Receiver<JobCounts>), RunError> {
+        let judge: Arc<dyn TurnJudge> = match judge {
+            Some(j) => j,
+            None => Arc::new(build_judge(
+                &self.spec,
+                &self.file,
+                &self.ckpt_dir,
+                self.engine,
+                step_kinds(&self.spec).1,
+            )?),
+        };
+        let builder = build_builder(&self.spec, &self.job_id, self.teacher.clone())?;
         let mut settings = job_settings(&self.spec, poll);
         if matches!(source, TurnSource::Offered) {
             // Offered turns are one-turn episodes the job never holds back.
@@ -330,7 +340,7 @@ impl JobParts {
         let (job, done) = spawn_job::<TrainSample>(JobArgs {
             job: self.job_id.clone(),
             source,
-            judge: Arc::new(judge),
+            judge,
             builder: Arc::new(samples::SharedBuilder(Arc::new(builder))),
             trainer: Arc::new(self.trainer.clone()),
             recorder: Some(self.rec.clone()),

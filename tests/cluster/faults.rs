@@ -5,6 +5,8 @@
 //! up). Every job uses the fixture policy, a scripted environment and a scripted judge; counts
 //! must balance (`produced = trained + dropped_stale + failed + pending`). One more job trains
 //! a LoRA adapter across nodes: the rollout node serves adapter versions over a base it fetched.
+//! And a job whose home lacks the `judge` role has its turns judged on two judge nodes, one of
+//! which is SIGKILLed mid-job.
 //!
 //! No test races its job: each job is submitted with a step limit it cannot reach
 //! ([`HELD_OPEN`]), so it is still running when the fault is in place whatever the machine's
@@ -29,6 +31,11 @@ pub(crate) const LONG: Duration = Duration::from_secs(240);
 const HELD_OPEN: u64 = 1_000_000;
 
 pub(crate) static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// The jobs' judge: the scripted environment's replies say "wrong" or "thanks".
+const SCRIPTED_JUDGE: &str = r#"backend = "scripted"
+votes = 1
+rules = [{ pattern = "(?i)wrong", score = -1 }, { pattern = "(?i)thanks", score = 1 }]"#;
 
 pub(crate) struct Cluster {
     pub(crate) dir: tempfile::TempDir,
@@ -154,6 +161,17 @@ impl Cluster {
         checkpoint_every: u64,
         policy_keys: &str,
     ) -> String {
+        self.submit_judged(parallelism, checkpoint_every, policy_keys, SCRIPTED_JUDGE)
+    }
+
+    /// [`submit_with`](Self::submit_with) with `judge` as the spec's `[judge]` keys.
+    pub(crate) fn submit_judged(
+        &self,
+        parallelism: u32,
+        checkpoint_every: u64,
+        policy_keys: &str,
+        judge: &str,
+    ) -> String {
         let tasks = self.dir.path().join("tasks.jsonl");
         std::fs::write(
             &tasks,
@@ -174,9 +192,7 @@ max_new_tokens = 8
 max_context = 512
 {policy_keys}
 [judge]
-backend = "scripted"
-votes = 1
-rules = [{{ pattern = "(?i)wrong", score = -1 }}, {{ pattern = "(?i)thanks", score = 1 }}]
+{judge}
 [method]
 kind = "binary"
 [optim]
@@ -315,6 +331,84 @@ fn a_job_survives_a_rollout_node_killed_mid_job() {
     );
     // Sessions re-routed to r2: none was lost.
     assert_eq!(n(&end, "sessions_lost"), 0, "{end}");
+}
+
+#[test]
+fn a_home_without_the_judge_role_has_its_turns_judged_on_judge_nodes_and_survives_one_killed() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let mut c = Cluster::new(&["ctl", "tr", "j1", "j2", "e1"]);
+    c.start("ctl", &["control"], None);
+    c.start("tr", &["trainer", "rollout"], None);
+    c.start("j1", &["judge"], None);
+    c.start("j2", &["judge"], None);
+    c.start("e1", &["env"], Some("scripted:4"));
+    c.wait_up(&[
+        ("clawrl.rollout", 1),
+        ("clawrl.envhost.scripted", 1),
+        ("clawrl.judge", 2),
+    ]);
+
+    let job = c.submit(4, 0);
+    // Turns are judged, and both judge nodes built the job's judge and judged some of them.
+    let before = c.wait_counts(&job, "turns judged on both judge nodes", |p| {
+        p["judged"].as_u64().unwrap_or(0) >= 12
+    });
+    for j in ["j1", "j2"] {
+        assert!(
+            c.procs[j].log_text().contains("built the job's judge"),
+            "{j} never judged:\n{}",
+            c.logs()
+        );
+    }
+    assert!(
+        !c.procs["tr"].log_text().contains("built the job's judge"),
+        "the home judged its own turns:\n{}",
+        c.logs()
+    );
+    c.kill("j1");
+    // Once the cluster has noticed, the job is still running, its turns judged on j2 alone.
+    c.wait_up_after_loss(&[("clawrl.judge", 1)]);
+    let after = c.wait_counts(&job, "counts after the kill", |_| true);
+    assert_eq!(after["phase"], "running", "{after}");
+    let judged = n(&after, "judged");
+    let max_steps = c.finish_after_progress(&job, &after);
+    let end = c.wait_finished(&job);
+    assert_completed(&end, max_steps);
+    assert!(
+        n(&end, "judged") > judged.max(n(&before, "judged")),
+        "no turn judged after the kill: {end}"
+    );
+}
+
+#[test]
+fn a_judge_node_whose_grants_refuse_the_judge_fails_the_job_naming_the_key() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let mut c = Cluster::new(&["ctl", "tr", "j1", "e1"]);
+    c.start("ctl", &["control"], None);
+    c.start("tr", &["trainer", "rollout"], None);
+    c.start("j1", &["judge"], None);
+    c.start("e1", &["env"], Some("scripted:2"));
+    c.wait_up(&[
+        ("clawrl.rollout", 1),
+        ("clawrl.envhost.scripted", 1),
+        ("clawrl.judge", 1),
+    ]);
+    // j1 grants loopback endpoints only (the default): this one is refused there, before the
+    // judge sends anything.
+    let job = c.submit_judged(
+        2,
+        0,
+        "",
+        "backend = \"openai\"\nvotes = 1\nendpoint = \"http://192.0.2.1:9/v1\"\nmodel = \"judge\"",
+    );
+    let end = c.wait_finished(&job);
+    let why = end["gave_up"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("judge host j1/judge")
+            && why.contains("judge.endpoint `http://192.0.2.1:9/v1` is not allowed on this node"),
+        "{end}"
+    );
+    assert_eq!(n(&end, "turns"), 0, "{end}");
 }
 
 #[test]

@@ -2,7 +2,8 @@
 //! over: it announces a weight version no real one can follow to the rollout host (every later
 //! version would be dropped as stale), the same with the job home's name written into the
 //! request as its caller, reports the job finished to Control, starts an episode on the
-//! environment host, and steps and closes an episode the job's home started there. Each request
+//! environment host, steps and closes an episode the job's home started there, and has the
+//! judge host build the job's judge and judge a turn. Each request
 //! is refused and the refusal is logged with the intruder's
 //! name; the job trains on and completes with versions past the attack.
 //!
@@ -12,7 +13,9 @@
 use std::path::Path;
 use std::time::Duration;
 
-use clawrl::pipeline::distributed::{EnvReply, EnvRequest, RolloutReply, RolloutRequest};
+use clawrl::pipeline::distributed::{
+    EnvReply, EnvRequest, JudgeReply, JudgeRequest, RolloutReply, RolloutRequest,
+};
 use clawrl_actors::bulk::BlobId;
 use clawrl_actors::config::NodeConfig;
 use clawrl_actors::control::{ControlReply, ControlRequest};
@@ -106,11 +109,12 @@ fn a_node_not_placed_on_a_job_cannot_poison_or_finish_it() {
 
     let rt = tokio::runtime::Runtime::new().unwrap();
     let _mal = start_intruder(&rt, &c);
-    let (rollout, control, envhost) = wait_for(LONG, || {
+    let (rollout, control, envhost, judgehost) = wait_for(LONG, || {
         Some((
             member("clawrl.rollout", "r1/")?,
             member("clawrl.control", "ctl/")?,
             member("clawrl.envhost.scripted", "e1/")?,
+            member("clawrl.judge", "tr/")?,
         ))
     })
     .unwrap_or_else(|| panic!("the intruder never saw the hosts:\n{}", c.logs()));
@@ -184,6 +188,27 @@ fn a_node_not_placed_on_a_job_cannot_poison_or_finish_it() {
         Ok(EnvReply::Failed(e)) => assert!(e.contains("`mal` is not the home"), "{e}"),
         other => panic!("the intruder's episode started: {other:?}"),
     }
+    // The job's judge, built and asked to judge by a node that is not its home: a judge
+    // node's grants (its endpoints, its key variables) serve only the homes of jobs.
+    let judge_requests = [
+        JudgeRequest::Prepare {
+            job: job.clone(),
+            file: "job.toml".into(),
+            spec: String::new(),
+        },
+        JudgeRequest::Judge {
+            job: job.clone(),
+            file: "job.toml".into(),
+            spec: String::new(),
+            turn: "{}".into(),
+        },
+    ];
+    for req in &judge_requests {
+        match rt.block_on(rpc::call::<_, JudgeReply>(&judgehost, req, CALL)) {
+            Ok(JudgeReply::Failed(e)) => assert!(e.contains("`mal` is not the home"), "{e}"),
+            other => panic!("the intruder's {req:?} was taken: {other:?}"),
+        }
+    }
     // The home's own episodes: e1 logs each episode it starts, and the home's sessions keep
     // their latest ones open while the job runs. Stepping an open one is refused as not the
     // intruder's (an id that is no longer open is simply not there); closing the same one is
@@ -234,6 +259,13 @@ fn a_node_not_placed_on_a_job_cannot_poison_or_finish_it() {
     assert_eq!(
         lines_with(&ctl, &["progress refused", "mal"]).len(),
         1,
+        "{}",
+        c.logs()
+    );
+    let tr = c.procs["tr"].log_text();
+    assert_eq!(
+        lines_with(&tr, &["judge host: request refused", "mal"]).len(),
+        judge_requests.len(),
         "{}",
         c.logs()
     );

@@ -1,6 +1,6 @@
 //! The job home: the job runner of a `trainer` node runs each job Control placed on it to its
-//! stop condition (and resumes it after a restart), and the node services a `clawrl node`
-//! starts for its roles.
+//! stop condition (and resumes it after a restart), judging its turns itself or on the judge
+//! hosts ([`Judging`]), and the node services a `clawrl node` starts for its roles.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -12,8 +12,8 @@ use clawrl_actors::bulk::{BlobId, BulkPlane};
 use clawrl_actors::config::{NodeConfig, Role};
 use clawrl_actors::control::{ControlReply, ControlRequest, JobRecord, JobState as PlacedState};
 use clawrl_actors::loops::{
-    JobCounts, JobMsg, JobPhase, ProgressReport, RelayPublisher, TrainSample, TurnSource,
-    WeightPublisher,
+    JobCounts, JobMsg, JobPhase, ProgressReport, RelayPublisher, TrainSample, TurnJudge,
+    TurnSource, WeightPublisher,
 };
 use clawrl_actors::member::EnvSpec;
 use clawrl_actors::node::{Node, NodeConnector};
@@ -21,7 +21,9 @@ use futures::future::BoxFuture;
 use ractor::{Actor, ActorRef};
 
 use super::env_host::{EnvHost, EnvHostArgs};
+use super::judge_host::{JudgeHost, JudgeHostArgs};
 use super::remote_env::RemoteEnvironment;
+use super::remote_judge::RemoteJudge;
 use super::remote_policy::{RemoteChatPolicy, RolloutPool};
 use super::rollout_host::{RolloutHost, RolloutHostArgs};
 use super::wire::AdapterServing;
@@ -46,7 +48,7 @@ pub async fn run_placed_job(
     progress: ProgressReport,
     stop: Arc<AtomicBool>,
     supervisor: Arc<Mutex<Option<ActorRef<JobMsg<TrainSample>>>>>,
-    judge_access: &JudgeAccess,
+    judging: &Judging,
 ) -> Result<JobCounts, RunError> {
     let job_id = record.id.clone();
     let file = record.file.clone();
@@ -55,9 +57,12 @@ pub async fn run_placed_job(
     if let Some(m) = record.max_steps {
         spec.stop.max_steps = Some(m);
     }
-    // This node's `[judge]` grants the spec's judge endpoint and key variable, or the job is
-    // refused here, before any actor starts and before its judge sends anything.
-    crate::judge::access::check(&spec.judge, judge_access)?;
+    // A home that judges its turns itself must grant the spec's judge endpoint and key
+    // variable in its `[judge]`, or the job is refused here, before any actor starts and
+    // before its judge sends anything; the judge hosts check their own grants.
+    if let Judging::Here(access) = judging {
+        crate::judge::access::check(&spec.judge, access)?;
+    }
     if spec.kind != JobKind::Rl {
         return Err(RunError::Actor {
             what: "job runner",
@@ -107,6 +112,37 @@ pub async fn run_placed_job(
         open: Default::default(),
         next: AtomicUsize::new(0),
     });
+
+    // The judge: this node's own, or the judge hosts' once one has built the job's judge.
+    let remote_judge: Option<Arc<dyn TurnJudge>> = match judging {
+        Judging::Here(_) => None,
+        Judging::OnJudgeNodes => {
+            let judge = RemoteJudge {
+                job: job_id.clone(),
+                file: file.clone(),
+                spec: record.spec.clone(),
+                timeout: Duration::from_secs_f64(spec.judge.timeout_s) + JUDGE_CALL_MARGIN,
+                next: AtomicUsize::new(0),
+            };
+            loop {
+                if stop.load(Ordering::Relaxed) {
+                    return Err(RunError::Actor {
+                        what: "job",
+                        message: "cancelled before it started".into(),
+                    });
+                }
+                match judge.prepare().await {
+                    Ok(true) => break,
+                    Ok(false) => {
+                        waiting("a judge node (a node with the `judge` role)");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    Err(e) => return Err(RunError::Judge(e)),
+                }
+            }
+            Some(Arc::new(judge))
+        }
+    };
 
     let policy = LoadedPolicy::<CpuAutodiff>::load(&spec, Default::default())?;
 
@@ -191,7 +227,12 @@ pub async fn run_placed_job(
         policy: Arc::new(chat),
     };
     let (job, done) = match parts
-        .spawn_job(source, Some(progress.clone()), Duration::from_millis(200))
+        .spawn_job_judged_by(
+            source,
+            Some(progress.clone()),
+            Duration::from_millis(200),
+            remote_judge,
+        )
         .await
     {
         Ok(j) => j,
@@ -212,6 +253,30 @@ pub async fn run_placed_job(
     finished?;
     Ok(counts)
 }
+
+/// Where a job home's turns are judged.
+#[derive(Clone)]
+pub enum Judging {
+    /// On this node (it has the `judge` role), under these grants.
+    Here(JudgeAccess),
+    /// On the cluster's judge hosts.
+    OnJudgeNodes,
+}
+
+impl Judging {
+    /// Where `config`'s node judges the turns of the jobs it is home to.
+    pub fn of(config: &NodeConfig) -> Judging {
+        if config.has_role(Role::Judge) {
+            Judging::Here(config.judge.clone())
+        } else {
+            Judging::OnJudgeNodes
+        }
+    }
+}
+
+/// How much longer than the judge's own time limit a call to a judge host may take (the
+/// voter's limit cuts the turn first; this only ends calls to a host that went silent).
+const JUDGE_CALL_MARGIN: Duration = Duration::from_secs(10);
 
 /// A blob this job published on its node's bulk plane, removed from the store when dropped.
 struct PublishedBlob {
@@ -286,11 +351,7 @@ pub struct JobRunner;
 
 impl JobRunner {
     /// Starts the runner's loop on `node`; run directories go under `data_dir/jobs`.
-    pub fn start(
-        node: Node,
-        data_dir: PathBuf,
-        judge_access: JudgeAccess,
-    ) -> tokio::task::JoinHandle<()> {
+    pub fn start(node: Node, data_dir: PathBuf, judging: Judging) -> tokio::task::JoinHandle<()> {
         tokio::spawn(async move {
             let mut running: HashMap<String, Running> = HashMap::new();
             loop {
@@ -313,10 +374,7 @@ impl JobRunner {
                     if !mine || !j.is_active() || j.state == PlacedState::Waiting {
                         continue;
                     }
-                    running.insert(
-                        j.id.clone(),
-                        Self::launch(&node, &data_dir, &judge_access, j),
-                    );
+                    running.insert(j.id.clone(), Self::launch(&node, &data_dir, &judging, j));
                 }
             }
         })
@@ -325,7 +383,7 @@ impl JobRunner {
     fn launch(
         node: &Node,
         data_dir: &std::path::Path,
-        judge_access: &JudgeAccess,
+        judging: &Judging,
         record: JobRecord,
     ) -> Running {
         let max_steps = record.max_steps;
@@ -333,7 +391,7 @@ impl JobRunner {
         let supervisor = Arc::new(Mutex::new(None));
         let out = data_dir.join("jobs").join(&record.id);
         let (node, s, sup) = (node.clone(), stop.clone(), supervisor.clone());
-        let judge_access = judge_access.clone();
+        let judging = judging.clone();
         tracing::info!(job = %record.id, "running job {} here ({})", record.id, out.display());
         let task = tokio::spawn(async move {
             let id = record.id.clone();
@@ -354,7 +412,7 @@ impl JobRunner {
                     let _ = tx.send(c.clone());
                 }
             });
-            let result = run_placed_job(&node, &record, out, progress, s, sup, &judge_access).await;
+            let result = run_placed_job(&node, &record, out, progress, s, sup, &judging).await;
             reporter.abort();
             let counts = match result {
                 Ok(c) => {
@@ -400,7 +458,8 @@ pub struct ServicesError {
 }
 
 /// Starts what a `clawrl node` runs for jobs, by its roles: a [`RolloutHost`] (`rollout`), an
-/// [`EnvHost`] per environment kind of `envs`, and the [`JobRunner`] (`trainer`).
+/// [`EnvHost`] per environment kind of `envs`, the [`JobRunner`] (`trainer`) and a
+/// [`JudgeHost`] (`judge`).
 pub fn start_node_services<'a>(
     node: &'a Node,
     config: &'a NodeConfig,
@@ -464,7 +523,20 @@ async fn start_node_services_body(
         .map_err(err(what))?;
     }
     if config.has_role(Role::Trainer) {
-        JobRunner::start(node.clone(), config.data_dir.clone(), config.judge.clone());
+        JobRunner::start(node.clone(), config.data_dir.clone(), Judging::of(config));
+    }
+    if config.has_role(Role::Judge) {
+        let what = format!("{}/judge", node.name());
+        Actor::spawn(
+            Some(what.clone()),
+            JudgeHost,
+            JudgeHostArgs {
+                access: config.judge.clone(),
+                node: node.name().to_string(),
+            },
+        )
+        .await
+        .map_err(err(what))?;
     }
     Ok(())
 }

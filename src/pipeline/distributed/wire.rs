@@ -1,5 +1,5 @@
-//! The requests and replies that cross the wire between the job home and the rollout and
-//! environment hosts.
+//! The requests and replies that cross the wire between the job home and the rollout,
+//! environment and judge hosts.
 
 use clawrl_actors::loops::{Generated, RolloutStats, WeightAnnounce};
 use serde::{Deserialize, Serialize};
@@ -142,5 +142,43 @@ pub enum EnvReply {
     /// The episode was closed (or was not open).
     Closed,
     /// The environment failed (the reason).
+    Failed(String),
+}
+
+/// A request to a [`JudgeHost`](super::JudgeHost).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum JudgeRequest {
+    /// Build the job's judge (once per job and spec text) under this node's `[judge]` grants;
+    /// replies [`JudgeReply::Ready`] or why it cannot.
+    Prepare {
+        /// The job id.
+        job: String,
+        /// The spec's file (its directory resolves relative paths).
+        file: String,
+        /// The spec text.
+        spec: String,
+    },
+    /// Judge one turn (all its votes) with the job's judge, built first if need be.
+    Judge {
+        /// The job id.
+        job: String,
+        /// The spec's file.
+        file: String,
+        /// The spec text.
+        spec: String,
+        /// JSON of the [`Turn`](clawrl_actors::loops::Turn).
+        turn: String,
+    },
+}
+
+/// A [`JudgeHost`](super::JudgeHost)'s reply.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum JudgeReply {
+    /// The job's judge is built.
+    Ready,
+    /// JSON of the turn's [`Judgement`](clawrl_actors::loops::Judgement).
+    Judged(String),
+    /// The judge could not be built or could not judge the turn, or the caller was refused
+    /// (the reason).
     Failed(String),
 }
