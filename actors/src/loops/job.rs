@@ -370,7 +370,8 @@ pub struct JobCounts {
     pub records_failed: u64,
     /// The last problem worth showing (a failed session, build or submission).
     pub last_error: Option<String>,
-    /// Why the job gave up before its stop condition (every session failed), if it did.
+    /// Why the job gave up before its stop condition (every session failed, or the judge gave
+    /// no verdict on any turn), if it did.
     #[serde(default)]
     pub gave_up: Option<String>,
     /// What admission control did (all zero without it).
@@ -667,6 +668,25 @@ pub struct SupervisorState<S> {
     source_open: bool,
     /// The sessions offered turns belong to.
     offered_sessions: HashSet<String>,
+    /// Turns the judge was asked about (they had a next state) that came back without a
+    /// verdict.
+    judge_failures: u64,
+}
+
+/// Whether a job's judge has never worked: not one turn judged, and `failures` turns with a
+/// next state came back without a verdict (every vote failed, the judge erred or timed out),
+/// at least `limit` of them. Such a judge is misconfigured (an endpoint that refuses, a judge
+/// model whose prompt cannot fit), not slow: a job whose sessions keep producing turns for it
+/// would spin without ever training.
+pub fn judge_never_worked(judged: u64, failures: u64, limit: u64) -> bool {
+    judged == 0 && failures >= limit
+}
+
+/// How many turns without a verdict, none judged, make a job with `parallelism` sessions give
+/// up: four rounds of its sessions, and never fewer than 64, so a judge that is still coming up
+/// gets time.
+pub fn judge_failure_limit(parallelism: usize) -> u64 {
+    (4 * parallelism as u64).max(64)
 }
 
 impl<S: JobSample> SupervisorState<S> {
@@ -1415,6 +1435,7 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
             groups,
             source_open: offered,
             offered_sessions: HashSet::new(),
+            judge_failures: 0,
         })
     }
 
@@ -1454,6 +1475,28 @@ impl<S: JobSample> Actor for JobSupervisor<S> {
                 }
                 state.counts.votes_failed += u64::from(jt.judgement.failed_votes);
                 state.counts.votes_truncated += u64::from(jt.judgement.truncated_votes);
+                if let Some(reason) = &jt.judgement.unjudged {
+                    if !jt.turn.outcome.next_state.is_empty() {
+                        state.judge_failures += 1;
+                    }
+                    // A job running its own sessions stops rather than spin on a judge that has
+                    // never worked; a gateway's job keeps serving (its turns stay recorded).
+                    let limit = judge_failure_limit(state.args.settings.parallelism);
+                    if state.args.source.sessions().is_some()
+                        && judge_never_worked(state.counts.judged, state.judge_failures, limit)
+                        && state.counts.gave_up.is_none()
+                    {
+                        let why = format!(
+                            "the judge gave no verdict on any turn ({} turns asked, none judged); \
+                             last: {reason}",
+                            state.judge_failures
+                        );
+                        tracing::error!(job = %state.args.job, "{why}");
+                        state.counts.last_error = Some(why.clone());
+                        state.counts.gave_up = Some(why.clone());
+                        state.begin_drain(&myself, StopCause::GaveUp, &why);
+                    }
+                }
                 if state.args.source.sessions().is_none() {
                     // An offered turn is an episode of its own.
                     let episode = EpisodeTurns {
@@ -1575,6 +1618,18 @@ pub async fn spawn_job<S: JobSample>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_judge_never_worked_only_with_no_verdict_at_all_and_enough_failures() {
+        let limit = judge_failure_limit(2);
+        assert_eq!(limit, 64);
+        assert_eq!(judge_failure_limit(32), 128);
+        assert!(judge_never_worked(0, limit, limit));
+        assert!(!judge_never_worked(0, limit - 1, limit));
+        // One verdict is enough: a judge that works sometimes is slow or flaky, not
+        // misconfigured.
+        assert!(!judge_never_worked(1, 10 * limit, limit));
+    }
 
     fn part(phase: JobPhase, turns: u64, produced: u64, trained: u64, version: u64) -> JobCounts {
         JobCounts {

@@ -9,11 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use clawrl_actors::loops::{
-    spawn_job, Action, BoxFuture, Built, EndReason, EnvError, EnvSession, Environment, Episode,
-    EpisodeTurns, JobArgs, JobCounts, JobMsg, JobPhase, JobSample, JobSettings, JudgedTurn,
-    Judgement, Observation, PolicyError, PolicyTurn, PrmVoter, SampleBuilder, SessionArgs,
-    SessionEvent, StepOutcome, StopCause, StopCondition, TrainerCounts, TrainerLink, Turn,
-    TurnJudge, TurnPolicy, TurnSource, VoterArgs, VoterMsg,
+    job, spawn_job, Action, BoxFuture, Built, EndReason, EnvError, EnvSession, Environment,
+    Episode, EpisodeTurns, JobArgs, JobCounts, JobMsg, JobPhase, JobSample, JobSettings,
+    JudgedTurn, Judgement, Observation, PolicyError, PolicyTurn, PrmVoter, SampleBuilder,
+    SessionArgs, SessionEvent, StepOutcome, StopCause, StopCondition, TrainerCounts, TrainerLink,
+    Turn, TurnJudge, TurnPolicy, TurnSource, VoterArgs, VoterMsg,
 };
 use ractor::Actor;
 use serde_json::json;
@@ -491,6 +491,26 @@ async fn run_job(
     max_restarts: u32,
     steps: u64,
 ) -> (Arc<Trainer>, JobCounts) {
+    run_judged_job(
+        env,
+        policy,
+        parallelism,
+        max_restarts,
+        steps,
+        Arc::new(Judge),
+    )
+    .await
+}
+
+/// [`run_job`] with `judge`.
+async fn run_judged_job(
+    env: Arc<Env>,
+    policy: Arc<Policy>,
+    parallelism: usize,
+    max_restarts: u32,
+    steps: u64,
+    judge: Arc<dyn TurnJudge>,
+) -> (Arc<Trainer>, JobCounts) {
     let trainer = Arc::new(Trainer {
         counts: Mutex::new(TrainerCounts::default()),
         policy: policy.clone(),
@@ -499,7 +519,7 @@ async fn run_job(
     let (_job, done) = spawn_job(JobArgs {
         job: "j".into(),
         source: TurnSource::Sessions { env, policy },
-        judge: Arc::new(Judge),
+        judge,
         builder: Arc::new(Builder),
         trainer: trainer.clone(),
         recorder: None,
@@ -579,6 +599,36 @@ async fn a_job_counts_the_turns_whose_prompt_rewrote_the_history() {
         c.history_rewritten >= c.turns - c.sessions_started && c.history_rewritten < c.turns,
         "{c:?}"
     );
+}
+
+/// A judge that never gives a verdict: its endpoint refuses every request.
+struct Refusing;
+
+impl TurnJudge for Refusing {
+    fn judge<'a>(&'a self, _: &'a Turn) -> BoxFuture<'a, Result<Judgement, String>> {
+        Box::pin(async { Err("connection refused".into()) })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_judge_never_gives_a_verdict_stops_with_its_error() {
+    // Tasks of many steps, so the sessions keep producing turns the judge is asked about.
+    let env = Arc::new(Env::new(vec![40; 8]));
+    let (_, c) = run_judged_job(env, policy(1), 2, 0, 1, Arc::new(Refusing)).await;
+    let why = c.gave_up.as_deref().expect("the job says it gave up");
+    assert!(
+        why.contains("the judge gave no verdict on any turn"),
+        "{why}"
+    );
+    assert!(
+        why.contains("connection refused"),
+        "the judge's error is named: {why}"
+    );
+    assert_eq!(c.stopped_by, Some(StopCause::GaveUp), "{c:?}");
+    assert_eq!(c.judged, 0, "{c:?}");
+    assert!(c.unjudged >= job::judge_failure_limit(2), "{c:?}");
+    assert_eq!(c.trainer.steps, 0);
+    assert!(c.balanced());
 }
 
 #[tokio::test]
