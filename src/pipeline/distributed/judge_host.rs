@@ -54,8 +54,8 @@ pub struct JudgeHostState {
 
 impl JudgeHostState {
     /// The job's judge, built on first use from its spec, and built again should a request
-    /// bring other spec text for the job. A judge unused for [`JUDGE_IDLE`] is let go of (its
-    /// job is over, or judges elsewhere): a `model` judge holds a whole model.
+    /// bring other spec text for the job. A judge unused for [`JUDGE_IDLE`] is let go of at the
+    /// next request (its job is over, or judges elsewhere): a `model` judge holds a whole model.
     fn judge(
         &mut self,
         job: &str,
